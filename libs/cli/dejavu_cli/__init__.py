@@ -1,0 +1,1 @@
+"""The ``dejavu`` command line."""

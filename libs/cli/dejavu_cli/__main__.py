@@ -1,0 +1,5 @@
+import sys
+
+from dejavu_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,140 @@
+"""The one settings root of DejaVu.
+
+Every process builds one :class:`Settings` (from ``DEJAVU_*`` environment variables, an optional
+``.env``-style file named by ``DEJAVU_SETTINGS_FILE``, or keyword arguments) and hands each
+component only the sub-model it needs. Building settings does no I/O beyond reading the
+environment and that file: nothing connects, nothing loads a model.
+
+Nested fields use ``__`` in environment variables, e.g. ``DEJAVU_REDIS__URL`` or
+``DEJAVU_CONTROLLER__PORT``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_cache_dir() -> Path:
+    """Where prepared model checkpoints and other derived artefacts are cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dejavu"
+
+
+class RedisSettings(BaseModel):
+    """How services reach the Redis control plane."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://[user:pass@]host:port/db).")
+    username: str | None = Field(None, description="ACL user name; overrides the one in the URL.")
+    password: SecretStr | None = Field(None, description="ACL password; overrides the one in the URL.")
+    socket_timeout_s: float = Field(5.0, gt=0, le=120, description="Deadline of one Redis command.")
+    connect_timeout_s: float = Field(3.0, gt=0, le=120, description="Deadline of one connection attempt.")
+    retries: int = Field(3, ge=0, le=20, description="Retries (exponential backoff) for retryable Redis errors.")
+
+
+class ModelSettings(BaseModel):
+    """Which checkpoint to serve and how to hold it."""
+
+    path: Path | None = Field(
+        None, description="Local Hugging Face checkpoint folder; default: the prepared SmolLM2 checkpoint."
+    )
+    name: str = Field("SmolLM2-135M-Instruct", description="Model id reported by the API.")
+    dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$", description="Weights and KV dtype.")
+    device: str = Field("cpu", description="torch device of stage weights and KV caches ('cpu', 'cuda', 'cuda:1').")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Cache of prepared checkpoints.")
+
+
+class EngineSettings(BaseModel):
+    """Per-process execution knobs of the stage engine."""
+
+    torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads; 0 = cores / local workers.")
+    max_batch_size: int = Field(8, ge=1, le=1024, description="Largest microbatch a stage accepts.")
+    max_context: int = Field(2048, ge=16, le=1 << 20, description="Upper bound on prompt + generated tokens.")
+
+
+class Mode(str, enum.Enum):
+    DISAGGREGATED = "disaggregated"
+    COLOCATED = "colocated"
+
+
+class ControllerSettings(BaseModel):
+    """The REST gateway and the scheduler."""
+
+    host: str = Field("127.0.0.1", description="Bind address of the REST API.")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the REST API (0: any free port).")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted bearer API keys.")
+    mode: Mode = Field(Mode.DISAGGREGATED, description="Disaggregated prompt/token pipelines or colocated baseline.")
+    prompt_depth: int = Field(1, ge=1, le=256, description="D_p: stages of the prompt pipeline.")
+    token_depth: int = Field(1, ge=1, le=256, description="D_t: stages of the token pipeline.")
+    prompt_microbatch: int = Field(4, ge=1, le=1024, description="Requests per prompt microbatch.")
+    token_microbatch: int = Field(4, ge=1, le=1024, description="Requests per token microbatch.")
+    batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="How long a partial microbatch waits for more.")
+    queue_bound: int = Field(256, ge=1, le=1_000_000, description="Waiting requests before the API answers 503.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    planner: str = Field("manual", pattern="^(manual|auto)$", description="'auto' splits workers by the planner.")
+
+
+class TransportSettings(BaseModel):
+    """The KV/activation data plane (DejaVuLib)."""
+
+    kind: str = Field("ucx", pattern="^(ucx|local|disk|fake)$", description="Transport between workers.")
+    ucx_require: str | None = Field(None, description="A UCX transport that must be selected (e.g. 'sm', 'tcp').")
+    ucx_progress: str = Field("polling", pattern="^(polling|thread)$", description="UCX progress mode.")
+    deadline_s: float = Field(10.0, gt=0, le=3600, description="Deadline of one transfer.")
+    max_inflight_bytes: int = Field(256 << 20, ge=1 << 16, description="Back-pressure bound of the streamer.")
+    secret: SecretStr = Field(SecretStr("dejavu-dev-secret"), description="Per-deployment data-plane secret.")
+    host: str = Field("127.0.0.1", description="Address this worker's data plane is reachable at.")
+
+
+class Replication(str, enum.Enum):
+    OFF = "off"
+    MEMORY = "memory"
+    DISK = "disk"
+    BOTH = "both"
+
+
+class RecoverySettings(BaseModel):
+    """Failure detection and recovery."""
+
+    heartbeat_interval_s: float = Field(0.25, gt=0, le=60, description="Lease renewal period.")
+    lease_ttl_s: float = Field(1.5, gt=0, le=600, description="A worker whose lease is older is failed.")
+    replication: Replication = Field(Replication.MEMORY, description="Where token stages replicate their KV.")
+    replica_dir: Path = Field(Path("/tmp/dejavu-replicas"), description="Folder of on-disk replicas.")
+
+
+class SwapSettings(BaseModel):
+    """Microbatch swapping on token workers."""
+
+    enabled: bool = Field(False, description="Keep in-flight microbatches' KV in host memory and prefetch.")
+    device_kv_budget_bytes: int | None = Field(None, ge=1, description="Device memory available for KV.")
+
+
+class AdminSettings(BaseModel):
+    """The Redis-based admin tool."""
+
+    credential: SecretStr = Field(SecretStr("dejavu-admin-dev"), description="Shared admin credential.")
+
+
+class Settings(BaseSettings):
+    """Root of all configuration; see the module docstring for the sources."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DEJAVU_",
+        env_nested_delimiter="__",
+        env_file=os.environ.get("DEJAVU_SETTINGS_FILE"),
+        extra="forbid",
+    )
+
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    controller: ControllerSettings = Field(default_factory=ControllerSettings)
+    transport: TransportSettings = Field(default_factory=TransportSettings)
+    recovery: RecoverySettings = Field(default_factory=RecoverySettings)
+    swap: SwapSettings = Field(default_factory=SwapSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="Log level of every service.")

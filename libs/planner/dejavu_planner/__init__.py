@@ -1,0 +1,1 @@
+"""DejaVu planner and simulator: how many machines for prompts and for tokens."""

@@ -1,0 +1,1 @@
+"""DejaVu controller service."""

@@ -1,0 +1,82 @@
+"""The seam between the REST gateway and the serving runtime.
+
+The HTTP layer (``dejavu_controller.api``) validates and tokenizes requests, then talks only to a
+:class:`Backend`. The real backend schedules microbatches onto the worker pipelines through
+Redis; tests may use an in-process one. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens reached (or the context is full)
+    CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; ``temperature == 0`` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of one request: the new token ids (usually one), and the finish reason once."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class BackendStats:
+    queue_depth: int = 0
+    workers: dict[str, str] = field(default_factory=dict)  # worker id -> state
+
+
+class QueueFullError(Exception):
+    """The admission queue is at its bound; the API answers 503 with Retry-After."""
+
+    def __init__(self, retry_after_s: float = 1.0) -> None:
+        super().__init__("the request queue is full")
+        self.retry_after_s = retry_after_s
+
+
+class NotReadyError(Exception):
+    """No complete pipeline is registered; the API answers 503."""
+
+
+class Backend(Protocol):
+    """What the gateway needs from the serving runtime.
+
+    ``generate`` yields the request's events in order, each token exactly once, ending with an
+    event whose ``finish_reason`` is set. Stop strings are the caller's business (they need text);
+    the caller ends a request early by closing the iterator (``aclose``), which cancels it and
+    frees its slot. Raises :class:`QueueFullError` or :class:`NotReadyError` before yielding.
+    """
+
+    def is_ready(self) -> bool: ...
+
+    def stats(self) -> BackendStats: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...

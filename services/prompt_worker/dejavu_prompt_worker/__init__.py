@@ -1,0 +1,1 @@
+"""DejaVu prompt worker service."""

@@ -1,0 +1,1 @@
+"""DejaVu token worker service."""
