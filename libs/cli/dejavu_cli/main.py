@@ -11,6 +11,11 @@ COMMANDS: tuple[str, ...] = (
     "model",
     "generate",
     "bench",
+    "up",
+    "admin",
+    "plan",
+    "simulate",
+    "profile",
 )
 
 

@@ -12,6 +12,7 @@ Nested fields use ``__`` in environment variables, e.g. ``DEJAVU_REDIS__URL`` or
 from __future__ import annotations
 
 import enum
+import json
 import os
 from pathlib import Path
 
@@ -46,6 +47,11 @@ class ModelSettings(BaseModel):
     dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$", description="Weights and KV dtype.")
     device: str = Field("cpu", description="torch device of stage weights and KV caches ('cpu', 'cuda', 'cuda:1').")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Cache of prepared checkpoints.")
+
+    @property
+    def folder(self) -> Path:
+        """The checkpoint folder to serve: ``path``, or the prepared default model in the cache."""
+        return self.path if self.path is not None else self.cache_dir / self.name
 
 
 class EngineSettings(BaseModel):
@@ -138,3 +144,27 @@ class Settings(BaseSettings):
     swap: SwapSettings = Field(default_factory=SwapSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="Log level of every service.")
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as ``DEJAVU_*`` variables, so a launcher can hand them to child processes."""
+        env: dict[str, str] = {}
+
+        def walk(prefix: str, model: BaseModel) -> None:
+            for name in type(model).model_fields:
+                value = getattr(model, name)
+                key = f"{prefix}{name.upper()}"
+                if isinstance(value, BaseModel):
+                    walk(key + "__", value)
+                elif value is None:
+                    continue
+                elif isinstance(value, SecretStr):
+                    env[key] = value.get_secret_value()
+                elif isinstance(value, list):
+                    env[key] = json.dumps([v.get_secret_value() if isinstance(v, SecretStr) else v for v in value])
+                elif isinstance(value, enum.Enum):
+                    env[key] = str(value.value)
+                else:
+                    env[key] = str(value)
+
+        walk("DEJAVU_", self)
+        return env

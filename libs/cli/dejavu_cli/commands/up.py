@@ -1,0 +1,126 @@
+"""``dejavu up`` / ``dejavu down``: run the whole system on this host."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("up", help="start Redis (if needed), the controller and the workers on this host")
+    p.add_argument("--prompt-depth", type=int, help="prompt pipeline stages (D_p)")
+    p.add_argument("--token-depth", type=int, help="token pipeline stages (D_t)")
+    p.add_argument("--prompt-microbatch", type=int, help="requests per prompt microbatch")
+    p.add_argument("--token-microbatch", type=int, help="requests per token microbatch")
+    p.add_argument("--colocated", action="store_true", help="the baseline: prompts and tokens on one pipeline")
+    p.add_argument("--spares", type=int, default=0, help="pre-started spare token workers")
+    p.add_argument("--model", help="checkpoint folder (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--host", help="API bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="API port (default 8000)")
+    p.add_argument("--redis-url", help="Redis URL (started here if none answers on loopback)")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for /ready")
+    p.add_argument("--demo", action="store_true", help="send one streamed demo request once ready")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop everything after the demo")
+    p.set_defaults(func=_up)
+    d = subparsers.add_parser("down", help="stop a system started by `dejavu up`")
+    d.set_defaults(func=_down)
+
+
+def _settings(args: argparse.Namespace):
+    from dejavu_common.settings import Mode, Settings
+
+    s = Settings()
+    ctl = {
+        k: v
+        for k, v in {
+            "prompt_depth": args.prompt_depth,
+            "token_depth": args.token_depth,
+            "prompt_microbatch": args.prompt_microbatch,
+            "token_microbatch": args.token_microbatch,
+            "host": args.host,
+            "port": args.port,
+        }.items()
+        if v is not None
+    }
+    if args.colocated:
+        ctl["mode"] = Mode.COLOCATED
+    update: dict = {"controller": s.controller.model_copy(update=ctl)}
+    if args.model:
+        from pathlib import Path
+
+        update["model"] = s.model.model_copy(update={"path": Path(args.model)})
+    if args.redis_url:
+        update["redis"] = s.redis.model_copy(update={"url": args.redis_url})
+    return s.model_copy(update=update)
+
+
+def _up(args: argparse.Namespace) -> int:
+    import logging
+
+    from dejavu_cli.launcher import Launcher
+    from dejavu_cli.main import CLIError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = _settings(args)
+    if not settings.model.folder.is_dir():
+        raise CLIError(f"model folder {settings.model.folder} does not exist (run `dejavu model prepare`)")
+    if not settings.controller.api_keys:
+        print("note: no API keys configured: the API on 127.0.0.1 is unauthenticated", file=sys.stderr)
+    launcher = Launcher(settings, spares=args.spares)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        launcher.start()
+        print(f"starting DejaVu; logs in {launcher.log_dir}", flush=True)
+        launcher.wait_ready(args.ready_timeout)
+        print(f"DejaVu is serving {settings.model.name} at {launcher.api_url}/v1 (Ctrl-C or `dejavu down` stops it)")
+        if args.demo:
+            _demo(launcher.api_url, settings)
+        if not args.exit_after_demo:
+            launcher.supervise(stop.is_set)
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as exc:
+        raise CLIError(str(exc)) from exc
+    finally:
+        print("stopping DejaVu ...", file=sys.stderr)
+        launcher.stop()
+    return 0
+
+
+def _demo(api_url: str, settings) -> None:
+    """Stream one chat completion to the terminal."""
+    import httpx
+
+    headers = {}
+    if settings.controller.api_keys:
+        headers["Authorization"] = f"Bearer {settings.controller.api_keys[0].get_secret_value()}"
+    body = {
+        "model": settings.model.name,
+        "messages": [{"role": "user", "content": DEMO_PROMPT}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+    print(f"\n>>> {DEMO_PROMPT}\n<<< ", end="", flush=True)
+    with httpx.stream("POST", f"{api_url}/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            print(delta, end="", flush=True)
+    print("\n", flush=True)
+
+
+def _down(args: argparse.Namespace) -> int:
+    from dejavu_cli.launcher import stop_from_state_file
+
+    n = stop_from_state_file()
+    print(f"sent SIGTERM to {n} process(es)" if n else "no running DejaVu system found")
+    return 0

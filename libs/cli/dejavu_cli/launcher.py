@@ -1,0 +1,200 @@
+"""Local process supervisor behind ``dejavu up``: Redis, the controller and the workers on one host.
+
+Every child gets the launcher's settings as ``DEJAVU_*`` variables. The launcher writes a state file
+(PIDs) so ``dejavu down`` can stop a system started elsewhere, restarts a worker that crashes (as
+the paper's recovery step 1 allows: "the crashed process restarted by the launcher"), and stops
+every child by PID on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+
+from dejavu_common.settings import Mode, Settings
+
+log = logging.getLogger("dejavu.launcher")
+
+STATE_FILE = Path(tempfile.gettempdir()) / "dejavu-up.json"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    restart: bool
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+
+@dataclass
+class Launcher:
+    settings: Settings
+    spares: int = 0
+    restart_workers: bool = True
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dejavu-logs-")))
+    children: list[Child] = field(default_factory=list)
+    redis_proc: subprocess.Popen | None = None
+
+    # -- start -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._ensure_redis()
+        c = self.settings.controller
+        n_prompt = 0 if c.mode is Mode.COLOCATED else c.prompt_depth
+        n_workers = n_prompt + c.token_depth + self.spares
+        env_threads = self.settings.engine.torch_threads or max(1, (os.cpu_count() or 1) // max(1, n_workers))
+        self.settings = self.settings.model_copy(
+            update={"engine": self.settings.engine.model_copy(update={"torch_threads": env_threads})}
+        )
+        py = sys.executable
+        self.children.append(Child("controller", [py, "-m", "dejavu_controller"], restart=False))
+        for i in range(n_prompt):
+            self.children.append(Child(f"p{i}", [py, "-m", "dejavu_prompt_worker", "--worker-id", f"p{i}"], True))
+        for i in range(c.token_depth):
+            self.children.append(Child(f"t{i}", [py, "-m", "dejavu_token_worker", "--worker-id", f"t{i}"], True))
+        for i in range(self.spares):
+            argv = [py, "-m", "dejavu_token_worker", "--worker-id", f"spare{i}", "--spare"]
+            self.children.append(Child(f"spare{i}", argv, True))
+        for child in self.children:
+            self._spawn(child)
+        self._write_state()
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DEJAVU_")}
+        env.update(self.settings.to_env())
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn(self, child: Child) -> None:
+        out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        child.proc = subprocess.Popen(child.argv, env=self._env(), stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        log.info("started %s (pid %d), log %s", child.name, child.proc.pid, self.log_dir / f"{child.name}.log")
+
+    def _ensure_redis(self) -> None:
+        url = self.settings.redis.url
+        if _redis_answers(url):
+            return
+        parsed = urlparse(url)
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise RuntimeError(f"no Redis answers at {url} and it is not local, so it cannot be started here")
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (run `make setup`)")
+        argv = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+        pw = self.settings.redis.password
+        if pw is not None:
+            argv += ["--requirepass", pw.get_secret_value()]
+        self.redis_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not _redis_answers(url, self.settings):
+            if time.monotonic() > deadline or self.redis_proc.poll() is not None:
+                raise RuntimeError(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+        log.info("started redis-server (pid %d) on port %d", self.redis_proc.pid, port)
+
+    def _write_state(self) -> None:
+        pids = [c.proc.pid for c in self.children if c.proc] + ([self.redis_proc.pid] if self.redis_proc else [])
+        STATE_FILE.write_text(json.dumps({"launcher": os.getpid(), "pids": pids}))
+
+    # -- run ---------------------------------------------------------------------------------
+    @property
+    def api_url(self) -> str:
+        c = self.settings.controller
+        return f"http://{c.host}:{c.port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until ``/ready`` answers 200; raises ``TimeoutError`` (or if a child died)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_children()
+            try:
+                with urllib.request.urlopen(self.api_url + "/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the system was not ready within {timeout_s:.0f} s; logs in {self.log_dir}")
+
+    def check_children(self) -> None:
+        """Restart crashed workers; raise if the controller died."""
+        for child in self.children:
+            if child.proc is None or child.proc.poll() is None:
+                continue
+            code = child.proc.returncode
+            if not child.restart:
+                raise RuntimeError(f"{child.name} exited with code {code}; log: {self.log_dir / child.name}.log")
+            log.warning("%s exited with code %d: restarting it", child.name, code)
+            child.restarts += 1
+            self._spawn(child)
+            self._write_state()
+
+    def supervise(self, stop: callable = lambda: False) -> None:
+        while not stop():
+            if self.restart_workers:
+                self.check_children()
+            time.sleep(0.5)
+
+    # -- stop --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        procs = [c.proc for c in reversed(self.children) if c.proc is not None]
+        if self.redis_proc is not None:
+            procs.append(self.redis_proc)
+        terminate_all(procs)
+        if STATE_FILE.exists():
+            STATE_FILE.unlink()
+
+
+def terminate_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def stop_from_state_file() -> int:
+    """``dejavu down``: SIGTERM the launcher recorded in the state file (it stops its children)."""
+    if not STATE_FILE.exists():
+        return 0
+    state = json.loads(STATE_FILE.read_text())
+    stopped = 0
+    for pid in [state["launcher"], *state["pids"]]:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            stopped += 1
+        except ProcessLookupError:
+            pass
+    STATE_FILE.unlink(missing_ok=True)
+    return stopped
+
+
+def _redis_answers(url: str, settings: Settings | None = None) -> bool:
+    kw = {}
+    if settings is not None and settings.redis.password is not None:
+        kw["password"] = settings.redis.password.get_secret_value()
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5, **kw).ping())
+    except redis.RedisError:
+        return False

@@ -1,0 +1,201 @@
+"""Typed, versioned control-plane messages (JSON over Redis), in one place.
+
+Every message is a frozen pydantic model with a version field ``v``; ``encode`` gives compact JSON
+bytes and ``decode`` validates them (unknown fields and wrong types are rejected, so a malformed
+stream entry raises :class:`pydantic.ValidationError` instead of reaching a worker's logic). No
+pickle: only JSON crosses the wire. Bulk KV and activation bytes travel peer-to-peer through
+DejaVuLib, never through Redis.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class Message(BaseModel):
+    """Base of every control message."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    v: int = SCHEMA_VERSION
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> Self:
+        return cls.model_validate_json(data)
+
+
+class WorkerRole(str, enum.Enum):
+    PROMPT = "prompt"
+    TOKEN = "token"
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"
+    IDLE = "idle"  # registered, waiting for a stage (a spare stays here)
+    LOADING = "loading"  # loading its stage's layers
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class WorkerInfo(Message):
+    """A worker's registration record."""
+
+    worker_id: str
+    role: WorkerRole
+    host: str
+    pid: int
+    instance: str = Field(description="unique per process start: a restarted worker is a new instance")
+    data_address: str = Field(description="base64 of the DejaVuLib endpoint address")
+    torch_threads: int = 1
+    spare: bool = False
+
+
+class StageAssignment(Message):
+    worker_id: str
+    stage: int
+    layers: tuple[int, int]
+
+
+class Topology(Message):
+    """The pipelines the controller assembled; a new epoch fences everything older."""
+
+    epoch: int
+    mode: str
+    n_layers: int
+    prompt_stages: tuple[StageAssignment, ...] = ()
+    token_stages: tuple[StageAssignment, ...] = ()
+    prompt_microbatch: int
+    token_microbatch: int
+
+    def stage_of(self, worker_id: str) -> StageAssignment | None:
+        for a in (*self.prompt_stages, *self.token_stages):
+            if a.worker_id == worker_id:
+                return a
+        return None
+
+
+class SamplingSpec(Message):
+    """Per-request sampling; ``temperature == 0`` means greedy. ``seed`` is always set by admission."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class RowSpec(Message):
+    """One request as a row of a token microbatch."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingSpec
+
+
+class MicrobatchSpec(Message):
+    """A token microbatch: its rows and its cache geometry (left padding to ``prompt_len``)."""
+
+    mb_id: int
+    rows: tuple[RowSpec, ...]
+    prompt_len: int
+    max_len: int
+
+    @property
+    def pad_lens(self) -> tuple[int, ...]:
+        return tuple(self.prompt_len - len(r.prompt_ids) for r in self.rows)
+
+
+class PromptPiece(Message):
+    """Rows [dst_rows) of token microbatch ``mb_id`` that a prompt microbatch computes."""
+
+    mb_id: int
+    dst_rows: tuple[int, int]
+
+
+class PromptTask(Message):
+    """A prompt microbatch: the concatenation of its pieces' rows, in order."""
+
+    task_id: int
+    pieces: tuple[PromptPiece, ...]
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+class TokenStep(Message):
+    """The tokens of one step of a token microbatch (step 0: the first token, from the prompt).
+
+    ``tokens[r]`` is -1 for a row that emitted nothing this step (it had already finished);
+    ``finished[r]`` is set on the step a row finishes.
+    """
+
+    mb_id: int
+    step: int
+    tokens: tuple[int, ...]
+    finished: tuple[FinishReason | None, ...]
+
+
+class PromptDone(Message):
+    """The last prompt stage has sampled rows [dst_rows) of token microbatch ``mb_id`` (step 0) and its
+    stages have streamed their KV; token stage 0 may start decoding once every row is done."""
+
+    mb_id: int
+    dst_rows: tuple[int, int]
+    tokens: tuple[int, ...]
+    finished: tuple[FinishReason | None, ...]
+
+
+class StageProgress(Message):
+    """A token stage's report at a new epoch: per in-flight microbatch, the last step whose KV it holds
+    (0: the prompt only; -1: its prompt KV is incomplete)."""
+
+    epoch: int
+    stage: int
+    worker_id: str
+    done: dict[int, int]
+
+
+class RecoveryOrder(Message):
+    """What the token stages do at a new epoch after failures: ``replaced`` maps a stage to its new
+    worker; the stage after it sends the replica it keeps, the stage before it sends its own cache."""
+
+    epoch: int
+    replaced: dict[int, str]
+    microbatches: tuple[int, ...]
+
+
+class ResumePoint(Message):
+    """Where the token pipeline resumes after recovery: microbatch -> step to re-execute first; the
+    microbatches in ``rerun`` lost their KV and re-run their prompts."""
+
+    epoch: int
+    resume: dict[int, int]
+    rerun: tuple[int, ...] = ()
+
+
+class AdminAction(str, enum.Enum):
+    KILL = "kill"
+    PAUSE_HEARTBEATS = "pause-heartbeats"
+    DRAIN = "drain"
+
+
+class AdminCommand(Message):
+    """An admin order for one worker; ``mac`` is HMAC-SHA256 of the other fields with the admin credential."""
+
+    command_id: str
+    worker_id: str
+    action: AdminAction
+    seconds: float = 0.0
+    mac: str

@@ -1,0 +1,48 @@
+"""The typed errors of DejaVuLib.
+
+``DejaVuLibError`` is the root. Callers drive recovery from the class alone:
+
+* ``TransferTimeout`` (retryable: the peer may be slow or dead; our deadlines are the only dead-peer
+  detector because UCX endpoint error handling is off for shared-memory speed),
+* ``PeerError`` (the peer is unknown, unreachable or its endpoint failed),
+* ``IntegrityError`` (a payload does not match its header's checksum or size: never retry blindly),
+* ``TransportUnavailable`` (configuration asks for a transport this host cannot provide: fatal).
+"""
+
+from __future__ import annotations
+
+
+class DejaVuLibError(Exception):
+    """Root of every error this library raises on purpose."""
+
+
+class TransferError(DejaVuLibError):
+    """A transfer did not complete."""
+
+
+class TransferTimeout(TransferError):  # noqa: N818 - the name the serving layer matches on
+    """A transfer (or a wait for one) did not complete within its deadline."""
+
+
+class BackPressureTimeout(TransferTimeout):
+    """``Streamer.submit`` could not admit a transfer within its deadline: too many bytes in flight."""
+
+
+class PeerError(TransferError):
+    """The peer is not connected, unreachable, or its endpoint reported an error."""
+
+
+class IntegrityError(DejaVuLibError):
+    """A received payload does not match its header (checksum, size or dtype)."""
+
+
+class ProtocolError(DejaVuLibError):
+    """A well-formed message arrived that the receiving primitive did not expect."""
+
+
+class TransportUnavailable(DejaVuLibError):  # noqa: N818 - reads as a state, like TimeoutError
+    """A required transport (e.g. UCX shared memory) was not selected or cannot be created."""
+
+
+class ClosedError(DejaVuLibError):
+    """The transport, endpoint or streamer was closed."""

@@ -1,0 +1,141 @@
+"""The fixed binary header every DejaVuLib message carries, and its seal (checksum + HMAC).
+
+Layout (little endian, ``Header.SIZE`` bytes): magic, version, channel, dtype code, flags (which K/V),
+ndim, dims[4], microbatch, step, layers, rows, positions, user, payload byte count, payload crc32,
+sender epoch, sequence number, sender id (32 bytes, utf-8, NUL padded) and a 16-byte HMAC-SHA256 of
+all preceding bytes keyed by the per-deployment secret (the "auth token digest"). The HMAC proves the
+sender knows the secret and protects the header; the crc32 in it protects the payload.
+No pickle: ``pack``/``unpack`` are ``struct`` only.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+import zlib
+from dataclasses import dataclass, replace
+
+from dejavulib.errors import IntegrityError
+
+MAGIC = 0x554A5644  # b"DVJU" little endian
+VERSION = 1
+SENDER_BYTES = 32
+MAC_BYTES = 16
+_BODY = struct.Struct(f"<IHBBBB4IIIHHHHIIQQIQQ{SENDER_BYTES}s")
+
+
+class Channel(enum.IntEnum):
+    """Per-channel receive queues; different threads wait on different channels."""
+
+    KV_PROMPT = 1
+    KV_REPLICA = 2
+    ACTIVATION = 3
+    TOKENS = 4
+    CONTROL = 5
+    KV_SWAP = 6
+
+
+class DType(enum.IntEnum):
+    """Payload element types (codes on the wire)."""
+
+    UINT8 = 0
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    INT64 = 4
+    INT32 = 5
+
+    @property
+    def itemsize(self) -> int:
+        return {0: 1, 1: 4, 2: 2, 3: 2, 4: 8, 5: 4}[int(self)]
+
+    @classmethod
+    def from_name(cls, name: str) -> DType:
+        """From a torch/numpy dtype name such as ``'float32'`` or ``'torch.int64'``."""
+        return cls[name.removeprefix("torch.").upper()]
+
+
+def checksum(data: memoryview | bytes) -> int:
+    """crc32 of a payload (zlib's, hardware accelerated on this machine)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def secret_key(secret: str | bytes) -> bytes:
+    """The HMAC key derived from a deployment secret (the secret itself never travels)."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hashlib.sha256(b"dejavu-data-plane\x00" + raw).digest()
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a payload is. Fields a sender leaves at defaults are filled by ``Endpoint.send``."""
+
+    channel: Channel
+    dtype: DType = DType.UINT8
+    shape: tuple[int, ...] = ()
+    which: int = 0
+    microbatch: int = 0
+    step: int = 0
+    layers: tuple[int, int] = (0, 0)
+    rows: tuple[int, int] = (0, 0)
+    positions: tuple[int, int] = (0, 0)
+    user: int = 0
+    nbytes: int = 0
+    crc32: int = 0
+    epoch: int = 0
+    seq: int = 0
+    sender: str = ""
+
+    SIZE = _BODY.size + MAC_BYTES
+
+    def __post_init__(self) -> None:
+        if len(self.shape) > 4:
+            raise ValueError("a header carries at most 4 dims")
+        if len(self.sender.encode()) > SENDER_BYTES:
+            raise ValueError(f"sender id longer than {SENDER_BYTES} bytes: {self.sender!r}")
+
+    def with_payload(self, payload: memoryview, *, epoch: int, seq: int, sender: str) -> Header:
+        """This header completed for ``payload``: size, checksum, epoch, sequence, sender."""
+        return replace(self, nbytes=payload.nbytes, crc32=checksum(payload), epoch=epoch, seq=seq, sender=sender)
+
+    def pack(self, key: bytes) -> bytes:
+        """Serialize and seal with ``key`` (from :func:`secret_key`)."""
+        dims = (*self.shape, *([0] * (4 - len(self.shape))))
+        body = _BODY.pack(
+            MAGIC, VERSION, int(self.channel), int(self.dtype), self.which, len(self.shape), *dims,
+            self.microbatch, self.step, *self.layers, *self.rows, *self.positions, self.user,
+            self.nbytes, self.crc32, self.epoch, self.seq, self.sender.encode(),
+        )  # fmt: skip
+        return body + hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview, key: bytes) -> Header:
+        """Parse and authenticate; raises ``IntegrityError`` on bad magic/version/size/MAC or unknown codes."""
+        raw = bytes(raw)
+        if len(raw) != cls.SIZE:
+            raise IntegrityError(f"header of {len(raw)} bytes, expected {cls.SIZE}")
+        body, mac = raw[: _BODY.size], raw[_BODY.size :]
+        if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]):
+            raise IntegrityError("header MAC mismatch (wrong deployment secret or corrupted header)")
+        f = _BODY.unpack(body)
+        if f[0] != MAGIC or f[1] != VERSION:
+            raise IntegrityError(f"bad magic/version {f[0]:#x}/{f[1]}")
+        try:
+            channel, dtype = Channel(f[2]), DType(f[3])
+        except ValueError as exc:
+            raise IntegrityError(str(exc)) from exc
+        ndim = f[5]
+        return cls(
+            channel=channel, dtype=dtype, which=f[4], shape=tuple(f[6 : 6 + ndim]), microbatch=f[10], step=f[11],
+            layers=(f[12], f[13]), rows=(f[14], f[15]), positions=(f[16], f[17]), user=f[18], nbytes=f[19],
+            crc32=f[20], epoch=f[21], seq=f[22], sender=f[23].rstrip(b"\x00").decode(),
+        )  # fmt: skip
+
+    def verify_payload(self, payload: memoryview) -> None:
+        """Raise ``IntegrityError`` unless ``payload`` has this header's size and checksum."""
+        if payload.nbytes != self.nbytes:
+            raise IntegrityError(f"payload of {payload.nbytes} bytes, header says {self.nbytes}")
+        if checksum(payload) != self.crc32:
+            raise IntegrityError(f"payload checksum mismatch (seq {self.seq} from {self.sender!r})")

@@ -1,0 +1,85 @@
+"""The one transport interface: ``flush``/``fetch`` of one contiguous chunk, plus peer addressing.
+
+Peers are identified by string ids. A transport exposes ``address`` (bytes a peer needs to reach it;
+the serving layer publishes it in Redis) and ``connect(peer_id, address)``.
+
+Contract of the chunk primitives (paper Table 1, lowest level):
+
+* ``flush(peer_id, key, src, deadline_s)`` makes a copy of the contiguous buffer ``src`` available to
+  ``peer_id`` under the integer ``key`` (0 <= key < 2**32). It returns once ``src`` may be reused.
+* ``fetch(peer_id, key, dst, deadline_s)`` fills the contiguous buffer ``dst`` (exactly as many bytes)
+  with what ``peer_id`` flushed under ``key``. Slot transports (local, disk, fake) keep the last flush
+  per (sender, key) and may be fetched repeatedly; stream transports (UCX) deliver each flush to
+  exactly one fetch, FIFO per key. Both raise ``TransferTimeout`` past the deadline.
+
+``MessageTransport`` adds whole messages (a header blob + a payload) from any peer, delivered to one
+sink callback; ``Endpoint`` builds verified, per-channel queues on it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import numpy as np
+
+from dejavulib.buffers import Buffer
+from dejavulib.handle import Handle
+
+MessageSink = Callable[[bytes, np.ndarray], None]
+KEY_LIMIT = 1 << 32
+
+
+def check_key(key: int) -> None:
+    if not 0 <= key < KEY_LIMIT:
+        raise ValueError(f"key must be in [0, 2**32), got {key}")
+
+
+class Transport(abc.ABC):
+    """Moves contiguous host chunks between peers. Methods are thread-safe unless a subclass says otherwise."""
+
+    def __init__(self, self_id: str) -> None:
+        self.self_id = self_id
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> bytes:
+        """What another peer passes to ``connect`` to reach this transport."""
+
+    @abc.abstractmethod
+    def connect(self, peer_id: str, address: bytes) -> None:
+        """Make ``peer_id`` reachable; raises ``PeerError`` if the address is unusable."""
+
+    @abc.abstractmethod
+    def flush(self, peer_id: str, key: int, src: Buffer, deadline_s: float) -> None:
+        """Copy contiguous ``src`` to ``peer_id`` under ``key`` (see the module contract)."""
+
+    @abc.abstractmethod
+    def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
+        """Fill contiguous ``dst`` with ``peer_id``'s chunk under ``key`` (see the module contract)."""
+
+    def close(self) -> None:  # noqa: B027 - transports without resources need no cleanup
+        """Release resources; the transport is unusable afterwards. Idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MessageTransport(Transport):
+    """A transport that also carries whole messages from any connected sender."""
+
+    @abc.abstractmethod
+    def send_message(self, peer_id: str, header: bytes, payload: np.ndarray) -> Handle:
+        """Start sending ``header`` then ``payload`` (uint8, contiguous) to ``peer_id``.
+
+        Returns at once; the handle completes when ``payload`` may be reused, or fails with
+        ``PeerError``. The caller keeps ``payload`` alive and unchanged until then. Messages to one
+        peer are delivered in the order they were sent.
+        """
+
+    @abc.abstractmethod
+    def set_message_sink(self, sink: MessageSink) -> None:
+        """Deliver each incoming message as ``sink(header, payload)``, called on the transport's own thread."""

@@ -1,0 +1,80 @@
+"""In-memory transport between objects of one process, for testing the layers above transports.
+
+Addresses are ``b"fake:<n>"`` names in a process-wide registry. Chunks and messages are copied, so a
+sender may reuse its buffer as soon as a call returns, exactly like a real transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+
+from dejavulib.buffers import Buffer, as_bytes
+from dejavulib.errors import ClosedError, IntegrityError, PeerError
+from dejavulib.handle import Handle
+from dejavulib.transport.base import MessageSink, MessageTransport, check_key
+from dejavulib.transport.slots import SlotStore
+
+_REGISTRY: dict[bytes, FakeTransport] = {}
+_REGISTRY_LOCK = threading.Lock()
+_NAMES = itertools.count()
+
+
+class FakeTransport(MessageTransport):
+    """Slot semantics for chunks; messages are delivered synchronously on the sender's thread."""
+
+    def __init__(self, self_id: str) -> None:
+        super().__init__(self_id)
+        self._address = f"fake:{next(_NAMES)}".encode()
+        self._slots: SlotStore[bytes] = SlotStore()
+        self._peers: dict[str, bytes] = {}
+        self._sink: MessageSink | None = None
+        self._closed = False
+        with _REGISTRY_LOCK:
+            _REGISTRY[self._address] = self
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def connect(self, peer_id: str, address: bytes) -> None:
+        if not address.startswith(b"fake:"):
+            raise PeerError(f"not a fake transport address: {address!r}")
+        self._peers[peer_id] = address
+
+    def _peer(self, peer_id: str) -> FakeTransport:
+        if self._closed:
+            raise ClosedError("transport closed")
+        with _REGISTRY_LOCK:
+            peer = _REGISTRY.get(self._peers.get(peer_id, b""))
+        if peer is None:
+            raise PeerError(f"peer {peer_id!r} is not connected or has closed")
+        return peer
+
+    def flush(self, peer_id: str, key: int, src: Buffer, deadline_s: float) -> None:
+        check_key(key)
+        self._peer(peer_id)._slots.put(self.self_id, key, as_bytes(src).tobytes())
+
+    def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
+        check_key(key)
+        data = self._slots.get(peer_id, key, deadline_s)
+        out = as_bytes(dst)
+        if len(data) != out.nbytes:
+            raise IntegrityError(f"chunk {key} from {peer_id!r} has {len(data)} bytes, buffer {out.nbytes}")
+        out[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def send_message(self, peer_id: str, header: bytes, payload: np.ndarray) -> Handle:
+        peer = self._peer(peer_id)
+        if peer._sink is not None:
+            peer._sink(bytes(header), np.array(payload, dtype=np.uint8, copy=True))
+        return Handle.completed(payload.nbytes)
+
+    def set_message_sink(self, sink: MessageSink) -> None:
+        self._sink = sink
+
+    def close(self) -> None:
+        self._closed = True
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(self._address, None)

@@ -1,0 +1,314 @@
+"""UCX transport (ucxx): tag-matched, zero-copy transfers of host buffers between processes and hosts.
+
+One I/O thread owns the UCX worker; every other thread only enqueues operations, so the transport is
+thread-safe without relying on UCX's multi-thread mode. Endpoints are created from the peer's
+*worker address* with endpoint error handling OFF: on one host that is what lets UCX pick its
+shared-memory transports (MEASUREMENTS.md). The price is that UCX never reports a dead peer, so every
+blocking call has a deadline and raises ``TransferTimeout`` when it passes.
+
+Progress modes: ``polling`` spins on ``worker.progress()`` while there is traffic (microsecond
+latency) and backs off to short sleeps when idle; ``thread`` sleeps in ``epoll`` on the worker's event
+fd between events (less CPU, higher latency).
+
+Tags (64 bits): kind (4) | sender id hash (28) | key or sequence number (32).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dejavulib.buffers import Buffer, as_bytes
+from dejavulib.errors import ClosedError, PeerError, TransferTimeout, TransportUnavailable
+from dejavulib.handle import Handle
+from dejavulib.transport.base import MessageSink, MessageTransport, check_key
+
+log = logging.getLogger(__name__)
+
+KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO, KIND_HEADER_ONLY = 1, 2, 3, 4, 5
+_KIND_MASK = 0xF << 60
+_IDLE_SPIN_S = 0.002
+_IDLE_SLEEP_S = 0.00005
+SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
+_TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
+
+
+def peer_hash(peer_id: str) -> int:
+    """28-bit id of a peer inside tags."""
+    return zlib.crc32(peer_id.encode()) & 0x0FFFFFFF
+
+
+def make_tag(kind: int, sender: int, key: int) -> int:
+    return (kind << 60) | (sender << 32) | key
+
+
+def selected_transports(worker_info: str) -> frozenset[str]:
+    """UCX transport layer names (``sysv``, ``cma``, ``tcp``...) in a worker's protocol tables."""
+    return frozenset(_TL_PATTERN.findall(worker_info))
+
+
+def satisfies(required: str, selected: frozenset[str]) -> bool:
+    """Whether ``selected`` transports include ``required`` (``sm``/``shm`` mean any shared-memory one)."""
+    if required in ("sm", "shm"):
+        return bool(selected & SHARED_MEMORY_TLS)
+    return required in selected
+
+
+@dataclass
+class _Pending:
+    request: Any
+    on_done: Callable[[BaseException | None], None]
+    keepalive: tuple[Any, ...] = field(default_factory=tuple)
+
+
+class UcxTransport(MessageTransport):
+    """See the module docstring. ``require`` names a transport that every connection must select."""
+
+    def __init__(self, self_id: str, progress: str = "polling", require: str | None = None) -> None:
+        super().__init__(self_id)
+        import ucxx._lib.libucxx as ucx_api
+        from ucxx._lib.arr import Array
+
+        if progress not in ("polling", "thread"):
+            raise ValueError(f"progress must be 'polling' or 'thread', got {progress!r}")
+        self._api, self._Array = ucx_api, Array
+        self.progress_mode, self.require = progress, require
+        self._hash = peer_hash(self_id)
+        self._context = ucx_api.UCXContext({"PROTO_INFO": "y"}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._context)
+        if progress == "thread":
+            self._worker.init_blocking_progress_mode()
+        self._address = self._worker.address.tobytes()
+        self._endpoints: dict[str, Any] = {}
+        self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
+        self._pending: list[_Pending] = []
+        self._awaiting_payload: list[tuple[int, int, bytes]] = []
+        self._sink: MessageSink | None = None
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self.selected: dict[str, frozenset[str]] = {}
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"ucx-io-{self_id}", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> bytes:
+        return self._address
+
+    def connect(self, peer_id: str, address: bytes, deadline_s: float = 10.0) -> None:
+        """Create the endpoint, exchange a hello, log the selected transports, enforce ``require``."""
+        done = Handle()
+
+        def op() -> None:
+            try:
+                ucx_address = self._api.UCXAddress.create_from_buffer(address)
+                ep = self._api.UCXEndpoint.create_from_worker_address(self._worker, ucx_address, False)
+            except Exception as exc:
+                done.set_done(PeerError(f"cannot create a UCX endpoint to {peer_id!r}: {exc}"))
+                return
+            self._endpoints[peer_id] = ep
+            hello = np.zeros(1, np.uint8)
+            self._post_send(ep, hello, make_tag(KIND_HELLO, self._hash, 0), done.set_done)
+
+        self._submit(op, done)
+        try:
+            done.wait(deadline_s)
+        except TransferTimeout as exc:
+            raise PeerError(f"UCX hello to {peer_id!r} not delivered within {deadline_s} s") from exc
+        selected = self._call(lambda: selected_transports(self._worker.info), deadline_s)
+        self.selected[peer_id] = selected
+        log.info("UCX to %s uses transports %s (progress=%s)", peer_id, sorted(selected), self.progress_mode)
+        if self.require and not satisfies(self.require, selected):
+            self._call(lambda: self._endpoints.pop(peer_id, None), deadline_s)
+            raise TransportUnavailable(
+                f"UCX selected {sorted(selected)} to {peer_id!r}, but transport {self.require!r} is required"
+            )
+
+    def flush(self, peer_id: str, key: int, src: Buffer, deadline_s: float) -> None:
+        check_key(key)
+        data = as_bytes(src)
+        done = Handle(data.nbytes)
+        tag = make_tag(KIND_CHUNK, self._hash, key)
+        self._submit(lambda: self._post_send(self._ep(peer_id), data, tag, done.set_done), done)
+        done.wait(deadline_s)
+
+    def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
+        """Receive into ``dst``; after a ``TransferTimeout`` the receive stays posted and ``dst`` may still be
+        written if the chunk arrives later, so do not reuse ``dst`` for anything else."""
+        check_key(key)
+        out, done = as_bytes(dst), Handle(0)
+        tag = self._api.UCXXTag(make_tag(KIND_CHUNK, peer_hash(peer_id), key))
+
+        def op() -> None:
+            request = self._worker.tag_recv(self._Array(out), tag)
+            self._pending.append(_Pending(request, done.set_done, (out,)))
+
+        self._submit(op, done)
+        done.wait(deadline_s)
+
+    def send_message(self, peer_id: str, header: bytes, payload: np.ndarray) -> Handle:
+        done = Handle(payload.nbytes)
+        with self._seq_lock:
+            seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
+        head = np.frombuffer(header, dtype=np.uint8)
+
+        def op() -> None:
+            ep = self._ep(peer_id)
+            if payload.nbytes == 0:
+                self._post_send(ep, head, make_tag(KIND_HEADER_ONLY, self._hash, seq), done.set_done)
+                return
+            remaining = [2]
+
+            def one_done(error: BaseException | None) -> None:
+                remaining[0] -= 1
+                if error is not None or remaining[0] == 0:
+                    done.set_done(error)
+
+            self._post_send(ep, head, make_tag(KIND_HEADER, self._hash, seq), one_done)
+            self._post_send(ep, payload, make_tag(KIND_PAYLOAD, self._hash, seq), one_done)
+
+        try:
+            self._submit(op, done)
+        except ClosedError as exc:
+            done.set_done(exc)
+        return done
+
+    def set_message_sink(self, sink: MessageSink) -> None:
+        self._sink = sink
+
+    def close(self) -> None:
+        """Stop the I/O thread and cancel outstanding requests. Idempotent; never waits on a peer."""
+        if not self._running:
+            return
+        self._running = False
+        self._thread.join(5)
+        for pending in self._pending:
+            pending.on_done(ClosedError("transport closed"))
+        self._worker.cancel_inflight_requests()
+        self._pending.clear()
+        self._endpoints.clear()
+
+    # ---- helpers run on the I/O thread ----------------------------------------------------------
+
+    def _ep(self, peer_id: str) -> Any:
+        ep = self._endpoints.get(peer_id)
+        if ep is None:
+            raise PeerError(f"peer {peer_id!r} is not connected")
+        return ep
+
+    def _post_send(self, ep: Any, data: np.ndarray, tag: int, on_done: Callable[[BaseException | None], None]) -> None:
+        request = ep.tag_send(self._Array(data), self._api.UCXXTag(tag))
+        self._pending.append(_Pending(request, on_done, (data,)))
+
+    def _submit(self, op: Callable[[], None], handle: Handle) -> None:
+        """Run ``op`` on the I/O thread; if it raises, ``handle`` fails with ``PeerError``."""
+        if not self._running:
+            raise ClosedError("transport closed")
+        self._ops.append((op, handle))
+
+    def _call(self, fn: Callable[[], Any], deadline_s: float) -> Any:
+        """Run ``fn`` on the I/O thread and return its result."""
+        box: list[Any] = []
+        done = Handle()
+
+        def op() -> None:
+            box.append(fn())
+            done.set_done()
+
+        self._submit(op, done)
+        done.wait(deadline_s)
+        return box[0]
+
+    def _loop(self) -> None:
+        last_activity = time.monotonic()
+        while self._running:
+            busy = self._run_ops()
+            self._worker.progress()
+            busy |= self._reap()
+            busy |= self._probe()
+            now = time.monotonic()
+            if busy:
+                last_activity = now
+            elif now - last_activity > _IDLE_SPIN_S and not self._ops:
+                if self.progress_mode == "thread":
+                    self._worker.progress_worker_event(1)
+                else:
+                    time.sleep(_IDLE_SLEEP_S)
+
+    def _run_ops(self) -> bool:
+        ran = False
+        while self._ops:
+            op, handle = self._ops.popleft()
+            ran = True
+            try:
+                op()
+            except Exception as exc:  # an op that cannot even be posted fails only its own caller
+                handle.set_done(exc if isinstance(exc, PeerError) else PeerError(f"UCX operation failed: {exc}"))
+        return ran
+
+    def _reap(self) -> bool:
+        finished = [p for p in self._pending if p.request.completed]
+        if not finished:
+            return False
+        self._pending = [p for p in self._pending if not p.request.completed]
+        for p in finished:
+            try:
+                p.request.check_error()
+                p.on_done(None)
+            except Exception as exc:
+                p.on_done(PeerError(f"UCX request failed: {exc}"))
+        return True
+
+    def _probe(self) -> bool:
+        found = False
+        mask = self._api.UCXXTagMask(_KIND_MASK)
+        for kind in (KIND_HEADER, KIND_HEADER_ONLY, KIND_HELLO):
+            probe = self._worker.tag_probe(self._api.UCXXTag(kind << 60), mask, remove=True)
+            if probe.matched:
+                found = True
+                self._receive_probed(kind, probe)
+        still: list[tuple[int, int, bytes]] = []
+        for sender, seq, header in self._awaiting_payload:
+            probe = self._worker.tag_probe(self._api.UCXXTag(make_tag(KIND_PAYLOAD, sender, seq)), remove=True)
+            if not probe.matched:
+                still.append((sender, seq, header))
+                continue
+            found = True
+            payload = np.empty(probe.length, np.uint8)
+            request = self._worker.tag_recv_with_handle(self._Array(payload), probe)
+            self._pending.append(_Pending(request, self._deliver_cb(header, payload), (payload,)))
+        self._awaiting_payload = still
+        return found
+
+    def _receive_probed(self, kind: int, probe: Any) -> None:
+        buf = np.empty(max(probe.length, 1), np.uint8)[: probe.length]
+        tag = probe.sender_tag.value
+        request = self._worker.tag_recv_with_handle(self._Array(buf), probe)
+
+        def on_done(error: BaseException | None) -> None:
+            if error is not None or kind == KIND_HELLO:
+                return
+            if kind == KIND_HEADER_ONLY:
+                self._deliver_cb(buf.tobytes(), np.empty(0, np.uint8))(None)
+            else:
+                self._awaiting_payload.append(((tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF, buf.tobytes()))
+
+        self._pending.append(_Pending(request, on_done, (buf,)))
+
+    def _deliver_cb(self, header: bytes, payload: np.ndarray) -> Callable[[BaseException | None], None]:
+        def deliver(error: BaseException | None) -> None:
+            if error is None and self._sink is not None:
+                self._sink(header, payload)
+
+        return deliver

@@ -1,0 +1,91 @@
+"""Attention over a stage's preallocated KV cache, shared by all families.
+
+Masks and positions are built once per forward call (not per layer). Decode attends only over the
+filled prefix ``[0, cur_len)`` of the cache, never over ``max_len``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dejavu_engine.family import ForwardContext
+from dejavu_engine.geometry import BatchGeometry
+
+
+def positions(geometry: BatchGeometry, n: int, device: torch.device) -> torch.Tensor:
+    """Per-row token positions ``[batch, n]`` of the ``n`` new tokens (pad slots clamp to 0)."""
+    index = torch.arange(geometry.cur_len - n, geometry.cur_len, device=device)
+    pads = torch.tensor(geometry.pad_lens, device=device).unsqueeze(1)
+    return (index.unsqueeze(0) - pads).clamp_(min=0)
+
+
+def allowed(geometry: BatchGeometry, n: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[batch, 1, n, cur_len]``: query i may attend key j.
+
+    Keys must be at or before the query and not padding. A padding query also sees itself, so no
+    row is fully masked (which would produce NaNs that then flow into the cache's pad slots).
+    """
+    start, cur_len = geometry.cur_len - n, geometry.cur_len
+    keys = torch.arange(cur_len, device=device)
+    queries = torch.arange(start, cur_len, device=device).unsqueeze(1)
+    pads = torch.tensor(geometry.pad_lens, device=device).view(-1, 1, 1, 1)
+    return ((keys <= queries) & (keys >= pads)) | (keys == queries)
+
+
+def bool_mask(geometry: BatchGeometry, n: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
+    """``(mask, causal)`` for families without attention biases; None where SDPA needs no mask."""
+    if not geometry.padded:
+        if n == 1:
+            return None, False
+        if n == geometry.cur_len:
+            return None, True
+    return allowed(geometry, n, device), False
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           ctx: ForwardContext, scale: float | None = None) -> torch.Tensor:
+    """Write ``k``/``v`` (``[batch, kv_heads, n, head_dim]``) into the layer's cache at
+    ``[ctx.start, ctx.cur_len)`` and attend ``q`` (``[batch, heads, n, head_dim]``) over the filled
+    prefix. Returns ``[batch, n, heads * head_dim]``.
+    """
+    k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
+    v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
+    keys = k_cache[:, :, : ctx.cur_len]
+    values = v_cache[:, :, : ctx.cur_len]
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=ctx.mask, is_causal=ctx.causal, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    batch, heads, n, head_dim = out.shape
+    return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[batch, n, heads * d]`` -> ``[batch, heads, n, d]``."""
+    batch, n, width = x.shape
+    return x.view(batch, n, heads, width // heads).transpose(1, 2)
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi head slopes as BLOOM defines them (geometric; interleaved extras for non powers of 2)."""
+    closest = 2 ** math.floor(math.log2(heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base**p for p in range(1, closest + 1)]
+    if closest != heads:
+        extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra**p for p in range(1, 1 + 2 * min(closest, heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_mask(geometry: BatchGeometry, n: int, heads: int, device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[batch, heads, n, cur_len]``: slope x key position (pad-aware), min where masked."""
+    keys = torch.arange(geometry.cur_len, device=device)
+    pads = torch.tensor(geometry.pad_lens, device=device).unsqueeze(1)
+    key_pos = (keys.unsqueeze(0) - pads).clamp_(min=0).to(torch.float32)  # [batch, cur_len]
+    bias = alibi_slopes(heads).to(device).view(1, heads, 1, 1) * key_pos.view(-1, 1, 1, geometry.cur_len)
+    bias = bias.expand(-1, -1, n, -1).to(dtype)
+    return bias.masked_fill(~allowed(geometry, n, device), torch.finfo(dtype).min)

@@ -1,0 +1,110 @@
+"""Llama (and SmolLM2): RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dejavu_engine.attention import attend, bool_mask, positions, split_heads
+from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
+from dejavu_engine.geometry import BatchGeometry
+
+_PREFIX = "model."
+
+
+def rope_theta(config: dict[str, Any]) -> float:
+    """Rotary base; only the default (unscaled) rotary embedding is supported."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"unsupported rope type {kind!r}")
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Llama(Family):
+    @classmethod
+    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported Llama activation {config.get('hidden_act')!r}")
+        heads = config["num_attention_heads"]
+        return ModelSpec(
+            model_type="llama",
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+            max_positions=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids(config),
+        )
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        dim = self.spec.head_dim
+        self.inv_freq = 1.0 / (rope_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    def embedding_names(self) -> dict[str, str]:
+        return {"embed": f"{_PREFIX}embed_tokens.weight"}
+
+    def layer_names(self, layer: int) -> dict[str, str]:
+        p = f"{_PREFIX}layers.{layer}."
+        names = {
+            "ln_1": p + "input_layernorm.weight",
+            "q": p + "self_attn.q_proj.weight",
+            "k": p + "self_attn.k_proj.weight",
+            "v": p + "self_attn.v_proj.weight",
+            "o": p + "self_attn.o_proj.weight",
+            "ln_2": p + "post_attention_layernorm.weight",
+            "gate": p + "mlp.gate_proj.weight",
+            "up": p + "mlp.up_proj.weight",
+            "down": p + "mlp.down_proj.weight",
+        }
+        if self.config.get("attention_bias"):
+            names |= {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in ("q", "k", "v", "o")}
+        if self.config.get("mlp_bias"):
+            names |= {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in ("gate", "up", "down")}
+        return names
+
+    def head_names(self) -> dict[str, str]:
+        lm_head = self.embedding_names()["embed"] if self.spec.tie_word_embeddings else "lm_head.weight"
+        return {"norm": f"{_PREFIX}norm.weight", "lm_head": lm_head}
+
+    def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
+        pos = positions(geometry, n, device)
+        freqs = pos.unsqueeze(-1).to(torch.float32) * self.inv_freq.to(device)  # [batch, n, dim/2]
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [batch, 1, n, dim]
+        mask, causal = bool_mask(geometry, n, device)
+        return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal,
+                              rope=(angles.cos().to(dtype), angles.sin().to(dtype)))
+
+    def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return F.embedding(input_ids, w["embed"])
+
+    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              ctx: ForwardContext) -> torch.Tensor:
+        spec = self.spec
+        x = F.rms_norm(hidden, (spec.hidden_size,), w["ln_1"], self.eps)
+        q = split_heads(F.linear(x, w["q"], w.get("q_bias")), spec.num_heads)
+        k = split_heads(F.linear(x, w["k"], w.get("k_bias")), spec.num_kv_heads)
+        v = split_heads(F.linear(x, w["v"], w.get("v_bias")), spec.num_kv_heads)
+        cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        hidden = hidden + F.linear(attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
+        x = F.rms_norm(hidden, (spec.hidden_size,), w["ln_2"], self.eps)
+        gated = F.silu(F.linear(x, w["gate"], w.get("gate_bias"))) * F.linear(x, w["up"], w.get("up_bias"))
+        return hidden + F.linear(gated, w["down"], w.get("down_bias"))
+
+    def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
+        x = F.rms_norm(hidden, (self.spec.hidden_size,), w["norm"], self.eps)
+        return F.linear(x, w["lm_head"])

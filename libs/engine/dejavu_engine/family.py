@@ -1,0 +1,110 @@
+"""The small interface each model family implements, and the per-call forward context.
+
+A family knows the checkpoint names of its weights (so a stage loads only its share), how to build
+the per-call context (positions, masks, rotary tables) and the math of its embedding, its decoder
+layer and its head. Weights reach the family as ``dict[role, Tensor]`` per part, where roles are
+short family-defined names (``"q"``, ``"fc1"``, ...) mapped to checkpoint names by the family.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dejavu_engine.geometry import BatchGeometry
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape facts of a checkpoint that stages, caches and callers need."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    tie_word_embeddings: bool
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What every layer of one forward call shares; built once per call by :meth:`Family.context`.
+
+    ``start`` is the first cache position written (``cur_len - n``). ``mask`` is None (no masking,
+    or plain causal when ``causal``), a bool tensor ``[batch, 1, n, cur_len]`` (True = attend) or an
+    additive float tensor ``[batch, heads, n, cur_len]``. ``positions`` ``[batch, n]`` are per-row
+    token positions (index minus the row's left padding). ``rope`` holds ``(cos, sin)`` for rotary
+    families.
+    """
+
+    geometry: BatchGeometry
+    start: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def cur_len(self) -> int:
+        return self.geometry.cur_len
+
+
+class Family(ABC):
+    """One architecture (Llama, OPT, GPT-2, BLOOM): weight names and forward math."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.spec = self.read_spec(config)
+
+    @classmethod
+    @abstractmethod
+    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
+        """Shape facts from config.json; raises ValueError for unsupported options."""
+
+    @abstractmethod
+    def embedding_names(self) -> dict[str, str]:
+        """Roles -> checkpoint names of the weights the first stage needs."""
+
+    @abstractmethod
+    def layer_names(self, layer: int) -> dict[str, str]:
+        """Roles -> checkpoint names of global layer ``layer``."""
+
+    @abstractmethod
+    def head_names(self) -> dict[str, str]:
+        """Roles -> checkpoint names of the final norm and LM head (role ``"lm_head"``); with tied
+        embeddings the LM head role names the embedding matrix."""
+
+    @abstractmethod
+    def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
+        """The shared context of a call feeding ``n`` new tokens per row."""
+
+    @abstractmethod
+    def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Token ids ``[batch, n]`` -> hidden states ``[batch, n, hidden]``."""
+
+    @abstractmethod
+    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              ctx: ForwardContext) -> torch.Tensor:
+        """One decoder layer; writes this call's K/V into ``k_cache``/``v_cache`` (``[batch,
+        kv_heads, max_len, head_dim]`` views of the layer) at ``[ctx.start, ctx.cur_len)``."""
+
+    @abstractmethod
+    def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden ``[batch, n, hidden]`` -> logits ``[batch, n, vocab]``."""
+
+
+def eos_ids(config: dict[str, Any]) -> frozenset[int]:
+    """``eos_token_id`` of a config: int, list or missing."""
+    value = config.get("eos_token_id")
+    if isinstance(value, int):
+        return frozenset({value})
+    return frozenset(v for v in value or () if isinstance(v, int))

@@ -1,0 +1,50 @@
+"""Per-microbatch geometry: how the rows of a left-padded microbatch sit in the KV cache.
+
+All rows of a microbatch share one cache position per step (left padding aligns their ends), so
+two numbers per microbatch describe everything a forward pass needs: the pad length of each row
+and how many cache positions are filled. A worker rebuilds the geometry from a message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """Left padding and fill level of one microbatch's cache.
+
+    ``pad_lens[r]`` pad slots precede row ``r``'s tokens; ``cur_len`` is the number of filled cache
+    positions once the forward pass that receives this geometry has written its new tokens. A pass
+    feeding ``n`` tokens per row writes positions ``[cur_len - n, cur_len)``.
+    """
+
+    pad_lens: tuple[int, ...]
+    cur_len: int
+
+    def __post_init__(self) -> None:
+        if not self.pad_lens:
+            raise ValueError("BatchGeometry needs at least one row")
+        if self.cur_len <= 0 or any(not 0 <= p < self.cur_len for p in self.pad_lens):
+            raise ValueError(f"pad lengths {self.pad_lens} must lie in [0, cur_len={self.cur_len})")
+
+    @classmethod
+    def for_prompts(cls, prompt_lens: Sequence[int]) -> BatchGeometry:
+        """Geometry after prefilling prompts of these lengths, left-padded to the longest one."""
+        if not prompt_lens or min(prompt_lens) <= 0:
+            raise ValueError(f"every prompt needs at least one token, got lengths {list(prompt_lens)}")
+        longest = max(prompt_lens)
+        return cls(tuple(longest - n for n in prompt_lens), longest)
+
+    @property
+    def batch(self) -> int:
+        return len(self.pad_lens)
+
+    @property
+    def padded(self) -> bool:
+        return any(self.pad_lens)
+
+    def advance(self, steps: int = 1) -> BatchGeometry:
+        """Geometry of the next decode step (one more filled position per step)."""
+        return BatchGeometry(self.pad_lens, self.cur_len + steps)

@@ -1,0 +1,50 @@
+"""K stages of one checkpoint in one process, run back to back (used by ``dejavu generate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.kv_cache import KVCache
+from dejavu_engine.stage import LayerHook, Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_engine.weights import load_config
+from dejavu_engine.families import family_for
+
+
+def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Balanced contiguous layer ranges; earlier stages take the remainder. Raises ValueError if
+    ``stages`` is not in ``[1, num_layers]``."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"stages must be in [1, {num_layers}] (the model's layers), got {stages}")
+    base, extra = divmod(num_layers, stages)
+    bounds, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class Pipeline:
+    """All layers of a checkpoint split into ``stages`` :class:`Stage` objects."""
+
+    def __init__(self, folder: str | Path, stages: int = 1, device: str = "cpu", dtype: str = "float32") -> None:
+        num_layers = family_for(load_config(Path(folder))).spec.num_layers
+        self.stages = [Stage(folder, bounds, device, dtype) for bounds in split_layers(num_layers, stages)]
+        self.spec = self.stages[0].spec
+
+    def allocate(self, batch: int, max_len: int) -> list[KVCache]:
+        """One cache per stage for a microbatch."""
+        return [stage.allocate_cache(batch, max_len) for stage in self.stages]
+
+    def forward(self, input_ids: torch.Tensor, caches: list[KVCache], geometry: BatchGeometry,
+                on_layer_done: LayerHook | None = None, all_logits: bool = False) -> torch.Tensor:
+        """Token ids ``[batch, n]`` through every stage; returns logits (see :meth:`Stage.forward`)."""
+        io = StageIO(input_ids=input_ids)
+        for stage, cache in zip(self.stages, caches, strict=True):
+            io = stage.forward(io, cache, geometry, on_layer_done, all_logits)
+        assert io.logits is not None  # the last stage always returns logits
+        return io.logits

@@ -1,0 +1,130 @@
+"""A pipeline stage: a contiguous range of global decoder layers of one checkpoint.
+
+The first stage embeds token ids, the last applies the final norm and the LM head; a stage may be
+both. A stage loads only its own weights (under their checkpoint names) and keeps no per-request
+state: each microbatch brings its own :class:`KVCache` and :class:`BatchGeometry`, so one stage
+serves many microbatches, one forward call at a time (not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from dejavulib.layout import KVLayout
+
+from dejavu_engine.families import family_for
+from dejavu_engine.family import Weights
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.kv_cache import KVCache, torch_dtype
+from dejavu_engine.stage_io import StageIO
+from dejavu_engine.weights import CheckpointReader, load_config
+
+LayerHook = Callable[[int], None]
+
+
+class Stage:
+    """Global layers ``[first, last)`` of the checkpoint in ``folder``.
+
+    Raises :class:`~dejavu_engine.checkpoint.CheckpointError` for a missing folder or tensor and
+    ValueError for an unsupported architecture or an empty / out-of-range layer range.
+    """
+
+    def __init__(self, folder: str | Path, layers: tuple[int, int], device: str = "cpu",
+                 dtype: str = "float32") -> None:
+        self.folder = Path(folder)
+        self.family = family_for(load_config(self.folder))
+        self.spec = self.family.spec
+        first, last = layers
+        if not 0 <= first < last <= self.spec.num_layers:
+            raise ValueError(f"layer range {layers} not within [0, {self.spec.num_layers}) or empty")
+        self.layers = (first, last)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.is_first = first == 0
+        self.is_last = last == self.spec.num_layers
+        self.weights = self._load(CheckpointReader(self.folder))
+
+    def _load(self, reader: CheckpointReader) -> dict[str, torch.Tensor]:
+        """Load this stage's tensors and bind them to per-part role dictionaries."""
+        parts: list[dict[str, str]] = [self.family.layer_names(i) for i in range(*self.layers)]
+        embed_names = self.family.embedding_names() if self.is_first else {}
+        head_names = self.family.head_names() if self.is_last else {}
+        names = [*embed_names.values(), *head_names.values(), *(n for part in parts for n in part.values())]
+        weights = reader.load(names, torch_dtype(self.dtype), self.device)
+        self._embed_w: Weights = {role: weights[name] for role, name in embed_names.items()}
+        self._head_w: Weights = {role: weights[name] for role, name in head_names.items()}
+        self._layer_w: list[Weights] = [{role: weights[name] for role, name in part.items()} for part in parts]
+        return weights
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the weights this stage holds (a tied matrix used twice counts once)."""
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    def kv_layout(self, batch: int, max_len: int) -> KVLayout:
+        """Layout of this stage's cache for a microbatch of ``batch`` rows and ``max_len`` positions."""
+        spec = self.spec
+        return KVLayout(self.num_layers, batch, spec.num_kv_heads, max_len, spec.head_dim, self.dtype, self.layers[0])
+
+    def allocate_cache(self, batch: int, max_len: int) -> KVCache:
+        """A zeroed cache on this stage's device for one microbatch."""
+        return KVCache.allocate(self.kv_layout(batch, max_len), self.device)
+
+    @torch.inference_mode()
+    def forward(self, io: StageIO, cache: KVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None = None,
+                all_logits: bool = False) -> StageIO:
+        """Run this stage's layers for ``n`` new tokens per row, writing cache positions
+        ``[geometry.cur_len - n, geometry.cur_len)`` of every layer in place.
+
+        ``io`` carries ``input_ids`` into a first stage and ``hidden`` into the others. Returns
+        ``hidden`` (``[batch, n, hidden]``) or, from a last stage, ``logits`` of the last position
+        (``[batch, 1, vocab]``) or of all positions with ``all_logits``. ``on_layer_done(global_layer)``
+        is called after each layer has written its KV.
+        """
+        x = self._input(io)
+        batch, n = x.shape[0], x.shape[1]
+        self._check(cache, geometry, batch, n)
+        ctx = self.family.context(geometry, n, self.device, torch_dtype(self.dtype))
+        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        for index, (w, k_layer, v_layer) in enumerate(zip(self._layer_w, cache.k, cache.v, strict=True)):
+            hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)
+            if on_layer_done is not None:
+                on_layer_done(self.layers[0] + index)
+        if not self.is_last:
+            return StageIO(hidden=hidden)
+        return StageIO(logits=self.family.head(self._head_w, hidden if all_logits else hidden[:, -1:]))
+
+    def prefill(self, io: StageIO, cache: KVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None = None,
+                all_logits: bool = False) -> StageIO:
+        """:meth:`forward` over whole (left-padded) prompts: positions ``[0, cur_len)``."""
+        if self._input(io).shape[1] != geometry.cur_len:
+            raise ValueError("prefill feeds all cur_len positions of the microbatch")
+        return self.forward(io, cache, geometry, on_layer_done, all_logits)
+
+    def decode(self, io: StageIO, cache: KVCache, geometry: BatchGeometry,
+               on_layer_done: LayerHook | None = None) -> StageIO:
+        """:meth:`forward` of one token per row, written at position ``cur_len - 1``."""
+        if self._input(io).shape[1] != 1:
+            raise ValueError("decode feeds exactly one token per row")
+        return self.forward(io, cache, geometry, on_layer_done)
+
+    def _input(self, io: StageIO) -> torch.Tensor:
+        x = io.input_ids if self.is_first else io.hidden
+        if x is None:
+            raise ValueError(f"stage {self.layers} expects {'input_ids' if self.is_first else 'hidden'}")
+        return x
+
+    def _check(self, cache: KVCache, geometry: BatchGeometry, batch: int, n: int) -> None:
+        layout = cache.layout
+        if layout.layer_range != self.layers:
+            raise ValueError(f"cache holds layers {layout.layer_range}, stage runs {self.layers}")
+        if not batch == geometry.batch == layout.batch:
+            raise ValueError(f"batch mismatch: input {batch}, geometry {geometry.batch}, cache {layout.batch}")
+        if not n <= geometry.cur_len <= layout.max_len:
+            raise ValueError(f"{n} new tokens up to position {geometry.cur_len} do not fit max_len {layout.max_len}")

@@ -1,0 +1,106 @@
+"""Stage times and stage memory derived from a profile, for any pipeline depth.
+
+A pipeline of depth ``D`` splits the ``L`` layers into contiguous stages whose sizes differ by
+at most one (the first stages take the extra layers). A stage's time is its layer count times
+the profile's per-layer time; its memory is its weights plus the KV caches resident on it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from dejavu_planner.profile import Profile
+
+
+class StageRole(enum.StrEnum):
+    """What a stage does, which decides which KV caches it must hold."""
+
+    PROMPT = "prompt"  # DejaVu prompt stage: one prompt's KV, streamed out as it is produced
+    TOKEN = "token"  # DejaVu token stage, or a baseline stage doing both phases
+
+
+def split_layers(layers: int, depth: int) -> tuple[int, ...]:
+    """Layer counts of the ``depth`` stages, as even as possible, larger ones first."""
+    if not 1 <= depth <= layers:
+        raise ValueError(f"depth must be in [1, {layers}], got {depth}")
+    base, extra = divmod(layers, depth)
+    return tuple(base + 1 if i < extra else base for i in range(depth))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Times (seconds) and sizes (bytes) of stages of one profiled model."""
+
+    profile: Profile
+
+    @property
+    def layers(self) -> int:
+        return self.profile.layers
+
+    def prompt_stage_time(self, stage_layers: int, batch: int, prompt_len: int) -> float:
+        """Compute time of one prompt microbatch on a stage of ``stage_layers`` layers (no streaming)."""
+        return stage_layers * self.profile.prompt_layer_time(batch, prompt_len)
+
+    def token_stage_time(self, stage_layers: int, batch: int) -> float:
+        """Compute time of one token step of a microbatch on a stage of ``stage_layers`` layers."""
+        return stage_layers * self.profile.token_layer_time(batch)
+
+    def swap_in_time(self, stage_layers: int, batch: int, context: int) -> float:
+        """Time to bring a microbatch's KV (``context`` positions) for the stage's layers back from the host.
+
+        The paper's ``transf_i = i B C / pciebw`` (Appendix "microbatch swapping").
+        """
+        bandwidth = self.profile.host_device_bytes_per_s
+        if bandwidth is None:
+            raise ValueError(f"profile {self.profile.model!r} has no host_device_bytes_per_s: cannot swap")
+        return stage_layers * batch * context * self.profile.kv_bytes_per_token_per_layer / bandwidth
+
+    def prompt_time_at(self, depth: int, batch: int, prompt_len: int) -> float:
+        """The paper's ``Y`` at depth ``D``: prompt time of one stage holding ``L / D`` layers."""
+        return self.layers / depth * self.profile.prompt_layer_time(batch, prompt_len)
+
+    def token_time_at(self, depth: int, batch: int) -> float:
+        """The paper's ``t`` at depth ``D``: token-step time of one stage holding ``L / D`` layers."""
+        return self.layers / depth * self.profile.token_layer_time(batch)
+
+    def swapped_token_time_at(self, depth: int, batch: int, context: int) -> float:
+        """``t`` with swapping: ``max(t, transfer)`` of a stage of ``L / D`` layers at ``context`` positions."""
+        transfer = self.swap_in_time(1, batch, context) * self.layers / depth
+        return max(self.token_time_at(depth, batch), transfer)
+
+    def weights_per_layer(self) -> int:
+        """``W0``."""
+        return self.profile.weight_bytes_per_layer
+
+    def kv_per_layer(self, batch: int, positions: int) -> int:
+        """KV bytes of one layer for a microbatch of ``batch`` sequences of ``positions`` tokens (``C0``, ``K0``)."""
+        return batch * positions * self.profile.kv_bytes_per_token_per_layer
+
+    def stage_memory(
+        self, role: StageRole, stage_layers: int, batch: int, prompt_len: int, max_new: int, resident: int
+    ) -> int:
+        """Bytes a stage needs: weights plus the KV it keeps resident.
+
+        A prompt stage holds one microbatch's prompt KV (``C0``) per layer. A token stage holds
+        ``resident`` microbatches' caches preallocated for prompt plus the longest generation
+        (``C0 + K0``): all in-flight microbatches, or two when swapping.
+        """
+        weights = stage_layers * self.weights_per_layer()
+        if role is StageRole.PROMPT:
+            return weights + stage_layers * self.kv_per_layer(batch, prompt_len)
+        return weights + resident * stage_layers * self.kv_per_layer(batch, prompt_len + max_new)
+
+    def fits(self, role: StageRole, depth: int, batch: int, prompt_len: int, max_new: int, swap: bool = False) -> bool:
+        """Whether every stage of a ``depth``-stage pipeline fits in one machine's memory.
+
+        A token pipeline keeps ``depth`` microbatches in flight; with swapping only
+        ``min(2, depth)`` of them are resident (the one running and the one being prefetched).
+        """
+        if not 1 <= depth <= self.layers:
+            return False
+        resident = min(2, depth) if swap else depth
+        fullest = math.ceil(self.layers / depth)
+        need = self.stage_memory(role, fullest, batch, prompt_len, max_new, resident)
+        return need <= self.profile.machine_memory_bytes

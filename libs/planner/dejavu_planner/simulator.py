@@ -1,0 +1,242 @@
+"""A discrete-event simulator of pipeline-parallel LLM serving under the three policies.
+
+Model (see docs/planner.md for the assumptions):
+
+* A pipeline is a chain of stages. A microbatch step (its prompt, or one token step) visits
+  the stages in order; each stage serves waiting steps first-come first-served, one at a time,
+  for the cost model's time of its layers.
+* A pipeline holds at most ``depth`` microbatches in flight (the KV caches it preallocates).
+  A microbatch takes up to ``microbatch`` waiting requests, first come first served.
+* A microbatch runs until its longest request ends; shorter ones finish early (their latency
+  ends at their own last token) but keep their rows: an early stop frees no capacity.
+* Baseline: a finished microbatch is replaced at once by a new one whose prompt then shares
+  the stages with the others' token steps. Baseline-DP: several such pipelines share one queue.
+* FasterTransformer: a batch of ``depth`` microbatches runs to the batch's longest request and
+  every request returns when the whole batch has left the last stage.
+* DejaVu: a prompt pipeline (stage times × ``m``, the streaming overhead) feeds a queue of
+  prompt-done microbatches that a token pipeline admits as its slots free up.
+* Swapping: a token step on a stage lasts ``max(compute, swap-in of the microbatch's KV)``.
+
+Pure Python (heapq); deterministic for a given input.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dejavu_planner.costmodel import CostModel, split_layers
+from dejavu_planner.deployment import Deployment, Policy
+from dejavu_planner.result import RequestRecord, Segment, SimResult
+from dejavu_planner.trace import Request, Trace
+
+
+class Role(enum.StrEnum):
+    COMBINED = "combined"  # baseline / FasterTransformer: prompts and tokens
+    PROMPT = "prompt"
+    TOKEN = "token"
+
+
+@dataclass
+class _Microbatch:
+    """A microbatch in flight; ``step`` is 0 before its prompt is done, then token steps done + 1."""
+
+    mid: int
+    requests: tuple[Request, ...]
+    token_steps: int
+    step: int = 0
+
+    @property
+    def batch(self) -> int:
+        return len(self.requests)
+
+    @property
+    def prompt_len(self) -> int:
+        return max(r.prompt_len for r in self.requests)
+
+
+@dataclass
+class _Stage:
+    index: int
+    layers: int
+    queue: deque[_Microbatch] = field(default_factory=deque)
+    busy: bool = False
+
+
+@dataclass
+class _Pipeline:
+    name: str
+    role: Role
+    stages: list[_Stage]
+    slots: int
+    in_flight: int = 0
+    batch_members: list[_Microbatch] = field(default_factory=list)  # FasterTransformer only
+
+
+class Simulator:
+    """Runs one deployment over one trace; call :meth:`run` once."""
+
+    def __init__(self, deployment: Deployment, trace: Trace, cost: CostModel, record_timeline: bool = False) -> None:
+        self.deployment = deployment
+        self.trace = trace
+        self.cost = cost
+        self.record_timeline = record_timeline
+        self.now = 0.0
+        self._events: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+        self._mids = itertools.count()
+        self._waiting: deque[Request] = deque()
+        self._prompted: deque[_Microbatch] = deque()  # DejaVu: prompts done, awaiting a token slot
+        self._first_token: dict[int, float] = {}
+        self._records: list[RequestRecord] = []
+        self._timeline: list[Segment] = []
+        self.pipelines = self._build_pipelines()
+
+    def _build_pipelines(self) -> list[_Pipeline]:
+        d = self.deployment
+
+        def pipeline(name: str, role: Role, depth: int) -> _Pipeline:
+            stages = [_Stage(i, n) for i, n in enumerate(split_layers(self.cost.layers, depth))]
+            return _Pipeline(name, role, stages, slots=depth)
+
+        if d.policy is Policy.DEJAVU:
+            return [pipeline("prompt", Role.PROMPT, d.depth), pipeline("token", Role.TOKEN, d.token_depth)]
+        return [pipeline(f"pipeline{r}", Role.COMBINED, d.depth) for r in range(d.replicas)]
+
+    def run(self) -> SimResult:
+        """Simulate until every request has finished; returns the result."""
+        for request in self.trace.requests:
+            self._push(request.arrival_s, request)
+        while self._events:
+            self.now, _, payload = heapq.heappop(self._events)
+            if isinstance(payload, Request):
+                self._waiting.append(payload)
+                # Requests arriving at the same instant form microbatches together.
+                while self._events and self._events[0][0] == self.now and isinstance(self._events[0][2], Request):
+                    self._waiting.append(heapq.heappop(self._events)[2])  # type: ignore[arg-type]
+                self._admit_all()
+            else:
+                pipeline, stage, mb = payload
+                self._stage_done(pipeline, stage, mb)
+        records = tuple(sorted(self._records, key=lambda r: r.rid))
+        assert len(records) == len(self.trace), "every request must finish"
+        makespan = max(r.finish_s for r in records)
+        return SimResult(self.deployment, makespan, records, tuple(self._timeline))
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _push(self, time: float, payload: object) -> None:
+        heapq.heappush(self._events, (time, next(self._seq), payload))
+
+    def _enqueue(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> None:
+        stage.queue.append(mb)
+        self._try_start(pipeline, stage)
+
+    def _try_start(self, pipeline: _Pipeline, stage: _Stage) -> None:
+        if stage.busy or not stage.queue:
+            return
+        mb = stage.queue.popleft()
+        stage.busy = True
+        end = self.now + self._duration(pipeline, stage, mb)
+        if self.record_timeline:
+            self._timeline.append(Segment(pipeline.name, stage.index, self.now, end, mb.mid, mb.step))
+        self._push(end, (pipeline, stage, mb))
+
+    def _duration(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> float:
+        if mb.step == 0:
+            compute = self.cost.prompt_stage_time(stage.layers, mb.batch, mb.prompt_len)
+            m = self.cost.profile.stream_overhead if pipeline.role is Role.PROMPT else 1.0
+            return m * compute
+        compute = self.cost.token_stage_time(stage.layers, mb.batch)
+        if not self.deployment.swap:
+            return compute
+        context = mb.prompt_len + mb.step
+        return max(compute, self.cost.swap_in_time(stage.layers, mb.batch, context))
+
+    def _stage_done(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> None:
+        stage.busy = False
+        if stage.index + 1 < len(pipeline.stages):
+            self._enqueue(pipeline, pipeline.stages[stage.index + 1], mb)
+        else:
+            self._step_done(pipeline, mb)
+        self._try_start(pipeline, stage)
+
+    # -- microbatch lifecycle -------------------------------------------------------------------
+
+    def _step_done(self, pipeline: _Pipeline, mb: _Microbatch) -> None:
+        """A microbatch left the last stage: record tokens, then continue, hand over or retire it."""
+        mb.step += 1
+        if mb.step == 1:
+            for r in mb.requests:
+                self._first_token[r.rid] = self.now
+        if self.deployment.policy is not Policy.FASTER_TRANSFORMER:  # FT returns whole batches
+            self._finish_requests(r for r in mb.requests if r.new_tokens == mb.step)
+        if pipeline.role is Role.PROMPT:
+            pipeline.in_flight -= 1
+            if mb.token_steps > 0:
+                self._prompted.append(mb)
+            self._admit_all()
+        elif mb.step <= mb.token_steps:
+            self._enqueue(pipeline, pipeline.stages[0], mb)
+        else:
+            self._retire(pipeline, mb)
+
+    def _retire(self, pipeline: _Pipeline, mb: _Microbatch) -> None:
+        pipeline.in_flight -= 1
+        if self.deployment.policy is Policy.FASTER_TRANSFORMER and pipeline.in_flight == 0:
+            self._finish_requests(r for member in pipeline.batch_members for r in member.requests)
+            pipeline.batch_members.clear()
+        self._admit_all()
+
+    def _finish_requests(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            first = self._first_token[r.rid]
+            self._records.append(RequestRecord(r.rid, r.arrival_s, first, self.now, r.new_tokens))
+
+    def _admit_all(self) -> None:
+        for pipeline in self.pipelines:
+            if pipeline.role is Role.TOKEN:
+                self._admit_prompted(pipeline)
+            elif self.deployment.policy is Policy.FASTER_TRANSFORMER:
+                self._admit_batch(pipeline)
+            else:
+                self._admit_new(pipeline)
+
+    def _take_microbatch(self) -> tuple[Request, ...]:
+        size = min(self.deployment.microbatch, len(self._waiting))
+        return tuple(self._waiting.popleft() for _ in range(size))
+
+    def _admit_new(self, pipeline: _Pipeline) -> None:
+        """Fill free slots with new microbatches from the waiting requests (their prompt first)."""
+        while pipeline.in_flight < pipeline.slots and self._waiting:
+            requests = self._take_microbatch()
+            mb = _Microbatch(next(self._mids), requests, max(r.new_tokens for r in requests) - 1)
+            pipeline.in_flight += 1
+            self._enqueue(pipeline, pipeline.stages[0], mb)
+
+    def _admit_prompted(self, pipeline: _Pipeline) -> None:
+        """DejaVu token pipeline: admit prompt-done microbatches, oldest first."""
+        while pipeline.in_flight < pipeline.slots and self._prompted:
+            pipeline.in_flight += 1
+            self._enqueue(pipeline, pipeline.stages[0], self._prompted.popleft())
+
+    def _admit_batch(self, pipeline: _Pipeline) -> None:
+        """FasterTransformer: only an empty pipeline takes a new batch of up to ``depth`` microbatches."""
+        if pipeline.in_flight > 0 or not self._waiting:
+            return
+        groups = [self._take_microbatch() for _ in range(pipeline.slots) if self._waiting]
+        steps = max(r.new_tokens for group in groups for r in group) - 1
+        for requests in groups:
+            mb = _Microbatch(next(self._mids), requests, steps)
+            pipeline.in_flight += 1
+            pipeline.batch_members.append(mb)
+            self._enqueue(pipeline, pipeline.stages[0], mb)
+
+
+def simulate(deployment: Deployment, trace: Trace, cost: CostModel, record_timeline: bool = False) -> SimResult:
+    """Simulate ``deployment`` serving ``trace`` with stage times from ``cost``."""
+    return Simulator(deployment, trace, cost, record_timeline).run()

@@ -1,0 +1,1 @@
+"""The worker lifecycle shared by prompt and token workers."""

@@ -1,0 +1,101 @@
+"""The worker's control thread: lease renewal, topology watch and admin commands, once per interval.
+
+One thread does all three so a worker costs Redis one pipelined round trip per heartbeat. The
+thread never touches torch or the data plane; it only updates fields the serving loop reads
+(``topology``, ``draining``) and, for an admin *kill*, ends the process abruptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import redis
+from pydantic import ValidationError
+
+from dejavu_common import keys
+from dejavu_common.admin import verify
+from dejavu_common.messages import AdminAction, AdminCommand, Topology
+from dejavu_common.settings import Settings
+
+log = logging.getLogger("dejavu.worker.heartbeat")
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, settings: Settings, client: redis.Redis, worker_id: str) -> None:
+        super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
+        self.settings = settings
+        self.redis = client
+        self.worker_id = worker_id
+        self.topology: Topology | None = None
+        self.topology_changed = threading.Event()
+        self.draining = threading.Event()
+        self._stop = threading.Event()
+        self._paused_until = 0.0
+        self._admin_cursor = "$"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        interval = self.settings.recovery.heartbeat_interval_s
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            self._stop.wait(interval)
+
+    def beat(self) -> None:
+        """Renew the lease (unless paused), refresh the topology, apply admin commands."""
+        ttl_ms = int(self.settings.recovery.lease_ttl_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        renew = time.monotonic() >= self._paused_until
+        if renew:
+            pipe.set(keys.worker_lease(self.worker_id), "1", px=ttl_ms)
+        pipe.get(keys.TOPOLOGY)
+        pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
+        results = pipe.execute()
+        raw_topo, admin = results[-2], results[-1]
+        if raw_topo is not None:
+            self._update_topology(raw_topo)
+        for _stream, entries in admin or []:
+            for entry_id, fields in entries:
+                self._admin_cursor = entry_id
+                self._admin(fields)
+        if self._admin_cursor == "$":
+            # Fix the cursor to the stream's current end so no command is missed between beats.
+            last = self.redis.xrevrange(keys.ADMIN_STREAM, count=1)
+            self._admin_cursor = last[0][0] if last else "0-0"
+
+    def _update_topology(self, raw: bytes) -> None:
+        try:
+            topo = Topology.decode(raw)
+        except ValidationError as exc:
+            log.error("ignoring malformed topology: %s", exc)
+            return
+        if self.topology is None or topo.epoch > self.topology.epoch:
+            self.topology = topo
+            self.topology_changed.set()
+
+    def _admin(self, fields: dict) -> None:
+        try:
+            cmd = AdminCommand.decode(fields[b"cmd"])
+        except (KeyError, ValidationError) as exc:
+            log.error("rejected malformed admin command: %s", exc)
+            return
+        if cmd.worker_id != self.worker_id:
+            return
+        if not verify(cmd, self.settings.admin.credential.get_secret_value()):
+            log.error("rejected admin command %s: bad credential", cmd.command_id)
+            return
+        log.warning("admin command: %s %s", cmd.action.value, cmd.seconds or "")
+        if cmd.action is AdminAction.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash, on purpose: no clean-up
+        elif cmd.action is AdminAction.PAUSE_HEARTBEATS:
+            self._paused_until = time.monotonic() + cmd.seconds
+        elif cmd.action is AdminAction.DRAIN:
+            self.draining.set()

@@ -1,0 +1,70 @@
+"""A worker's view of one token microbatch: its spec, its stage cache, and how far its prompt KV arrived."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.messages import MicrobatchSpec
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.kv_cache import KVCache
+
+
+def fetch_spec(client: redis.Redis, mb_id: int, deadline_s: float) -> MicrobatchSpec:
+    """The controller's spec of ``mb_id``; raises :class:`DeadlineExceeded` if it does not appear in time."""
+    end = time.monotonic() + deadline_s
+    while True:
+        raw = client.get(keys.microbatch(mb_id))
+        if raw is not None:
+            return MicrobatchSpec.decode(raw)
+        if time.monotonic() > end:
+            raise DeadlineExceeded(f"no spec for microbatch {mb_id} after {deadline_s} s")
+        time.sleep(0.005)
+
+
+@dataclass
+class MicrobatchState:
+    """Stage-local state of a token microbatch. ``cache`` covers this stage's layers only."""
+
+    spec: MicrobatchSpec
+    cache: KVCache
+    expected_cells: int  # (layers x rows) of prompt KV this stage must receive before decoding
+    cells: set[tuple[int, int]] = field(default_factory=set)  # (global layer, row) received: re-sends count once
+    complete: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done_step: int = -1  # the last step whose KV this stage holds (0: prompt)
+    prompt_replicated: bool = False
+
+    @property
+    def mb_id(self) -> int:
+        return self.spec.mb_id
+
+    def geometry(self, step: int) -> BatchGeometry:
+        """Geometry of the forward pass producing step ``step`` (0: the prefill; s >= 1: decode step s)."""
+        return BatchGeometry(self.spec.pad_lens, self.spec.prompt_len + step)
+
+    def add_prompt_cells(self, layers: tuple[int, int], rows: tuple[int, int]) -> None:
+        """Record a received prompt-KV chunk; sets ``complete`` (and ``done_step = 0``) once every
+        (layer, row) of this stage arrived. Idempotent: a re-sent chunk counts once."""
+        with self.lock:
+            self.cells.update((layer, row) for layer in range(*layers) for row in range(*rows))
+            if len(self.cells) >= self.expected_cells and not self.complete.is_set():
+                self.done_step = max(self.done_step, 0)
+                self.complete.set()
+
+    def mark_complete(self, step: int = 0) -> None:
+        """The cache holds the prompt (a colocated prefill, or a restore up to ``step``)."""
+        self.done_step = max(self.done_step, step)
+        self.complete.set()
+
+    def wait_complete(self, deadline_s: float) -> None:
+        if not self.complete.wait(deadline_s):
+            raise DeadlineExceeded(
+                f"prompt KV of microbatch {self.mb_id} incomplete after {deadline_s} s "
+                f"({len(self.cells)}/{self.expected_cells} cells)"
+            )

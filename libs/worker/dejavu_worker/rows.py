@@ -1,0 +1,81 @@
+"""Per-row progress of a token microbatch at a sampling stage: what each step emits and when rows stop.
+
+Pure Python. Step 0 is the first token (sampled by the last prompt stage, or by the last token stage
+in colocated mode); decode step ``s`` emits token ``s``. A row stops on an EOS or stop token, at
+``max_tokens``, when its slot of the cache is full, or when the controller cancelled it; a stopped
+row emits -1 from then on. The state after step ``s`` is a pure function of the tokens emitted so
+far, so a resumed microbatch rebuilds it from the token history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from dejavu_common.messages import FinishReason, MicrobatchSpec, TokenStep
+
+
+@dataclass
+class RowTracker:
+    spec: MicrobatchSpec
+    eos_ids: frozenset[int]
+    generated: list[int] = field(init=False)
+    finished: list[FinishReason | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.spec.rows)
+        self.generated = [0] * n
+        self.finished = [None] * n
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finished)
+
+    @property
+    def active_rows(self) -> list[int]:
+        return [r for r, f in enumerate(self.finished) if f is None]
+
+    def step(
+        self, step: int, sampled: Sequence[int], cancelled: Iterable[int] = (), rows: Sequence[int] | None = None
+    ) -> TokenStep:
+        """Record the tokens sampled at ``step`` for ``rows`` (default: all rows) and return the step's entry.
+
+        ``sampled[i]`` is the token of row ``rows[i]``; rows outside ``rows`` emit -1 in the entry.
+        """
+        rows = list(range(len(self.spec.rows))) if rows is None else list(rows)
+        cancelled = set(cancelled)
+        tokens = [-1] * len(self.spec.rows)
+        finished: list[FinishReason | None] = [None] * len(self.spec.rows)
+        for i, r in enumerate(rows):
+            if self.finished[r] is not None:
+                continue
+            if r in cancelled:
+                self.finished[r] = finished[r] = FinishReason.CANCELLED
+                continue
+            tok = int(sampled[i])
+            tokens[r] = tok
+            self.generated[r] += 1
+            reason = self._finish(r, tok, step)
+            if reason is not None:
+                self.finished[r] = finished[r] = reason
+        return TokenStep(mb_id=self.spec.mb_id, step=step, tokens=tuple(tokens), finished=tuple(finished))
+
+    def _finish(self, row: int, token: int, step: int) -> FinishReason | None:
+        sampling = self.spec.rows[row].sampling
+        if token in self.eos_ids or token in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if self.generated[row] >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        # The next decode step would write cache position prompt_len + step: stop when it is full.
+        if self.spec.prompt_len + step + 1 > self.spec.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def replay(self, history: Sequence[TokenStep]) -> None:
+        """Rebuild the state from emitted steps (recovery): apply each entry's tokens and finishes."""
+        for entry in history:
+            for r, (tok, fin) in enumerate(zip(entry.tokens, entry.finished, strict=True)):
+                if tok >= 0:
+                    self.generated[r] += 1
+                if fin is not None:
+                    self.finished[r] = fin

@@ -1,0 +1,68 @@
+"""From a validated HTTP request to the backend's :class:`GenerationRequest`: model, prompt and
+length checks that need the tokenizer or the settings (field ranges are the schemas' job)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from dejavu_controller.backend import GenerationRequest, SamplingParams
+
+from .errors import InvalidRequestError, NotFoundError
+from .schemas.common import SamplingRequest
+from .state import Gateway
+
+
+def new_request_id(prefix: str) -> str:
+    """An OpenAI-style id (``cmpl-…``, ``chatcmpl-…``), also used as the backend's request id."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(gateway: Gateway, model: str) -> None:
+    """404 unless ``model`` is the served model's id."""
+    if model != gateway.model_name:
+        raise NotFoundError(f"the model `{model}` does not exist", param="model", code="model_not_found")
+
+
+def check_token_ids(gateway: Gateway, token_ids: Sequence[int], param: str) -> None:
+    """400 unless every id is in the vocabulary (an out-of-range id would fail a worker's embedding)."""
+    vocab = gateway.tokenizer.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def admit(
+    gateway: Gateway,
+    request_id: str,
+    prompt_ids: Sequence[int],
+    body: SamplingRequest,
+    max_tokens: int | None,
+    prompt_param: str,
+) -> GenerationRequest:
+    """Check the prompt against the context and build the backend request.
+
+    ``max_tokens`` None means "whatever the context leaves". Raises :class:`InvalidRequestError` for an
+    empty prompt or when prompt + ``max_tokens`` exceeds ``settings.engine.max_context``.
+    """
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty", param=prompt_param)
+    context = gateway.max_context
+    room = context - len(prompt_ids)
+    wanted = room if max_tokens is None else max_tokens
+    if room < 1 or wanted > room:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {context} tokens, but {len(prompt_ids) + max(wanted, 1)} "
+            f"were requested ({len(prompt_ids)} in the prompt, {max(wanted, 1)} to generate)",
+            param=prompt_param if room < 1 else "max_tokens",
+            code="context_length_exceeded",
+        )
+    params = SamplingParams(
+        max_tokens=wanted,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "off"
+        seed=body.seed,
+        stop=body.stop_strings,
+    )
+    return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=params)

@@ -1,0 +1,76 @@
+"""The app factory: ``create_app(settings, backend_factory)`` builds the OpenAI-compatible gateway.
+
+The lifespan owns the runtime: it loads the tokenizer (off the event loop), enters the backend
+factory's context (the backend's Redis pool, its background tasks), publishes the :class:`Gateway`
+to the routes, and on shutdown takes it back before exiting the backend. Nothing is global: two
+apps in one process are independent (own backend, own metrics registry).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import Depends, FastAPI
+
+from dejavu_common.settings import Settings
+from dejavu_common.tokenizer import Tokenizer
+
+from .auth import ApiKeyVerifier
+from .dependencies import require_api_key
+from .errors import install_error_handler
+from .metrics import GatewayMetrics
+from .routers import chat, completions, health, metrics, models
+from .state import BackendFactory, Gateway
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """Build the gateway app; nothing starts until the ASGI server runs its lifespan.
+
+    ``tokenizer`` overrides loading one from ``settings.model.folder`` at startup. Raises
+    :class:`~.auth.InsecureExposureError` if ``settings.controller.host`` is not loopback and no
+    API keys are configured (on loopback without keys it logs a warning).
+    """
+    verifier = ApiKeyVerifier(settings.controller.api_keys)
+    verifier.check_exposure(settings.controller.host)
+    gateway_metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loaded = tokenizer
+        if loaded is None:
+            folder = settings.model.folder
+            loaded = await anyio.to_thread.run_sync(Tokenizer.from_pretrained, folder)
+            log.info("tokenizer loaded from %s", folder)
+        async with backend_factory(settings, gateway_metrics.runtime) as backend:
+            app.state.gateway = Gateway(settings, backend, loaded, gateway_metrics, int(time.time()))
+            gateway_metrics.watch(backend)
+            try:
+                yield
+            finally:
+                gateway_metrics.watch(None)
+                app.state.gateway = None
+
+    app = FastAPI(
+        title="DejaVu",
+        description="OpenAI-compatible gateway of a DejaVu deployment (KV-cache streaming LLM serving).",
+        version="0.1.0",
+        lifespan=lifespan,
+        strict_content_type=False,  # a body sent with no Content-Type header at all is still read as JSON
+    )
+    app.state.metrics = gateway_metrics
+    app.state.verifier = verifier
+    app.state.gateway = None
+    install_error_handler(app)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    keyed = [Depends(require_api_key)]
+    app.include_router(models.router, dependencies=keyed)
+    app.include_router(completions.router, dependencies=keyed)
+    app.include_router(chat.router, dependencies=keyed)
+    return app

@@ -1,0 +1,70 @@
+"""Bearer API keys: who may call the ``/v1`` endpoints, and whether the API may be exposed at all.
+
+``/health``, ``/ready`` and ``/metrics`` stay open (orchestrators and Prometheus probe them); every
+``/v1`` route requires ``Authorization: Bearer <key>`` with one of ``controller.api_keys``. Keys are
+compared in constant time, against every configured key, so timing reveals neither a key's prefix
+nor which key matched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Sequence
+
+from pydantic import SecretStr
+
+from .errors import UnauthorizedError
+
+log = logging.getLogger(__name__)
+
+
+class InsecureExposureError(ValueError):
+    """The API would listen beyond loopback without any API key."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost``, 127.0.0.0/8 and ::1; False for anything else (``0.0.0.0`` included)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+class ApiKeyVerifier:
+    """Checks bearer tokens against the configured keys; with no keys, lets everything through."""
+
+    def __init__(self, keys: Sequence[SecretStr]) -> None:
+        self._keys = tuple(key.get_secret_value().encode() for key in keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check_exposure(self, host: str) -> None:
+        """Refuse (raise :class:`InsecureExposureError`) a keyless API on a non-loopback ``host``;
+        warn about a keyless one on loopback."""
+        if self.enabled:
+            return
+        if not is_loopback(host):
+            raise InsecureExposureError(
+                f"refusing to serve an unauthenticated API on {host!r}: set DEJAVU_CONTROLLER__API_KEYS "
+                "(e.g. '[\"sk-...\"]') or bind to 127.0.0.1"
+            )
+        log.warning("no API keys configured: the API on %s is unauthenticated (loopback only)", host)
+
+    def verify(self, token: str | None) -> None:
+        """Accept a bearer ``token`` or raise :class:`UnauthorizedError` (HTTP 401)."""
+        if not self.enabled:
+            return
+        if not token:
+            raise UnauthorizedError("missing API key: send 'Authorization: Bearer <key>'")
+        presented = token.encode()
+        matched = False
+        for key in self._keys:  # no early exit: every key is compared every time
+            matched |= hmac.compare_digest(presented, key)
+        if not matched:
+            raise UnauthorizedError("incorrect API key provided")

@@ -1,0 +1,1 @@
+"""The HTTP wire format (OpenAI-compatible), kept apart from the backend's internal types."""

@@ -1,0 +1,36 @@
+"""What a running gateway holds: built once by the lifespan, reached by routes through dependencies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+from dejavu_common.settings import Settings
+from dejavu_common.tokenizer import Tokenizer
+from dejavu_controller.backend import Backend
+
+from .metrics import GatewayMetrics, RuntimeMetrics
+
+# Builds the serving runtime for the app's lifetime: entered at startup, exited at shutdown. It gets
+# the settings and the metrics it may feed; it must not block the event loop while entering.
+BackendFactory = Callable[[Settings, RuntimeMetrics], AbstractAsyncContextManager[Backend]]
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """The live parts of one app; immutable once the lifespan has started."""
+
+    settings: Settings
+    backend: Backend
+    tokenizer: Tokenizer
+    metrics: GatewayMetrics
+    started_at: int  # unix seconds; the model card's ``created``
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model.name
+
+    @property
+    def max_context(self) -> int:
+        return self.settings.engine.max_context

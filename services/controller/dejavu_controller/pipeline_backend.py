@@ -1,0 +1,268 @@
+"""The real :class:`Backend`: schedules microbatches onto worker pipelines through Redis.
+
+Three asyncio tasks share one event loop (the gateway's):
+
+- *control*: polls the registry every heartbeat interval, (re)publishes the topology, tracks readiness;
+- *dispatch*: forms token microbatches from waiting requests, writes their specs, and queues prompt
+  microbatches on the prompt stream (or, in colocated mode, on the colocated stream);
+- *relay*: reads the token streams of active microbatches and hands each request its tokens,
+  exactly once and in order (entries are indexed by step; a re-executed step is a duplicate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from dejavu_common import keys
+from dejavu_common.messages import FinishReason as WireFinish
+from dejavu_common.messages import SamplingSpec, TokenStep, Topology
+from dejavu_common.settings import Mode, Settings
+from dejavu_controller.api.metrics import RuntimeMetrics
+from dejavu_controller.backend import (
+    BackendStats,
+    FinishReason,
+    GenerationRequest,
+    NotReadyError,
+    TokenEvent,
+)
+from dejavu_controller.registry import Registry, WorkerView
+from dejavu_controller.repair import Repair
+from dejavu_controller.request import Request, RequestStatus
+from dejavu_controller.scheduler import Microbatch, Scheduler, SchedulerLimits
+
+log = logging.getLogger("dejavu.controller")
+
+_FINISH = {
+    WireFinish.STOP: FinishReason.STOP,
+    WireFinish.LENGTH: FinishReason.LENGTH,
+    WireFinish.CANCELLED: FinishReason.CANCELLED,
+}
+
+
+class PipelineBackend:
+    """Backend over Redis-coordinated prompt and token pipelines. Use as an async context manager."""
+
+    def __init__(
+        self, settings: Settings, redis: aioredis.Redis, n_layers: int, metrics: RuntimeMetrics | None = None
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.redis = redis
+        c = settings.controller
+        colocated = c.mode is Mode.COLOCATED
+        self.registry = Registry(redis, c, n_layers)
+        self.scheduler = Scheduler(
+            SchedulerLimits(
+                token_microbatch=c.token_microbatch,
+                prompt_microbatch=c.token_microbatch if colocated else c.prompt_microbatch,
+                max_outstanding=c.token_depth + (0 if colocated else c.prompt_depth),
+                queue_bound=c.queue_bound,
+                batch_wait_s=c.batch_wait_ms / 1000.0,
+            )
+        )
+        self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE
+        self._ready = False
+        self._workers: dict[str, WorkerView] = {}
+        self._wake = asyncio.Event()
+        self._stream_ids: dict[int, bytes] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.repair = Repair(settings, redis)
+        self._repair_task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> PipelineBackend:
+        for coro in (self._control_loop(), self._dispatch_loop(), self._relay_loop()):
+            self._tasks.append(asyncio.create_task(coro))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in [*self._tasks, *([self._repair_task] if self._repair_task else [])]:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    # -- Backend protocol ------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self._ready
+
+    def stats(self) -> BackendStats:
+        return BackendStats(
+            queue_depth=self.scheduler.queue_depth,
+            workers={w: ("alive:" if v.alive else "dead:") + v.state.value for w, v in self._workers.items()},
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        if not self._ready:
+            raise NotReadyError("no complete pipeline is registered")
+        p = request.params
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        req = Request(
+            request_id=request.request_id,
+            prompt_ids=request.prompt_token_ids,
+            sampling=SamplingSpec(
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=seed,
+                stop_token_ids=p.stop_token_ids,
+            ),
+        )
+        self.scheduler.admit(req)  # QueueFullError propagates before the first event
+        self._wake.set()
+        return self._events(req)
+
+    async def _events(self, req: Request) -> AsyncIterator[TokenEvent]:
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(req.events.get(), timeout=self.settings.controller.request_timeout_s)
+                except TimeoutError:
+                    log.error("request %s timed out", req.request_id)
+                    req.fail()
+                    yield TokenEvent(token_ids=(), finish_reason=FinishReason.ERROR)
+                    return
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            if not req.done:
+                await self._cancel(req)
+
+    async def _cancel(self, req: Request) -> None:
+        req.transition(RequestStatus.CANCELLED)
+        if req.mb_id is not None:
+            await self.redis.sadd(keys.microbatch_cancel(req.mb_id), req.row)
+        self._wake.set()
+
+    # -- control -----------------------------------------------------------------------------
+    async def _control_loop(self) -> None:
+        interval = self.settings.recovery.heartbeat_interval_s
+        while True:
+            try:
+                await self._control_once()
+            except Exception:  # keep the controller alive through transient Redis errors
+                log.exception("control loop iteration failed")
+            await asyncio.sleep(interval)
+
+    async def _control_once(self) -> None:
+        self._workers = await self.registry.workers()
+        old = self.registry.topology
+        lost = self.registry.lost(self._workers)
+        if old is None or lost:
+            topo = self.registry.assemble(self._workers)
+            if topo is None:
+                if lost and self._ready:
+                    log.error("lost %s and no replacement is available: waiting for one", lost)
+                self._ready = False
+                return
+            new = await self.registry.publish(topo, self._workers)
+            if old is not None:
+                log.warning("lost %s: repairing the pipelines at epoch %d", lost, new.epoch)
+                self._start_repair(old, new, lost)
+        was = self._ready
+        self._ready = self.registry.ready(self._workers)
+        if self._ready != was:
+            log.info("system %s", "ready" if self._ready else "not ready")
+            self._wake.set()
+
+    def _start_repair(self, old: Topology, new: Topology, lost: list[str]) -> None:
+        if self._repair_task is not None and not self._repair_task.done():
+            self._repair_task.cancel()  # a failure during recovery: start over at the newer epoch
+        active = self.scheduler.active.values()
+        resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
+        not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
+        replaced = self.registry.replaced(old, new, lost)
+        self._repair_task = asyncio.create_task(
+            self.repair.run(new, replaced, resumable, not_started, self._redispatch, time.monotonic())
+        )
+
+    async def _redispatch(self, mb_ids: list[int]) -> None:
+        """Queue the prompts of ``mb_ids`` again (their specs are unchanged; duplicate tokens are dropped)."""
+        mbs = [self.scheduler.active[m] for m in mb_ids if m in self.scheduler.active]
+        if mbs:
+            await self._dispatch(mbs, write_specs=False)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        wait = max(self.settings.controller.batch_wait_ms / 1000.0, 0.001)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+            self._wake.clear()
+            if not self._ready:
+                continue
+            try:
+                await self._dispatch(self.scheduler.form())
+            except Exception:
+                log.exception("dispatch failed")
+
+    async def _dispatch(self, mbs: list[Microbatch], write_specs: bool = True) -> None:
+        if not mbs:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for mb in mbs:
+            if write_specs:
+                pipe.set(keys.microbatch(mb.spec.mb_id), mb.spec.encode())
+                self._stream_ids[mb.spec.mb_id] = b"0-0"
+        for task in self.scheduler.pack_prompt_tasks(mbs):
+            pipe.xadd(self._queue, {"task": task.encode()})
+        await pipe.execute()
+        log.info("dispatched microbatches %s", [(m.spec.mb_id, len(m.requests)) for m in mbs])
+
+    # -- relay -------------------------------------------------------------------------------
+    async def _relay_loop(self) -> None:
+        while True:
+            if not self._stream_ids:
+                await asyncio.sleep(0.005)
+                continue
+            try:
+                streams = {keys.tokens(mb): sid for mb, sid in self._stream_ids.items()}
+                resp = await self.redis.xread(streams, block=50, count=256)
+            except Exception:
+                log.exception("relay read failed")
+                await asyncio.sleep(0.1)
+                continue
+            for stream, entries in resp or []:
+                mb_id = int(stream.decode().rsplit(":", 1)[1])
+                for entry_id, fields in entries:
+                    if mb_id in self._stream_ids:
+                        self._stream_ids[mb_id] = entry_id
+                    self._relay_entry(mb_id, fields)
+                await self._maybe_complete(mb_id)
+
+    def _relay_entry(self, mb_id: int, fields: dict) -> None:
+        mb = self.scheduler.active.get(mb_id)
+        if mb is None:
+            return
+        try:
+            step = TokenStep.decode(fields[b"step"])
+        except (KeyError, ValidationError) as exc:
+            log.error("dropping malformed token entry for microbatch %d: %s", mb_id, exc)
+            return
+        for row, req in enumerate(mb.requests):
+            if row >= len(step.tokens):
+                break
+            fin = step.finished[row]
+            if step.tokens[row] >= 0 or fin is not None:
+                mb.started_rows.add(row)
+            if fin is not None:
+                mb.finished_rows.add(row)
+            req.deliver(step.step, step.tokens[row], _FINISH[fin] if fin is not None else None)
+
+    async def _maybe_complete(self, mb_id: int) -> None:
+        mb = self.scheduler.active.get(mb_id)
+        if mb is None or not mb.done:
+            return
+        self.scheduler.complete(mb_id)
+        self._stream_ids.pop(mb_id, None)
+        await self.redis.delete(keys.tokens(mb_id), keys.microbatch_cancel(mb_id), keys.microbatch(mb_id))
+        self._wake.set()

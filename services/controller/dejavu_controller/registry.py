@@ -1,0 +1,162 @@
+"""Worker registry: who is alive (leases in Redis) and which stage each worker holds.
+
+Workers register themselves (``keys.worker``) and renew a lease (``keys.worker_lease``, a key with
+a TTL). The controller polls them, assembles the prompt and token pipelines, and publishes a
+:class:`Topology` with a fresh epoch whenever the membership of a pipeline changes; a worker that
+is not in the newest topology is fenced.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from dejavu_common import keys
+from dejavu_common.messages import StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
+from dejavu_common.settings import ControllerSettings, Mode
+
+log = logging.getLogger("dejavu.controller.registry")
+
+
+def split_layers(n_layers: int, depth: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal layer ranges for ``depth`` stages (earlier stages take the remainder)."""
+    if not 1 <= depth <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {depth} stages")
+    base, extra = divmod(n_layers, depth)
+    out, a = [], 0
+    for s in range(depth):
+        b = a + base + (1 if s < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    info: WorkerInfo
+    alive: bool
+    state: WorkerState
+    epoch: int
+
+
+class Registry:
+    def __init__(self, redis: aioredis.Redis, settings: ControllerSettings, n_layers: int) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.n_layers = n_layers
+        self.topology: Topology | None = None
+        self.instances: dict[str, str] = {}  # stage holder -> the process instance that held it at publish
+
+    async def workers(self) -> dict[str, WorkerView]:
+        """Every registered worker with its lease status; malformed records are skipped and logged."""
+        ids = sorted(m.decode() for m in await self.redis.smembers(keys.WORKERS))
+        pipe = self.redis.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(keys.worker(wid))
+            pipe.exists(keys.worker_lease(wid))
+        raw = await pipe.execute()
+        out: dict[str, WorkerView] = {}
+        for i, wid in enumerate(ids):
+            record, alive = raw[2 * i], bool(raw[2 * i + 1])
+            try:
+                info = WorkerInfo.decode(record[b"info"])
+                state = WorkerState(record.get(b"state", b"starting").decode())
+                epoch = int(record.get(b"epoch", b"0"))
+            except (KeyError, ValueError) as exc:
+                log.warning("skipping malformed worker record %s: %s", wid, exc)
+                continue
+            out[wid] = WorkerView(info=info, alive=alive, state=state, epoch=epoch)
+        return out
+
+    def assemble(self, workers: dict[str, WorkerView]) -> Topology | None:
+        """A topology from live workers, keeping current stage holders where alive; None if short."""
+        live = {w: v for w, v in workers.items() if v.alive and v.state is not WorkerState.STOPPED}
+        colocated = self.settings.mode is Mode.COLOCATED
+        prompt = [] if colocated else self._pick(live, WorkerRole.PROMPT, self.settings.prompt_depth, "prompt_stages")
+        token = self._pick(live, WorkerRole.TOKEN, self.settings.token_depth, "token_stages")
+        if prompt is None or token is None:
+            return None
+        return Topology(
+            epoch=0,
+            mode=self.settings.mode.value,
+            n_layers=self.n_layers,
+            prompt_stages=self._assign(prompt),
+            token_stages=self._assign(token),
+            prompt_microbatch=self.settings.prompt_microbatch,
+            token_microbatch=self.settings.token_microbatch,
+        )
+
+    def _pick(self, live: dict[str, WorkerView], role: WorkerRole, depth: int, attr: str) -> list[str] | None:
+        current = [a.worker_id for a in getattr(self.topology, attr, ())] if self.topology else []
+        # Keep survivors in their stages; fill holes with other live workers of the role, non-spares first.
+        chosen = [w if w in live else None for w in current][:depth] + [None] * max(0, depth - len(current))
+        pool = sorted(
+            (w for w, v in live.items() if v.info.role is role and w not in chosen),
+            key=lambda w: (live[w].info.spare, w),
+        )
+        for i, w in enumerate(chosen):
+            if w is None:
+                if not pool:
+                    return None
+                chosen[i] = pool.pop(0)
+        return [w for w in chosen if w is not None]
+
+    def _assign(self, worker_ids: list[str]) -> tuple[StageAssignment, ...]:
+        if not worker_ids:
+            return ()
+        ranges = split_layers(self.n_layers, len(worker_ids))
+        return tuple(
+            StageAssignment(worker_id=w, stage=s, layers=r) for s, (w, r) in enumerate(zip(worker_ids, ranges, strict=True))
+        )
+
+    async def publish(self, topology: Topology, workers: dict[str, WorkerView]) -> Topology:
+        """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from."""
+        epoch = int(await self.redis.incr(keys.EPOCH))
+        topo = topology.model_copy(update={"epoch": epoch})
+        await self.redis.set(keys.TOPOLOGY, topo.encode())
+        await self.redis.publish(keys.TOPOLOGY_CHANNEL, str(epoch))
+        self.topology = topo
+        self.instances = {
+            a.worker_id: workers[a.worker_id].info.instance for a in (*topo.prompt_stages, *topo.token_stages)
+        }
+        log.info(
+            "published topology epoch %d: prompt=%s token=%s",
+            epoch,
+            [(a.worker_id, a.layers) for a in topo.prompt_stages],
+            [(a.worker_id, a.layers) for a in topo.token_stages],
+        )
+        return topo
+
+    def ready(self, workers: dict[str, WorkerView]) -> bool:
+        """The published pipelines are complete and every stage serves this epoch."""
+        topo = self.topology
+        if topo is None:
+            return False
+        for a in (*topo.prompt_stages, *topo.token_stages):
+            v = workers.get(a.worker_id)
+            if v is None or not v.alive or v.state is not WorkerState.SERVING or v.epoch != topo.epoch:
+                return False
+        return True
+
+    def lost(self, workers: dict[str, WorkerView]) -> list[str]:
+        """Stage holders of the current topology whose lease expired or whose process restarted."""
+        topo = self.topology
+        if topo is None:
+            return []
+        out = []
+        for a in (*topo.prompt_stages, *topo.token_stages):
+            view = workers.get(a.worker_id)
+            if view is None or not view.alive or view.info.instance != self.instances.get(a.worker_id):
+                out.append(a.worker_id)
+        return out
+
+    @staticmethod
+    def replaced(old: Topology, new: Topology, lost: list[str]) -> dict[int, str]:
+        """Token stages of ``new`` whose holder is not the process that held them in ``old``
+        (another worker, or the same worker id restarted)."""
+        before = {a.stage: a.worker_id for a in old.token_stages}
+        return {
+            a.stage: a.worker_id for a in new.token_stages if before.get(a.stage) != a.worker_id or a.worker_id in lost
+        }

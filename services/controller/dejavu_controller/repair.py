@@ -1,0 +1,119 @@
+"""The controller's side of failure recovery (the paper's four steps), as an asyncio task.
+
+When a stage holder is lost the control loop publishes a new topology (a spare or the restarted
+process takes the stage; the epoch bump fences the old worker) and hands the rest to
+:meth:`Repair.run`:
+
+1. it writes a :class:`RecoveryOrder` naming the replaced token stages and the microbatches to resume;
+2. the token stages exchange caches (successor -> replacement: the replica; predecessor ->
+   replacement: its own cache) and report progress; the replacement reports when it is restored;
+3. it computes each microbatch's resume step from progress and replication watermarks
+   (:func:`plan_resume`) and publishes the :class:`ResumePoint`;
+4. microbatches that cannot resume re-run their prompts.
+
+Each phase is timed and logged; the durations feed ``dejavu_recovery_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from dejavu_common import keys
+from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress, Topology
+from dejavu_common.settings import Replication, Settings
+from dejavu_controller.recovery import plan_resume
+
+log = logging.getLogger("dejavu.controller.repair")
+
+
+@dataclass
+class RepairTimings:
+    """Seconds of each recovery phase, from the moment the failure was detected."""
+
+    detected_at: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = time.monotonic() - self.detected_at
+
+
+class Repair:
+    def __init__(self, settings: Settings, redis: aioredis.Redis) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.last: RepairTimings | None = None
+
+    async def run(
+        self,
+        topology: Topology,
+        replaced: dict[int, str],
+        resumable: list[int],
+        not_started: list[int],
+        redispatch: Callable[[list[int]], asyncio.Future | None],
+        detected_at: float,
+    ) -> ResumePoint:
+        """Drive recovery at ``topology.epoch``; returns the published resume point.
+
+        ``resumable``: microbatches the token pipeline had admitted (their first tokens exist);
+        ``not_started``: active microbatches still in the prompt phase, which re-run their prompts.
+        """
+        timings = RepairTimings(detected_at)
+        epoch = topology.epoch
+        order = RecoveryOrder(epoch=epoch, replaced=replaced, microbatches=tuple(resumable))
+        await self.redis.set(keys.RECOVERY, order.encode())
+        timings.mark("replacement_assigned")
+        log.warning(
+            "recovery at epoch %d: replaced token stages %s, resuming microbatches %s", epoch, replaced, resumable
+        )
+        depth = len(topology.token_stages)
+        survivors = [a.stage for a in topology.token_stages if a.stage not in replaced]
+        deadline = time.monotonic() + self.settings.transport.deadline_s * 3
+        progress: dict[int, dict[int, int]] = {}
+        restored: set[int] = set()
+        while time.monotonic() < deadline:
+            for s in survivors:
+                if s not in progress:
+                    raw = await self.redis.get(keys.progress(epoch, s))
+                    if raw is not None:
+                        progress[s] = StageProgress.decode(raw).done
+            for s in replaced:
+                if s not in restored and await self.redis.exists(keys.restored(epoch, s)):
+                    restored.add(s)
+            if len(progress) == len(survivors) and restored == set(replaced):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            log.error(
+                "recovery at epoch %d timed out (progress from %s, restored %s): re-running every prompt",
+                epoch,
+                sorted(progress),
+                sorted(restored),
+            )
+            progress = {}
+        timings.mark("cache_restored")
+        watermarks = {}
+        for s in replaced:
+            raw = await self.redis.hgetall(keys.watermark(s))
+            watermarks[s] = {int(k): int(v) for k, v in raw.items()}
+        replication = self.settings.recovery.replication is not Replication.OFF
+        plan = plan_resume(epoch, depth, resumable, set(replaced), progress, watermarks, replication)
+        plan = plan.model_copy(update={"rerun": tuple(sorted({*plan.rerun, *not_started}))})
+        await self.redis.set(keys.RESUME, plan.encode())
+        if plan.rerun:
+            await redispatch(list(plan.rerun))
+        timings.mark("resumed")
+        self.last = timings
+        log.warning(
+            "recovery at epoch %d done: resume %s, re-run prompts of %s; phases %s",
+            epoch,
+            plan.resume,
+            list(plan.rerun),
+            {k: round(v, 3) for k, v in timings.phases.items()},
+        )
+        return plan

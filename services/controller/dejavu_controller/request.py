@@ -1,0 +1,87 @@
+"""A request's life inside the controller; the request owns its state."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from dejavu_common.messages import RowSpec, SamplingSpec
+from dejavu_controller.backend import FinishReason, TokenEvent
+
+
+class RequestStatus(str, enum.Enum):
+    QUEUED = "queued"  # admitted, waiting for a microbatch
+    SCHEDULED = "scheduled"  # part of a microbatch sent to the prompt pipeline
+    DECODING = "decoding"  # first token seen
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+_LEGAL: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.QUEUED: frozenset({RequestStatus.SCHEDULED, RequestStatus.CANCELLED, RequestStatus.FAILED}),
+    RequestStatus.SCHEDULED: frozenset(
+        {RequestStatus.DECODING, RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED}
+    ),
+    RequestStatus.DECODING: frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED}),
+    RequestStatus.FINISHED: frozenset(),
+    RequestStatus.CANCELLED: frozenset(),
+    RequestStatus.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class Request:
+    """One generation request: its tokens, status, and where its KV lives (microbatch and row)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    arrival: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.QUEUED
+    output_ids: list[int] = field(default_factory=list)
+    mb_id: int | None = None
+    row: int | None = None
+    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    last_step: int = -1  # the newest step delivered: steps <= last_step are duplicates
+
+    @property
+    def done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+    def transition(self, new: RequestStatus) -> None:
+        if new not in _LEGAL[self.status]:
+            raise IllegalTransition(f"request {self.request_id}: {self.status.value} -> {new.value}")
+        self.status = new
+
+    def row_spec(self) -> RowSpec:
+        return RowSpec(request_id=self.request_id, prompt_ids=self.prompt_ids, sampling=self.sampling)
+
+    def deliver(self, step: int, token: int, finish: FinishReason | None) -> bool:
+        """Record step ``step``'s token once; returns False for a duplicate (a resumed step)."""
+        if self.done or step <= self.last_step:
+            return False
+        if token < 0 and finish is None:
+            return False  # this entry carries nothing for this row (another prompt piece, or already done)
+        self.last_step = step
+        if self.status is RequestStatus.SCHEDULED:
+            self.transition(RequestStatus.DECODING)
+        ids: tuple[int, ...] = ()
+        if token >= 0:
+            self.output_ids.append(token)
+            ids = (token,)
+        if finish is not None:
+            self.transition(RequestStatus.FINISHED)
+        self.events.put_nowait(TokenEvent(token_ids=ids, finish_reason=finish))
+        return True
+
+    def fail(self) -> None:
+        if not self.done:
+            self.transition(RequestStatus.FAILED)
+            self.events.put_nowait(TokenEvent(token_ids=(), finish_reason=FinishReason.ERROR))

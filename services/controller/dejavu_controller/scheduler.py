@@ -1,0 +1,128 @@
+"""Microbatch formation and slot accounting (pure logic; no I/O, no asyncio).
+
+Requests wait in FIFO order; a token microbatch is formed from up to ``token_microbatch`` of them
+when that many are waiting, or when the oldest has waited ``batch_wait_ms``. At most
+``max_outstanding`` token microbatches exist at a time: the token pipeline keeps D_t of them in
+flight and the prompt pipeline may run ahead by D_p more, whose caches wait in the token workers'
+host memory. When a microbatch completes, its slot goes to the next one (microbatch-level
+replacement, as in the paper). Rows of new token microbatches are packed, in order, into prompt
+microbatches of up to ``prompt_microbatch`` rows, so a prompt microbatch can feed several token
+microbatches (split) or several prompt microbatches one token microbatch (merge).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dejavu_common.messages import MicrobatchSpec, PromptPiece, PromptTask
+from dejavu_controller.backend import QueueFullError
+from dejavu_controller.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    token_microbatch: int
+    prompt_microbatch: int
+    max_outstanding: int
+    queue_bound: int
+    batch_wait_s: float
+
+
+@dataclass
+class Microbatch:
+    spec: MicrobatchSpec
+    requests: list[Request]
+    finished_rows: set[int] = field(default_factory=set)  # rows the workers reported finished
+    started_rows: set[int] = field(default_factory=set)  # rows whose first token (step 0) was seen
+
+    @property
+    def first_complete(self) -> bool:
+        """Every row has its first token: the token pipeline has (or had) this microbatch."""
+        return len(self.started_rows) == len(self.requests)
+
+    @property
+    def done(self) -> bool:
+        """The workers are done with every row (a cancelled row counts once a worker confirms it)."""
+        return len(self.finished_rows) == len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.limits = limits
+        self.waiting: deque[Request] = deque()
+        self.active: dict[int, Microbatch] = {}
+        self._next_mb = 0
+        self._next_task = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def admit(self, request: Request) -> None:
+        """Queue ``request``; raises :class:`QueueFullError` at the bound."""
+        if len(self.waiting) >= self.limits.queue_bound:
+            raise QueueFullError(retry_after_s=1.0)
+        self.waiting.append(request)
+
+    def drop_cancelled(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not r.done)
+
+    def form(self, now: float | None = None) -> list[Microbatch]:
+        """New token microbatches for the free slots (possibly none)."""
+        now = time.monotonic() if now is None else now
+        self.drop_cancelled()
+        formed: list[Microbatch] = []
+        b = self.limits.token_microbatch
+        while self.waiting and len(self.active) < self.limits.max_outstanding:
+            full = len(self.waiting) >= b
+            stale = now - self.waiting[0].arrival >= self.limits.batch_wait_s
+            if not (full or stale):
+                break
+            reqs = [self.waiting.popleft() for _ in range(min(b, len(self.waiting)))]
+            mb = self._make(reqs)
+            self.active[mb.spec.mb_id] = mb
+            formed.append(mb)
+        return formed
+
+    def _make(self, reqs: list[Request]) -> Microbatch:
+        mb_id = self._next_mb
+        self._next_mb += 1
+        prompt_len = max(len(r.prompt_ids) for r in reqs)
+        max_len = prompt_len + max(r.sampling.max_tokens for r in reqs)
+        for row, r in enumerate(reqs):
+            r.mb_id, r.row = mb_id, row
+            r.transition(RequestStatus.SCHEDULED)
+        spec = MicrobatchSpec(
+            mb_id=mb_id, rows=tuple(r.row_spec() for r in reqs), prompt_len=prompt_len, max_len=max_len
+        )
+        return Microbatch(spec=spec, requests=reqs)
+
+    def pack_prompt_tasks(self, mbs: list[Microbatch]) -> list[PromptTask]:
+        """Pack the rows of ``mbs`` in order into prompt microbatches of at most ``prompt_microbatch`` rows."""
+        tasks: list[PromptTask] = []
+        pieces: list[PromptPiece] = []
+        room = self.limits.prompt_microbatch
+        for mb in mbs:
+            row, n = 0, len(mb.spec.rows)
+            while row < n:
+                take = min(room, n - row)
+                pieces.append(PromptPiece(mb_id=mb.spec.mb_id, dst_rows=(row, row + take)))
+                row += take
+                room -= take
+                if room == 0:
+                    tasks.append(self._task(pieces))
+                    pieces, room = [], self.limits.prompt_microbatch
+        if pieces:
+            tasks.append(self._task(pieces))
+        return tasks
+
+    def _task(self, pieces: list[PromptPiece]) -> PromptTask:
+        task = PromptTask(task_id=self._next_task, pieces=tuple(pieces))
+        self._next_task += 1
+        return task
+
+    def complete(self, mb_id: int) -> Microbatch | None:
+        """Free ``mb_id``'s slot."""
+        return self.active.pop(mb_id, None)

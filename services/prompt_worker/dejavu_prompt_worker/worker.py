@@ -1,0 +1,203 @@
+"""A prompt worker: one stage of the prompt pipeline.
+
+Stage 0 claims prompt microbatches from the prompt stream (a consumer group: at-least-once, the
+last stage acknowledges), embeds them and runs its layers; every stage streams each layer's KV, as
+soon as the layer is done, to the token stage holding that layer (split by layer range, rows and
+positions remapped into the token microbatches the prompt microbatch feeds), then forwards hidden
+states. The last stage samples each row's first token (step 0), publishes it, and tells token
+stage 0 that the rows are ready.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.microbatch import fetch_spec
+from dejavu_worker.rows import RowTracker
+from pydantic import ValidationError
+
+from dejavu_common import keys
+from dejavu_common.messages import (
+    MicrobatchSpec,
+    PromptDone,
+    PromptTask,
+    StageAssignment,
+    Topology,
+    WorkerRole,
+)
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.kv_cache import KVCache
+from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_engine.threads import configure_torch_threads
+
+log = logging.getLogger("dejavu.prompt_worker")
+
+
+class PromptWorker(WorkerProcess):
+    role = WorkerRole.PROMPT
+
+    def __init__(self, settings, worker_id: str, spare: bool = False) -> None:
+        super().__init__(settings, worker_id, spare, configure_torch_threads(settings.engine.torch_threads))
+        self.endpoint: DataEndpoint | None = None
+        self.stage: Stage | None = None
+
+    def open_data_plane(self) -> bytes:
+        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id)
+        return self.endpoint.address
+
+    def close_data_plane(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+    def load(self, assignment: StageAssignment, topology: Topology) -> None:
+        m = self.settings.model
+        self.stage = Stage(m.folder, assignment.layers, m.device, m.dtype)
+        log.info("loaded layers %s (%.1f MB)", assignment.layers, self.stage.param_bytes / 1e6)
+
+    def serve(self, topology: Topology) -> None:
+        assert self.endpoint is not None and self.redis is not None
+        me = topology.stage_of(self.worker_id)
+        assert me is not None
+        stages = topology.prompt_stages
+        self.next_peer = stages[me.stage + 1].worker_id if me.stage + 1 < len(stages) else None
+        self.token_stages = topology.token_stages
+        peers = [a.worker_id for a in self.token_stages] + ([self.next_peer] if self.next_peer else [])
+        self.endpoint.set_epoch(topology.epoch)
+        self.endpoint.connect_all(self.redis, peers)
+        if me.stage == 0:
+            _ensure_group(self.redis)
+        while not self.epoch_changed():
+            claimed = self._claim() if me.stage == 0 else self._receive()
+            if claimed is not None:
+                self._process(*claimed)
+
+    # -- input --------------------------------------------------------------------------------
+    def _claim(self) -> tuple[str, PromptTask, StageIO] | None:
+        assert self.redis is not None
+        resp = self.redis.xreadgroup(keys.PROMPT_GROUP, self.worker_id, {keys.PROMPT_QUEUE: ">"}, count=1, block=50)
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                try:
+                    task = PromptTask.decode(fields[b"task"])
+                except (KeyError, ValidationError) as exc:
+                    log.error("dropped malformed prompt task %s: %s", entry_id, exc)
+                    self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry_id)
+                    continue
+                return entry_id.decode(), task, StageIO(input_ids=self._input_ids(task))
+        return None
+
+    def _receive(self) -> tuple[str, PromptTask, StageIO] | None:
+        assert self.endpoint is not None
+        payload = self.endpoint.recv(Channel.ACTIVATION, timeout_s=0.05)
+        if payload is None:
+            return None
+        try:
+            msg = StageMessage.decode(payload)
+            task = PromptTask.model_validate(msg.meta["task"])
+            return msg.meta["entry"], task, StageIO(hidden=msg.tensor)
+        except (ValueError, KeyError, ValidationError) as exc:
+            log.error("dropped a malformed prompt activation: %s", exc)
+            return None
+
+    def _specs(self, task: PromptTask) -> dict[int, MicrobatchSpec]:
+        assert self.redis is not None
+        return {p.mb_id: fetch_spec(self.redis, p.mb_id, self.settings.transport.deadline_s) for p in task.pieces}
+
+    def _rows(self, task: PromptTask) -> list[tuple[int, int]]:
+        """(token microbatch, row) of each row of the prompt microbatch, in order."""
+        return [(p.mb_id, r) for p in task.pieces for r in range(*p.dst_rows)]
+
+    def _input_ids(self, task: PromptTask) -> torch.Tensor:
+        specs = self._specs(task)
+        prompts = [specs[mb].rows[r].prompt_ids for mb, r in self._rows(task)]
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p) :] = torch.tensor(p)
+        return ids
+
+    # -- one prompt microbatch ----------------------------------------------------------------
+    def _process(self, entry: str, task: PromptTask, io: StageIO) -> None:
+        assert self.stage is not None and self.endpoint is not None and self.redis is not None
+        specs = self._specs(task)
+        rows = self._rows(task)
+        lens = [len(specs[mb].rows[r].prompt_ids) for mb, r in rows]
+        geometry = BatchGeometry.for_prompts(lens)
+        cache = self.stage.allocate_cache(len(rows), geometry.cur_len)
+        out = self.stage.prefill(
+            io,
+            cache,
+            geometry,
+            on_layer_done=lambda layer: self._stream_layer(layer, cache, task, specs, geometry.cur_len),
+        )
+        if self.next_peer is not None:
+            msg = StageMessage(
+                Kind.PREFILL, task.task_id, 0, out.hidden, {"task": task.model_dump(mode="json"), "entry": entry}
+            )
+            self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
+            return
+        self._first_tokens(task, specs, out.logits[:, -1])
+        self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
+
+    def _stream_layer(
+        self, layer: int, cache: KVCache, task: PromptTask, specs: dict[int, MicrobatchSpec], padded: int
+    ) -> None:
+        """Send global layer ``layer``'s KV of every piece to the token stage holding the layer."""
+        assert self.endpoint is not None
+        dest = next(a for a in self.token_stages if a.layers[0] <= layer < a.layers[1])
+        local = cache.local(layer)
+        src = 0
+        for piece in task.pieces:
+            n = piece.dst_rows[1] - piece.dst_rows[0]
+            target_len = specs[piece.mb_id].prompt_len
+            # Left padding: this microbatch's positions [0, padded) land at [target_len - padded, target_len).
+            chunk = KVChunk(
+                mb_id=piece.mb_id,
+                layers=(layer, layer + 1),
+                rows=piece.dst_rows,
+                positions=(target_len - padded, target_len),
+                k=cache.k[local : local + 1, src : src + n],
+                v=cache.v[local : local + 1, src : src + n],
+            )
+            self.endpoint.send(dest.worker_id, Channel.KV_PROMPT, chunk.encode())
+            src += n
+
+    def _first_tokens(self, task: PromptTask, specs: dict[int, MicrobatchSpec], logits: torch.Tensor) -> None:
+        """Sample step 0 for every row, publish it, and announce the rows to token stage 0."""
+        assert self.redis is not None and self.stage is not None
+        rows = self._rows(task)
+        params = []
+        for mb, r in rows:
+            s = specs[mb].rows[r].sampling
+            params.append(SamplingParams(s.temperature, s.top_k, s.top_p, s.seed))
+        sampled = sample(logits, params, [0] * len(rows))
+        pipe = self.redis.pipeline(transaction=False)
+        src = 0
+        for piece in task.pieces:
+            n = piece.dst_rows[1] - piece.dst_rows[0]
+            tracker = RowTracker(specs[piece.mb_id], self.stage.spec.eos_token_ids)
+            entry = tracker.step(0, sampled[src : src + n], rows=range(*piece.dst_rows))
+            src += n
+            pipe.xadd(keys.tokens(piece.mb_id), {"step": entry.encode()})
+            done = PromptDone(
+                mb_id=piece.mb_id,
+                dst_rows=piece.dst_rows,
+                tokens=tuple(entry.tokens[r] for r in range(*piece.dst_rows)),
+                finished=tuple(entry.finished[r] for r in range(*piece.dst_rows)),
+            )
+            pipe.xadd(keys.READY_QUEUE, {"done": done.encode()})
+        pipe.execute()
+
+
+def _ensure_group(client) -> None:
+    try:
+        client.xgroup_create(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, id="0", mkstream=True)
+    except Exception as exc:  # BUSYGROUP: it exists already
+        if "BUSYGROUP" not in str(exc):
+            raise

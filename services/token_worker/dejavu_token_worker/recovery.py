@@ -1,0 +1,86 @@
+"""A token stage's part in repairing the pipeline at a new epoch (the paper's recovery steps 2-4).
+
+At the start of an epoch that follows failures (a :class:`RecoveryOrder` for that epoch exists):
+
+- a *survivor* reports how far its own cache reaches per microbatch (:class:`StageProgress`);
+- the stage after a replaced stage sends it the replica it keeps (the replaced stage's own cache);
+- the stage before a replaced stage sends it its own cache (the replica the replaced stage keeps);
+- a *replacement* receives both, then marks itself restored;
+- every stage then waits for the controller's :class:`ResumePoint` and drops what must be re-run.
+
+Every wait has a deadline; a missed deadline raises :class:`DeadlineExceeded` and the worker goes
+back to waiting for the next topology.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import redis
+from dejavu_worker.dataplane import KVChunk, frame, unframe
+from dejavu_worker.endpoint import Channel, DataEndpoint
+
+from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress
+
+log = logging.getLogger("dejavu.token_worker.recovery")
+
+
+def recovery_order(client: redis.Redis, epoch: int) -> RecoveryOrder | None:
+    raw = client.get(keys.RECOVERY)
+    if raw is None:
+        return None
+    order = RecoveryOrder.decode(raw)
+    return order if order.epoch == epoch else None
+
+
+def report_progress(client: redis.Redis, epoch: int, stage: int, worker_id: str, done: dict[int, int]) -> None:
+    msg = StageProgress(epoch=epoch, stage=stage, worker_id=worker_id, done=done)
+    client.set(keys.progress(epoch, stage), msg.encode(), ex=3600)
+
+
+def send_caches(endpoint: DataEndpoint, peer: str, chunks: list[KVChunk], role: str) -> None:
+    """Send whole caches to a replacement; ``role`` is 'primary' (its own cache) or 'replica'."""
+    for chunk in chunks:
+        endpoint.send(peer, Channel.KV_RESTORE, dataclasses.replace(chunk, role=role).encode())
+    endpoint.send(peer, Channel.KV_RESTORE, frame({"role": role, "end": True}, None))
+
+
+def receive_caches(endpoint: DataEndpoint, deadline_s: float) -> tuple[list[KVChunk], list[KVChunk]]:
+    """Collect restore chunks until both senders said they are done: (primary chunks, replica chunks).
+
+    With a two-stage pipeline the same peer sends both roles.
+    """
+    primary: list[KVChunk] = []
+    replica: list[KVChunk] = []
+    ended: set[str] = set()
+    end = time.monotonic() + deadline_s
+    while ended != {"primary", "replica"}:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"cache restore incomplete after {deadline_s} s (got {sorted(ended)})")
+        payload = endpoint.recv(Channel.KV_RESTORE, timeout_s=min(left, 0.2))
+        if payload is None:
+            continue
+        meta, _ = unframe(payload)
+        if meta.get("end"):
+            ended.add(str(meta.get("role")))
+            continue
+        chunk = KVChunk.decode(payload)
+        (primary if chunk.role == "primary" else replica).append(chunk)
+    return primary, replica
+
+
+def wait_resume(client: redis.Redis, epoch: int, deadline_s: float) -> ResumePoint:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        raw = client.get(keys.RESUME)
+        if raw is not None:
+            point = ResumePoint.decode(raw)
+            if point.epoch == epoch:
+                return point
+        time.sleep(0.01)
+    raise DeadlineExceeded(f"no resume point for epoch {epoch} after {deadline_s} s")

@@ -1,0 +1,136 @@
+"""Token-level KV replication: stage x streams its cache updates to stage (x + 1) mod D_t.
+
+The sender side ships the prompt part once, then after every decode step the one position that
+step wrote (all of the stage's layers, rows and heads: one buffered transfer). The receiver keeps
+the predecessor's caches in host memory and, once a chunk for microbatch j up to step t is
+written, records the watermark (x, j, t) in Redis, so the controller knows how far every replica
+reaches. With ``replication = disk`` or ``both`` the receiver also appends each chunk to a file per
+(stage, microbatch) under ``replica_dir`` (persistent replicas).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import redis
+import torch
+from dejavu_worker.dataplane import KVChunk
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.microbatch import MicrobatchState, fetch_spec
+
+from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.settings import Replication
+from dejavu_engine.kv_cache import KVCache
+from dejavulib.layout import KVLayout
+
+log = logging.getLogger("dejavu.token_worker.replication")
+
+
+class ReplicaSender:
+    """Ships this stage's KV updates to its successor (no-op when replication is off or D_t == 1)."""
+
+    def __init__(self, endpoint: DataEndpoint, peer: str | None) -> None:
+        self.endpoint = endpoint
+        self.peer = peer
+
+    def send(self, state: MicrobatchState, step: int, positions: tuple[int, int]) -> None:
+        """Replicate positions [positions) of ``state``'s cache, as of ``step``."""
+        if self.peer is None:
+            return
+        cache = state.cache
+        p0, p1 = positions
+        chunk = KVChunk(
+            mb_id=state.mb_id,
+            layers=cache.layout.layer_range,
+            rows=(0, cache.layout.batch),
+            positions=positions,
+            k=cache.k[:, :, :, p0:p1],
+            v=cache.v[:, :, :, p0:p1],
+            step=step,
+        )
+        self.endpoint.send(self.peer, Channel.KV_REPLICA, chunk.encode())
+
+
+class ReplicaStore:
+    """The predecessor's caches, kept in host memory; a background thread receives into it."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        endpoint: DataEndpoint,
+        source_stage: int,
+        source_layers: tuple[int, int],
+        head_geometry: tuple[int, int, str],
+        mode: Replication,
+        replica_dir: Path,
+        deadline_s: float,
+    ) -> None:
+        self.redis = client
+        self.endpoint = endpoint
+        self.source_stage = source_stage
+        self.source_layers = source_layers
+        self.mode = mode
+        self.replica_dir = replica_dir
+        self.deadline_s = deadline_s
+        self.kv_heads, self.head_dim, self.dtype = head_geometry
+        self.caches: dict[int, KVCache] = {}
+        self.steps: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def run(self, stop: threading.Event) -> None:
+        """Receive replica chunks until ``stop`` is set."""
+        while not stop.is_set():
+            payload = self.endpoint.recv(Channel.KV_REPLICA, timeout_s=0.1)
+            if payload is None:
+                continue
+            try:
+                self.store(KVChunk.decode(payload))
+            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
+                log.error("dropped a replica chunk: %s", exc)
+
+    def store(self, chunk: KVChunk) -> None:
+        if tuple(chunk.layers) != self.source_layers:
+            raise ValueError(f"replica chunk layers {chunk.layers} are not stage {self.source_stage}'s")
+        cache = self._cache(chunk.mb_id)
+        sl = (slice(None), slice(*chunk.rows), slice(None), slice(*chunk.positions))
+        cache.k[sl].copy_(chunk.k)
+        cache.v[sl].copy_(chunk.v)
+        if self.mode in (Replication.DISK, Replication.BOTH):
+            self._append_to_disk(chunk)
+        with self.lock:
+            self.steps[chunk.mb_id] = max(self.steps.get(chunk.mb_id, -1), chunk.step)
+        self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, chunk.step)
+
+    def _cache(self, mb_id: int) -> KVCache:
+        with self.lock:
+            cache = self.caches.get(mb_id)
+            if cache is None:
+                spec = fetch_spec(self.redis, mb_id, self.deadline_s)
+                a, b = self.source_layers
+                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, spec.max_len, self.head_dim, self.dtype, a)
+                cache = self.caches[mb_id] = KVCache.allocate(layout, "cpu")
+            return cache
+
+    def _append_to_disk(self, chunk: KVChunk) -> None:
+        self.replica_dir.mkdir(parents=True, exist_ok=True)
+        path = self.replica_dir / f"stage{self.source_stage}-mb{chunk.mb_id}.kv"
+        with path.open("ab") as f:
+            f.write(chunk.encode())
+
+    def drop(self, mb_id: int) -> None:
+        with self.lock:
+            self.caches.pop(mb_id, None)
+            self.steps.pop(mb_id, None)
+        self.redis.hdel(keys.watermark(self.source_stage), mb_id)
+        (self.replica_dir / f"stage{self.source_stage}-mb{mb_id}.kv").unlink(missing_ok=True)
+
+
+def copy_into(dst: KVCache, src_k: torch.Tensor, src_v: torch.Tensor) -> None:
+    """Copy whole caches (recovery restores), checking shapes."""
+    if dst.k.shape != src_k.shape:
+        raise ValueError(f"restore shape {tuple(src_k.shape)} != cache shape {tuple(dst.k.shape)}")
+    dst.k.copy_(src_k)
+    dst.v.copy_(src_v)

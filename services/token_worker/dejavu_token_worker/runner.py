@@ -1,0 +1,153 @@
+"""One token stage's compute: its microbatch caches, one pass of a step, and what follows the pass.
+
+After its layers run, a stage either passes hidden states to the next stage, or (the last stage)
+samples the step's tokens, publishes them on the microbatch's token stream and returns them to
+stage 0. Every pass that writes KV also replicates the written positions to the successor.
+Not thread-safe except :meth:`state`, which the prompt-KV receiver thread also calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import redis
+import torch
+from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.microbatch import MicrobatchState, fetch_spec
+from dejavu_worker.rows import RowTracker
+
+from dejavu_common import keys
+from dejavu_common.messages import TokenStep
+from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_token_worker.replication import ReplicaSender
+
+log = logging.getLogger("dejavu.token_worker")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where this stage sits in the token pipeline at the current epoch."""
+
+    index: int
+    depth: int
+    next_peer: str | None
+    first_peer: str
+    colocated: bool
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+
+class StageRunner:
+    def __init__(self, stage: Stage, client: redis.Redis, endpoint: DataEndpoint, deadline_s: float) -> None:
+        self.stage = stage
+        self.redis = client
+        self.endpoint = endpoint
+        self.deadline_s = deadline_s
+        self.states: dict[int, MicrobatchState] = {}
+        self.trackers: dict[int, RowTracker] = {}  # last stage only: per-row progress
+        self.last_tokens: dict[int, tuple[int, ...]] = {}  # single-stage pipelines: the step's tokens
+        self.replicas: ReplicaSender | None = None
+        self._lock = threading.Lock()
+
+    # -- microbatch states --------------------------------------------------------------------
+    def state(self, mb_id: int) -> MicrobatchState:
+        """This stage's state of ``mb_id``, created on first use (spec from Redis, zeroed cache)."""
+        with self._lock:
+            st = self.states.get(mb_id)
+            if st is None:
+                spec = fetch_spec(self.redis, mb_id, self.deadline_s)
+                cache = self.stage.allocate_cache(len(spec.rows), spec.max_len)
+                st = MicrobatchState(spec, cache, expected_cells=self.stage.num_layers * len(spec.rows))
+                self.states[mb_id] = st
+            return st
+
+    def release(self, mb_id: int) -> None:
+        with self._lock:
+            self.states.pop(mb_id, None)
+        self.trackers.pop(mb_id, None)
+        self.last_tokens.pop(mb_id, None)
+
+    def progress(self) -> dict[int, int]:
+        """Per microbatch, the last step whose KV this stage holds (-1: prompt KV incomplete)."""
+        with self._lock:
+            return {mb: st.done_step if st.complete.is_set() else -1 for mb, st in self.states.items()}
+
+    # -- one pass -----------------------------------------------------------------------------
+    def run(self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO) -> TokenStep | None:
+        """Run this stage's layers for ``step`` of ``state`` and hand the result on.
+
+        Returns the step's token entry on the last stage, None elsewhere.
+        """
+        geometry = state.geometry(step)
+        if kind is Kind.PREFILL:
+            out = self.stage.prefill(io, state.cache, geometry)
+            written = (0, geometry.cur_len)
+        else:
+            out = self.stage.decode(io, state.cache, geometry)
+            written = (geometry.cur_len - 1, geometry.cur_len)
+        state.done_step = step
+        if self.replicas is not None:
+            self.replicas.send(state, step, written)
+        if not self.stage.is_last:
+            assert pos.next_peer is not None and out.hidden is not None
+            self.endpoint.send(
+                pos.next_peer, Channel.ACTIVATION, StageMessage(kind, state.mb_id, step, out.hidden).encode()
+            )
+            return None
+        assert out.logits is not None
+        entry = self._sample(state, step, out.logits[:, -1])
+        feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
+        done = self.trackers[state.mb_id].done
+        if pos.is_first:
+            self.last_tokens[state.mb_id] = feed
+        else:
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(state.mb_id, step, feed, done).encode())
+        return entry
+
+    def replicate_prompt(self, state: MicrobatchState) -> None:
+        """Ship the prompt part of ``state`` to the successor once (disaggregated mode)."""
+        if self.replicas is not None and not state.prompt_replicated:
+            self.replicas.send(state, 0, (0, state.spec.prompt_len))
+            state.prompt_replicated = True
+
+    def _sample(self, state: MicrobatchState, step: int, logits: torch.Tensor) -> TokenStep:
+        """Sample ``step``'s tokens, publish them on the token stream, and track finishes."""
+        spec = state.spec
+        tracker = self.trackers.get(spec.mb_id)
+        if tracker is None:
+            tracker = self.trackers[spec.mb_id] = RowTracker(spec, self.stage.spec.eos_token_ids)
+            tracker.replay(history(self.redis, spec.mb_id, before_step=step))
+        params = [
+            SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed)
+            for r in spec.rows
+        ]
+        sampled = sample(logits, params, [step] * len(spec.rows))
+        cancelled = {int(x) for x in self.redis.smembers(keys.microbatch_cancel(spec.mb_id))}
+        entry = tracker.step(step, sampled, cancelled)
+        self.redis.xadd(keys.tokens(spec.mb_id), {"step": entry.encode()})
+        return entry
+
+
+def history(client: redis.Redis, mb_id: int, before_step: int) -> list[TokenStep]:
+    """The published entries of ``mb_id`` with step < ``before_step``, one per step in order (partial
+    entries of one step — step 0 arrives per prompt piece — and re-executed duplicates are merged)."""
+    seen: dict[int, TokenStep] = {}
+    for _id, fields in client.xrange(keys.tokens(mb_id)):
+        entry = TokenStep.decode(fields[b"step"])
+        if entry.step < before_step:
+            prev = seen.get(entry.step)
+            seen[entry.step] = entry if prev is None else merge(prev, entry)
+    return [seen[s] for s in sorted(seen)]
+
+
+def merge(a: TokenStep, b: TokenStep) -> TokenStep:
+    tokens = tuple(x if x >= 0 else y for x, y in zip(a.tokens, b.tokens, strict=True))
+    finished = tuple(x if x is not None else y for x, y in zip(a.finished, b.finished, strict=True))
+    return TokenStep(mb_id=a.mb_id, step=a.step, tokens=tokens, finished=finished)

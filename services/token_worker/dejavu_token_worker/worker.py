@@ -1,0 +1,250 @@
+"""A token worker: one stage of the token pipeline (the paper's T-worker).
+
+Per epoch, :meth:`TokenWorker.serve` connects to its peers, starts the receivers (prompt KV from the
+prompt pipeline; the replica of its predecessor's cache), takes part in recovery when the epoch
+follows a failure, and then runs stage 0's :class:`Driver` or the follower loop of later stages.
+Microbatch caches and replicas survive an epoch change: that is what recovery resumes from.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.lifecycle import WorkerProcess
+
+from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.messages import RecoveryOrder, StageAssignment, Topology, WorkerRole
+from dejavu_common.settings import Mode, Replication, Settings
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_engine.threads import configure_torch_threads
+from dejavu_token_worker import recovery
+from dejavu_token_worker.driver import Driver
+from dejavu_token_worker.ready import ReadyPrompts
+from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
+from dejavu_token_worker.runner import Position, StageRunner
+
+log = logging.getLogger("dejavu.token_worker")
+
+
+class TokenWorker(WorkerProcess):
+    role = WorkerRole.TOKEN
+
+    def __init__(self, settings: Settings, worker_id: str, spare: bool = False) -> None:
+        super().__init__(settings, worker_id, spare, configure_torch_threads(settings.engine.torch_threads))
+        self.endpoint: DataEndpoint | None = None
+        self.runner: StageRunner | None = None
+        self.replica: ReplicaStore | None = None
+        self.ready: ReadyPrompts | None = None
+
+    # -- lifecycle hooks ----------------------------------------------------------------------
+    def open_data_plane(self) -> bytes:
+        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id)
+        return self.endpoint.address
+
+    def close_data_plane(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+    def load(self, assignment: StageAssignment, topology: Topology) -> None:
+        assert self.redis is not None and self.endpoint is not None
+        m = self.settings.model
+        stage = Stage(m.folder, assignment.layers, m.device, m.dtype)
+        self.runner = StageRunner(stage, self.redis, self.endpoint, self.settings.transport.deadline_s)
+        self.replica = None
+        if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
+            # Created before this worker reports SERVING, so no announcement is missed.
+            self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s)
+        log.info("loaded layers %s (%.1f MB)", assignment.layers, stage.param_bytes / 1e6)
+
+    def serve(self, topology: Topology) -> None:
+        assert self.endpoint is not None and self.runner is not None and self.redis is not None
+        stages = topology.token_stages
+        me = topology.stage_of(self.worker_id)
+        assert me is not None
+        depth = len(stages)
+        pos = Position(
+            index=me.stage,
+            depth=depth,
+            next_peer=stages[me.stage + 1].worker_id if me.stage + 1 < depth else None,
+            first_peer=stages[0].worker_id,
+            colocated=topology.mode == Mode.COLOCATED.value,
+        )
+        self.endpoint.set_epoch(topology.epoch)
+        self.endpoint.connect_all(self.redis, [a.worker_id for a in stages if a.worker_id != self.worker_id])
+        replicating = self.settings.recovery.replication is not Replication.OFF and depth > 1
+        successor = stages[(me.stage + 1) % depth].worker_id if replicating else None
+        self.runner.replicas = ReplicaSender(self.endpoint, successor) if successor else None
+        if replicating and self.replica is None:
+            pred = stages[(me.stage - 1) % depth]
+            spec = self.runner.stage.spec
+            self.replica = ReplicaStore(
+                self.redis,
+                self.endpoint,
+                pred.stage,
+                pred.layers,
+                (spec.num_kv_heads, spec.head_dim, self.runner.stage.dtype),
+                self.settings.recovery.replication,
+                self.settings.recovery.replica_dir,
+                self.settings.transport.deadline_s,
+            )
+        stop = threading.Event()
+        threads = []
+        if not pos.colocated:
+            threads.append(threading.Thread(target=self._receive_prompt_kv, args=(stop,), daemon=True))
+        if self.replica is not None:
+            threads.append(threading.Thread(target=self.replica.run, args=(stop,), daemon=True))
+        for t in threads:
+            t.start()
+        try:
+            resume = self._recover(topology, pos)
+            if resume is None:
+                return
+            if pos.is_first:
+                if pos.colocated:
+                    _ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
+                driver = Driver(
+                    self.runner,
+                    self.endpoint,
+                    self.redis,
+                    self.worker_id,
+                    pos,
+                    self.ready,
+                    self.settings.transport.deadline_s,
+                )
+                driver.resume(resume)
+                driver.run(self.epoch_changed)
+            else:
+                self._follow(pos)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=2)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
+        """Take part in the repair of this epoch, if it follows failures; the microbatches stage 0
+        resumes (empty for a fresh pipeline), or None if the epoch changed meanwhile."""
+        assert self.redis is not None and self.runner is not None and self.endpoint is not None
+        order = recovery.recovery_order(self.redis, topology.epoch)
+        if order is None:
+            return {}
+        deadline = self.settings.transport.deadline_s * 2
+        try:
+            if pos.index in order.replaced:
+                self._restore(order, pos)
+                self.redis.set(keys.restored(topology.epoch, pos.index), "1", ex=3600)
+            else:
+                self._send_restores(order, pos, topology)
+                recovery.report_progress(self.redis, topology.epoch, pos.index, self.worker_id, self.runner.progress())
+            point = recovery.wait_resume(self.redis, topology.epoch, deadline)
+        except DeadlineExceeded as exc:
+            log.error("recovery at epoch %d failed: %s", topology.epoch, exc)
+            return None if self.epoch_changed() else {}
+        for mb in point.rerun:
+            self.runner.release(mb)
+            if self.replica is not None:
+                self.replica.drop(mb)
+        if self.ready is not None:
+            self.ready.forget(set(point.rerun))
+        self.runner.trackers.clear()  # rebuilt from the token streams at the resumed steps
+        return dict(point.resume) if pos.is_first else {}
+
+    def _send_restores(self, order: RecoveryOrder, pos: Position, topology: Topology) -> None:
+        """As successor of a replaced stage, send the replica kept for it; as predecessor, own caches."""
+        assert self.runner is not None and self.endpoint is not None
+        depth = pos.depth
+        for stage, new_worker in order.replaced.items():
+            if depth > 1 and (stage + 1) % depth == pos.index and self.replica is not None:
+                chunks = [
+                    self._whole(mb, cache, self.replica.steps.get(mb, 0))
+                    for mb, cache in self.replica.caches.items()
+                    if mb in order.microbatches
+                ]
+                recovery.send_caches(self.endpoint, new_worker, chunks, "primary")
+            if depth > 1 and (stage - 1) % depth == pos.index:
+                chunks = [
+                    self._whole(mb, st.cache, st.done_step)
+                    for mb, st in self.runner.states.items()
+                    if mb in order.microbatches and st.complete.is_set()
+                ]
+                recovery.send_caches(self.endpoint, new_worker, chunks, "replica")
+
+    @staticmethod
+    def _whole(mb: int, cache, step: int) -> KVChunk:
+        layout = cache.layout
+        return KVChunk(mb, layout.layer_range, (0, layout.batch), (0, layout.max_len), cache.k, cache.v, step)
+
+    def _restore(self, order: RecoveryOrder, pos: Position) -> None:
+        """As a replacement: receive this stage's caches (primary) and the predecessor's (replica)."""
+        assert self.runner is not None and self.endpoint is not None
+        if pos.depth == 1 or self.settings.recovery.replication is Replication.OFF:
+            return
+        primary, replica = recovery.receive_caches(self.endpoint, self.settings.transport.deadline_s * 2)
+        for chunk in primary:
+            state = self.runner.state(chunk.mb_id)
+            state.cache.k.copy_(chunk.k)
+            state.cache.v.copy_(chunk.v)
+            state.mark_complete(chunk.step)
+            state.prompt_replicated = True
+        if self.replica is not None:
+            for chunk in replica:
+                self.replica.store(chunk)
+
+    # -- stages > 0 ---------------------------------------------------------------------------
+    def _follow(self, pos: Position) -> None:
+        assert self.endpoint is not None and self.runner is not None
+        while not self.epoch_changed():
+            payload = self.endpoint.recv(Channel.ACTIVATION, timeout_s=0.05)
+            if payload is None:
+                continue
+            try:
+                msg = StageMessage.decode(payload)
+            except (ValueError, KeyError) as exc:
+                log.error("dropped a malformed stage message: %s", exc)
+                continue
+            if msg.kind is Kind.RELEASE:
+                self.runner.release(msg.mb_id)
+                if self.replica is not None:
+                    self.replica.drop(msg.mb_id)
+                if pos.next_peer is not None:
+                    self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
+                continue
+            state = self.runner.state(msg.mb_id)
+            if msg.kind is Kind.PREFILL:
+                state.mark_complete(0)
+            else:
+                state.wait_complete(self.settings.transport.deadline_s)
+                self.runner.replicate_prompt(state)
+            self.runner.run(pos, state, msg.kind, msg.step, StageIO(hidden=msg.tensor))
+
+    # -- prompt KV arrival (disaggregated) ----------------------------------------------------
+    def _receive_prompt_kv(self, stop: threading.Event) -> None:
+        assert self.endpoint is not None and self.runner is not None
+        while not stop.is_set():
+            payload = self.endpoint.recv(Channel.KV_PROMPT, timeout_s=0.1)
+            if payload is None:
+                continue
+            try:
+                chunk = KVChunk.decode(payload)
+                state = self.runner.state(chunk.mb_id)
+                local = state.cache.local(chunk.layers[0])
+                n = chunk.layers[1] - chunk.layers[0]
+                sl = (slice(local, local + n), slice(*chunk.rows), slice(None), slice(*chunk.positions))
+                state.cache.k[sl].copy_(chunk.k)
+                state.cache.v[sl].copy_(chunk.v)
+                state.add_prompt_cells(chunk.layers, chunk.rows)
+            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
+                log.error("dropped a prompt KV chunk: %s", exc)
+
+
+def _ensure_group(client, stream: str, group: str) -> None:
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except Exception as exc:  # BUSYGROUP: it exists already
+        if "BUSYGROUP" not in str(exc):
+            raise

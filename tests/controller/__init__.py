@@ -1,0 +1,1 @@
+"""Tests of the controller: REST gateway, scheduler, registry, recovery."""

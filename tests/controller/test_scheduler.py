@@ -1,0 +1,105 @@
+"""Microbatch formation, prompt-task packing and request state transitions (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dejavu_common.messages import SamplingSpec
+from dejavu_controller.backend import FinishReason, QueueFullError
+from dejavu_controller.request import IllegalTransition, Request, RequestStatus
+from dejavu_controller.scheduler import Scheduler, SchedulerLimits
+
+
+def _req(i: int, n_prompt: int = 3, max_tokens: int = 5, arrival: float = 0.0) -> Request:
+    return Request(
+        request_id=f"r{i}",
+        prompt_ids=tuple(range(1, n_prompt + 1)),
+        sampling=SamplingSpec(max_tokens=max_tokens, seed=i),
+        arrival=arrival,
+    )
+
+
+def _sched(tb=4, pb=4, outstanding=2, bound=100, wait=0.05) -> Scheduler:
+    return Scheduler(SchedulerLimits(tb, pb, outstanding, bound, wait))
+
+
+def test_full_microbatch_forms_at_once_and_geometry_is_left_padded() -> None:
+    s = _sched()
+    for i, n in enumerate([3, 7, 5, 2]):
+        s.admit(_req(i, n_prompt=n, max_tokens=4 + i))
+    (mb,) = s.form(now=0.0)
+    assert mb.spec.prompt_len == 7
+    assert mb.spec.max_len == 7 + 7
+    assert mb.spec.pad_lens == (4, 0, 2, 5)
+    assert [r.row for r in mb.requests] == [0, 1, 2, 3]
+    assert all(r.status is RequestStatus.SCHEDULED for r in mb.requests)
+
+
+def test_partial_microbatch_waits_for_batch_wait() -> None:
+    s = _sched(wait=0.05)
+    s.admit(_req(0, arrival=10.0))
+    assert s.form(now=10.01) == []
+    (mb,) = s.form(now=10.06)
+    assert len(mb.requests) == 1
+
+
+def test_outstanding_bound_and_replacement() -> None:
+    s = _sched(tb=1, outstanding=2)
+    for i in range(3):
+        s.admit(_req(i))
+    formed = s.form(now=1.0)
+    assert [m.spec.mb_id for m in formed] == [0, 1]
+    assert s.queue_depth == 1
+    s.complete(0)
+    (mb,) = s.form(now=1.0)
+    assert mb.spec.mb_id == 2 and mb.requests[0].request_id == "r2"
+
+
+def test_queue_bound_raises() -> None:
+    s = _sched(bound=2)
+    s.admit(_req(0))
+    s.admit(_req(1))
+    with pytest.raises(QueueFullError):
+        s.admit(_req(2))
+
+
+@pytest.mark.parametrize(
+    ("token_b", "prompt_b", "n_mbs", "expected"),
+    [
+        (8, 4, 1, [[(0, (0, 4))], [(0, (4, 8))]]),  # one token microbatch from two prompt microbatches
+        (2, 4, 2, [[(0, (0, 2)), (1, (0, 2))]]),  # one prompt microbatch feeds two token microbatches
+        (3, 2, 2, [[(0, (0, 2))], [(0, (2, 3)), (1, (0, 1))], [(1, (1, 3))]]),  # unaligned
+    ],
+)
+def test_prompt_packing_splits_and_merges(token_b, prompt_b, n_mbs, expected) -> None:
+    s = _sched(tb=token_b, pb=prompt_b, outstanding=n_mbs)
+    for i in range(token_b * n_mbs):
+        s.admit(_req(i))
+    mbs = s.form(now=1.0)
+    tasks = s.pack_prompt_tasks(mbs)
+    got = [[(p.mb_id, p.dst_rows) for p in t.pieces] for t in tasks]
+    assert got == expected
+    assert [t.task_id for t in tasks] == list(range(len(tasks)))
+
+
+def test_cancelled_waiting_requests_are_dropped() -> None:
+    s = _sched(tb=2)
+    a, b, c = _req(0), _req(1), _req(2)
+    for r in (a, b, c):
+        s.admit(r)
+    a.transition(RequestStatus.CANCELLED)
+    (mb,) = s.form(now=1.0)
+    assert [r.request_id for r in mb.requests] == ["r1", "r2"]
+
+
+def test_request_delivers_each_step_once_and_rejects_illegal_transitions() -> None:
+    r = _req(0)
+    r.transition(RequestStatus.SCHEDULED)
+    assert r.deliver(0, 42, None)
+    assert not r.deliver(0, 42, None)  # a re-executed step after recovery is a duplicate
+    assert not r.deliver(1, -1, None)  # nothing for this row
+    assert r.deliver(1, 7, FinishReason.LENGTH)
+    assert r.output_ids == [42, 7]
+    assert r.status is RequestStatus.FINISHED
+    with pytest.raises(IllegalTransition):
+        r.transition(RequestStatus.DECODING)

@@ -1,0 +1,1 @@
+"""Checks of the deployment artefacts under infra/ (no container engine, no cluster needed)."""

@@ -1,0 +1,191 @@
+"""infra/k8s: both overlays render (kustomize) to manifests that the Kubernetes schemas accept, with
+probes, resources, credentials from the Secret, stable worker identities and the images `make` builds."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from .conftest import INFRA, REPO, render_overlay
+
+K8S_VERSION = "1.33.0"
+BASE = INFRA / "k8s" / "base"
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return doc["spec"]["template"]["spec"]["containers"]
+
+
+def service_version(folder: str) -> str:
+    return tomllib.loads((REPO / "services" / folder / "pyproject.toml").read_text())["project"]["version"]
+
+
+def overlay_of(docs: list[dict[str, Any]]) -> str:
+    workers = by_kind(docs, "StatefulSet")["prompt-worker"]
+    return "gpu" if "nvidia.com/gpu" in containers(workers)[0]["resources"]["limits"] else "cpu"
+
+
+def test_manifests_pass_the_kubernetes_schemas(rendered: list[dict[str, Any]]) -> None:
+    for doc in rendered:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_schema_check_catches_a_mistake(rendered: list[dict[str, Any]]) -> None:
+    controller = dict(by_kind(rendered, "Deployment")["controller"])
+    controller["spec"] = {**controller["spec"], "replica": 1}  # misspelt field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(controller, K8S_VERSION, strict=True)
+
+
+def test_everything_lives_in_the_dejavu_namespace(rendered: list[dict[str, Any]]) -> None:
+    assert [d["metadata"]["name"] for d in rendered if d["kind"] == "Namespace"] == ["dejavu"]
+    assert all(d["metadata"].get("namespace") == "dejavu" for d in rendered if d["kind"] != "Namespace")
+
+
+def test_every_container_has_probes_and_resource_requests(rendered: list[dict[str, Any]]) -> None:
+    workloads = [*by_kind(rendered, "Deployment").values(), *by_kind(rendered, "StatefulSet").values()]
+    assert {w["metadata"]["name"] for w in workloads} == {
+        "redis",
+        "controller",
+        "prompt-worker",
+        "token-worker",
+        "token-worker-spare",
+    }
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"]:
+            assert {"readinessProbe", "livenessProbe"} <= set(c), workload["metadata"]["name"]
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), workload["metadata"]["name"]
+
+
+def test_probes_use_the_health_endpoints(rendered: list[dict[str, Any]]) -> None:
+    controller = containers(by_kind(rendered, "Deployment")["controller"])[0]
+    assert controller["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert controller["readinessProbe"]["httpGet"]["path"] == "/ready"
+    for name, module in [
+        ("prompt-worker", "dejavu_prompt_worker"),
+        ("token-worker", "dejavu_token_worker"),
+        ("token-worker-spare", "dejavu_token_worker"),
+    ]:
+        worker = containers(by_kind(rendered, "StatefulSet")[name])[0]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert worker[probe]["exec"]["command"] == ["python", "-m", module, "--check"]
+
+
+def test_workers_have_stable_identities(rendered: list[dict[str, Any]]) -> None:
+    services = by_kind(rendered, "Service")
+    sets = by_kind(rendered, "StatefulSet")
+    for name in ("prompt-worker", "token-worker", "token-worker-spare"):
+        assert sets[name]["spec"]["serviceName"] == name
+        assert services[name]["spec"]["clusterIP"] == "None"
+    assert containers(sets["token-worker-spare"])[0]["args"] == ["--spare"]
+    env = {e["name"]: e.get("value") for e in containers(by_kind(rendered, "Deployment")["controller"])[0]["env"]}
+    assert sets["prompt-worker"]["spec"]["replicas"] == int(env["DEJAVU_CONTROLLER__PROMPT_DEPTH"])
+    assert sets["token-worker"]["spec"]["replicas"] == int(env["DEJAVU_CONTROLLER__TOKEN_DEPTH"])
+
+
+def test_credentials_come_from_the_generated_secret(rendered: list[dict[str, Any]]) -> None:
+    secrets = by_kind(rendered, "Secret")
+    assert len(secrets) == 1
+    (name, secret) = next(iter(secrets.items()))
+    assert re.fullmatch(r"dejavu-secrets-[a-z0-9]{10}", name), "the name carries the content hash"
+    refs = [
+        e["valueFrom"]["secretKeyRef"]
+        for d in rendered
+        if d["kind"] in ("Deployment", "StatefulSet")
+        for c in containers(d)
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    ]
+    assert refs and all(r["name"] == name and r["key"] in secret["data"] for r in refs)
+    # Nothing secret is written out as a plain value.
+    plain = [e for d in rendered if d["kind"] != "Secret" for e in _env_items(d) if "value" in e]
+    assert not [e for e in plain if re.search(r"PASSWORD|SECRET|CREDENTIAL|API_KEYS", e["name"])]
+
+
+def _env_items(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] not in ("Deployment", "StatefulSet"):
+        return []
+    return [e for c in containers(doc) for e in c.get("env", [])]
+
+
+def test_redis_config_is_mounted_from_infra_redis(rendered: list[dict[str, Any]]) -> None:
+    (config,) = [d for d in rendered if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("redis-config")]
+    for file in ("redis.conf", "users.acl.rules", "start.sh"):
+        assert config["data"][file] == (INFRA / "redis" / file).read_text()
+    redis = by_kind(rendered, "StatefulSet")["redis"]
+    volumes = {v["name"]: v for v in redis["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == config["metadata"]["name"]
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def test_only_dejavu_pods_reach_redis(rendered: list[dict[str, Any]]) -> None:
+    policy = by_kind(rendered, "NetworkPolicy")["redis"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "redis"}
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    (expression,) = source["podSelector"]["matchExpressions"]
+    clients = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for d in rendered
+        if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] != "redis"
+    }
+    assert expression["operator"] == "In" and set(expression["values"]) == clients
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+
+
+def test_images_are_the_ones_make_builds(rendered: list[dict[str, Any]]) -> None:
+    variant = {"cpu": "cpu", "gpu": "cuda"}[overlay_of(rendered)]
+    expected = {
+        "controller": f"dejavu-controller:{service_version('controller')}",
+        "prompt-worker": f"dejavu-prompt-worker:{service_version('prompt_worker')}-{variant}",
+        "token-worker": f"dejavu-token-worker:{service_version('token_worker')}-{variant}",
+        "token-worker-spare": f"dejavu-token-worker:{service_version('token_worker')}-{variant}",
+    }
+    workloads = {**by_kind(rendered, "Deployment"), **by_kind(rendered, "StatefulSet")}
+    for name, image in expected.items():
+        assert containers(workloads[name])[0]["image"] == image
+
+
+def test_only_the_gpu_overlay_asks_for_gpus(rendered: list[dict[str, Any]]) -> None:
+    gpu = overlay_of(rendered) == "gpu"
+    for doc in by_kind(rendered, "StatefulSet").values():
+        c = containers(doc)[0]
+        is_worker = doc["metadata"]["name"] != "redis"
+        asks = "nvidia.com/gpu" in c["resources"].get("limits", {})
+        assert asks == (gpu and is_worker), doc["metadata"]["name"]
+        if is_worker:
+            device = {e["name"]: e.get("value") for e in c["env"]}["DEJAVU_MODEL__DEVICE"]
+            assert device == ("cuda" if gpu else "cpu")
+
+
+def test_a_registry_renames_the_dejavu_images_only(tmp_path: Path) -> None:
+    docs = render_overlay(tmp_path, "cpu", registry="registry.example/acme/")
+    images = {c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet") for c in containers(d)}
+    assert {i for i in images if "dejavu-" in i} == {
+        f"registry.example/acme/dejavu-controller:{service_version('controller')}",
+        f"registry.example/acme/dejavu-prompt-worker:{service_version('prompt_worker')}-cpu",
+        f"registry.example/acme/dejavu-token-worker:{service_version('token_worker')}-cpu",
+    }
+    assert any(i.startswith("redis:") for i in images)
+
+
+BASE_RESOURCES = sorted(p for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.mark.parametrize("path", BASE_RESOURCES, ids=lambda p: p.name)
+def test_base_files_pass_the_schemas_on_their_own(path: Path) -> None:
+    """Runs without kubectl too: every base resource file is a complete manifest."""
+    for doc in yaml.safe_load_all(path.read_text()):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)

@@ -1,0 +1,152 @@
+"""infra/redis: each DejaVu user may do what its role needs and nothing else (a real redis-server).
+
+The key and channel names follow dejavu_common.keys; the cases are the commands the services send.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from .redis_acl_server import START, AclRedis
+
+PASSWORDS = {"controller": "c0ntroller-pw", "worker": "w0rker-pw", "admin": "adm1n-pw"}
+
+LEASE = "dejavu:worker:t-w1:lease"
+SET_LEASE = "return redis.call('SET', KEYS[1], ARGV[1], 'PX', 1500)"
+
+ALLOWED: list[tuple[str, tuple[str, ...]]] = [
+    ("default", ("PING",)),
+    ("controller", ("SET", "dejavu:topology", "{}")),
+    ("controller", ("INCR", "dejavu:topology:epoch")),
+    ("controller", ("SET", "dejavu:ctl:resume", "{}")),
+    ("controller", ("PUBLISH", "dejavu:ctl:topology", "1")),
+    ("controller", ("SET", "dejavu:mb:1", "{}")),
+    ("controller", ("SADD", "dejavu:mb:1:cancel", "0")),
+    ("controller", ("XADD", "dejavu:q:prompt", "*", "task", "t")),
+    ("controller", ("XREAD", "COUNT", "1", "STREAMS", "dejavu:tok:1", "0")),
+    ("controller", ("HGETALL", "dejavu:wm:0")),
+    ("controller", ("SMEMBERS", "dejavu:worker:index")),
+    ("controller", ("DEL", "dejavu:tok:1", "dejavu:mb:1", "dejavu:mb:1:cancel")),
+    ("worker", ("HSET", "dejavu:worker:t-w1", "state", "idle")),
+    ("worker", ("SADD", "dejavu:worker:index", "t-w1")),
+    ("worker", ("SET", LEASE, "1", "PX", "1500")),
+    ("worker", ("EVAL", SET_LEASE, "1", LEASE, "1")),
+    ("worker", ("GET", "dejavu:topology")),
+    ("worker", ("GET", "dejavu:topology:epoch")),
+    ("worker", ("GET", "dejavu:mb:1")),
+    ("worker", ("SMEMBERS", "dejavu:mb:1:cancel")),
+    ("worker", ("GET", "dejavu:ctl:resume")),
+    ("worker", ("XREAD", "COUNT", "32", "STREAMS", "dejavu:admin:commands", "0")),
+    ("worker", ("XADD", "dejavu:q:ready", "*", "ready", "r")),
+    ("worker", ("XADD", "dejavu:tok:1", "*", "step", "s")),
+    ("worker", ("HSET", "dejavu:wm:0", "1", "5")),
+    ("worker", ("PUBLISH", "dejavu:ctl:topology", "1")),
+    ("admin", ("XADD", "dejavu:admin:commands", "MAXLEN", "~", "1000", "*", "cmd", "c")),
+    ("admin", ("SISMEMBER", "dejavu:worker:index", "t-w1")),
+    ("admin", ("HGETALL", "dejavu:worker:t-w1")),
+    ("admin", ("PTTL", LEASE)),
+    ("admin", ("GET", "dejavu:topology")),
+    ("admin", ("HGETALL", "dejavu:wm:0")),
+    ("admin", ("SCAN", "0", "MATCH", "dejavu:tok:*")),
+]
+
+DENIED: list[tuple[str, tuple[str, ...]]] = [
+    ("default", ("GET", "dejavu:topology")),
+    ("default", ("SET", "dejavu:topology", "{}")),
+    ("controller", ("SET", "other:key", "1")),
+    ("controller", ("PUBLISH", "other", "1")),
+    ("controller", ("FLUSHALL",)),
+    ("controller", ("CONFIG", "GET", "*")),
+    ("controller", ("KEYS", "*")),
+    ("controller", ("ACL", "LIST")),
+    ("worker", ("SET", "dejavu:topology", "{}")),
+    ("worker", ("INCR", "dejavu:topology:epoch")),
+    ("worker", ("SET", "dejavu:mb:1", "{}")),
+    ("worker", ("SET", "dejavu:ctl:resume", "{}")),
+    ("worker", ("XADD", "dejavu:admin:commands", "*", "cmd", "forged")),
+    ("worker", ("EVAL", SET_LEASE, "1", "dejavu:topology", "1")),
+    ("worker", ("PUBLISH", "dejavu:admin:x", "1")),
+    ("worker", ("GET", "other:key")),
+    ("worker", ("FLUSHDB",)),
+    ("admin", ("SET", "dejavu:topology", "{}")),
+    ("admin", ("HSET", "dejavu:worker:t-w1", "state", "dead")),
+    ("admin", ("DEL", LEASE)),
+    ("admin", ("XADD", "dejavu:q:prompt", "*", "task", "t")),
+    ("admin", ("PUBLISH", "dejavu:ctl:topology", "1")),
+    ("admin", ("SHUTDOWN",)),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
+    srv = AclRedis(tmp_path_factory.mktemp("acl-redis"), PASSWORDS)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def client(server: AclRedis, user: str) -> redis.Redis:
+    if user == "default":
+        return redis.Redis(port=server.port, socket_timeout=5)
+    return redis.Redis(port=server.port, username=user, password=PASSWORDS[user], socket_timeout=5)
+
+
+def _id(case: tuple[str, tuple[str, ...]]) -> str:
+    return f"{case[0]}:{' '.join(case[1][:2])}"
+
+
+@pytest.mark.parametrize("case", ALLOWED, ids=[_id(c) for c in ALLOWED])
+def test_role_may(server: AclRedis, case: tuple[str, tuple[str, ...]]) -> None:
+    user, command = case
+    with client(server, user) as c:
+        c.execute_command(*command)
+
+
+@pytest.mark.parametrize("case", DENIED, ids=[_id(c) for c in DENIED])
+def test_role_may_not(server: AclRedis, case: tuple[str, tuple[str, ...]]) -> None:
+    user, command = case
+    with client(server, user) as c, pytest.raises(redis.ResponseError, match=r"(?i)no ?perm|permission"):
+        c.execute_command(*command)
+
+
+def test_a_wrong_password_is_refused(server: AclRedis) -> None:
+    c = redis.Redis(port=server.port, username="worker", password="guess", socket_timeout=5)
+    with c, pytest.raises(redis.AuthenticationError):
+        c.ping()
+
+
+def test_acl_file_holds_digests_only_and_the_data_is_persisted(server: AclRedis) -> None:
+    text = server.acl_file.read_text()
+    assert not any(pw in text for pw in PASSWORDS.values())
+    assert text.count(" on #") == len(PASSWORDS)
+    # redis.conf turns the append-only file on; start.sh points it at the data folder (the volume).
+    assert (server.data_dir / "appendonlydir").is_dir()
+
+
+def test_start_refuses_a_user_without_password(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "REDIS_ACL_FILE": str(tmp_path / "acl"), "REDIS_DATA_DIR": str(tmp_path)}
+    env.update({f"REDIS_PASSWORD_{u.upper()}": pw for u, pw in PASSWORDS.items() if u != "admin"})
+    result = subprocess.run(["sh", str(START)], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "REDIS_PASSWORD_ADMIN" in result.stderr
+
+
+def test_the_services_client_logs_in_as_its_user(server: AclRedis) -> None:
+    """dejavu_common's client, configured as the deployments configure it, gets the worker's rights."""
+    from dejavu_common import keys
+    from dejavu_common.redis_client import sync_client
+    from dejavu_common.settings import RedisSettings
+
+    settings = RedisSettings(url=f"redis://127.0.0.1:{server.port}/0", username="worker", password=PASSWORDS["worker"])
+    c = sync_client(settings)
+    with c:
+        assert c.set(keys.worker_lease("t-acl"), "1", px=1500)
+        assert c.exists(keys.worker_lease("t-acl")) == 1
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            c.set(keys.TOPOLOGY, "{}")

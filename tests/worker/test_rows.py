@@ -1,0 +1,51 @@
+"""Row progress at a sampling stage: finishes, -1 for finished rows, replay after a failure."""
+
+from __future__ import annotations
+
+from dejavu_worker.rows import RowTracker
+
+from dejavu_common.messages import FinishReason, MicrobatchSpec, RowSpec, SamplingSpec
+
+EOS = 2
+
+
+def _spec(max_tokens: list[int], prompt_len: int = 4, stop_ids=()) -> MicrobatchSpec:
+    rows = tuple(
+        RowSpec(
+            request_id=f"r{i}",
+            prompt_ids=(1,) * prompt_len,
+            sampling=SamplingSpec(max_tokens=m, seed=i, stop_token_ids=tuple(stop_ids)),
+        )
+        for i, m in enumerate(max_tokens)
+    )
+    return MicrobatchSpec(mb_id=7, rows=rows, prompt_len=prompt_len, max_len=prompt_len + max(max_tokens))
+
+
+def test_eos_length_stop_token_and_cancel() -> None:
+    t = RowTracker(_spec([3, 5, 5, 5], stop_ids=[9]), eos_ids=frozenset({EOS}))
+    e0 = t.step(0, [10, 11, 12, 13])
+    assert e0.tokens == (10, 11, 12, 13) and e0.finished == (None,) * 4
+    e1 = t.step(1, [10, EOS, 9, 13], cancelled={3})
+    assert e1.tokens == (10, EOS, 9, -1)
+    assert e1.finished == (None, FinishReason.STOP, FinishReason.STOP, FinishReason.CANCELLED)
+    e2 = t.step(2, [10, 10, 10, 10])
+    assert e2.tokens == (10, -1, -1, -1)
+    assert e2.finished == (FinishReason.LENGTH, None, None, None)
+    assert t.done
+
+
+def test_partial_rows_for_prompt_pieces() -> None:
+    t = RowTracker(_spec([4, 4, 4]), eos_ids=frozenset({EOS}))
+    e = t.step(0, [5, 6], rows=[1, 2])
+    assert e.tokens == (-1, 5, 6)
+    assert t.generated == [0, 1, 1]
+
+
+def test_replay_rebuilds_state() -> None:
+    spec = _spec([3, 2])
+    a = RowTracker(spec, eos_ids=frozenset({EOS}))
+    history = [a.step(0, [5, 6]), a.step(1, [5, 6])]
+    b = RowTracker(spec, eos_ids=frozenset({EOS}))
+    b.replay(history)
+    assert b.generated == a.generated and b.finished == a.finished
+    assert b.step(2, [7, 7]) == a.step(2, [7, 7])
