@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
-
 from engine.tiny_models import FAMILIES
 
 LENGTHS = (7, 3, 11, 1)

@@ -9,28 +9,61 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dejavu_common.tokenizer import Tokenizer
 
 
 def dejavu(*args: str) -> subprocess.CompletedProcess[str]:
     """Run the dejavu command in a child process (waited for, so it is gone when this returns)."""
     env = {**os.environ, "DEJAVU_ENGINE__TORCH_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dejavu_cli", *args], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "dejavu_cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_generate_json_output(tiny_checkpoints: dict[str, Path]) -> None:
-    done = dejavu("generate", "--model", str(tiny_checkpoints["llama"]), "--prompt", "Hello world", "--max-tokens",
-                  "6", "--stages", "2", "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--json")
+    done = dejavu(
+        "generate",
+        "--model",
+        str(tiny_checkpoints["llama"]),
+        "--prompt",
+        "Hello world",
+        "--max-tokens",
+        "6",
+        "--stages",
+        "2",
+        "--temperature",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "3",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert set(result) == {"token_ids", "text", "finish_reason", "prompt_tokens", "timings"}
     assert set(result["timings"]) == {"prefill_s", "decode_s_per_token"}
     assert 1 <= len(result["token_ids"]) <= 6 and result["finish_reason"] in ("stop", "length")
     assert result["prompt_tokens"] == len(Tokenizer.from_pretrained(tiny_checkpoints["llama"]).encode("Hello world"))
-    again = json.loads(dejavu("generate", "--model", str(tiny_checkpoints["llama"]), "--prompt", "Hello world",
-                              "--max-tokens", "6", "--temperature", "0.9", "--top-k", "20", "--seed", "3",
-                              "--json").stdout)
+    again = json.loads(
+        dejavu(
+            "generate",
+            "--model",
+            str(tiny_checkpoints["llama"]),
+            "--prompt",
+            "Hello world",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "20",
+            "--seed",
+            "3",
+            "--json",
+        ).stdout
+    )
     assert again["token_ids"] == result["token_ids"]  # same seed, 1 stage instead of 2: same tokens
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.pipeline import Pipeline
 from transformers import AutoModelForCausalLM
 
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.pipeline import Pipeline
 from engine.tiny_models import FAMILIES
 
 PROMPT, DECODE = 9, 5
@@ -31,8 +31,9 @@ def reference(tiny_checkpoints: dict[str, Path]) -> dict[str, tuple[torch.Tensor
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefill_and_decode_match_transformers(family: str, stages: int, tiny_checkpoints: dict[str, Path],
-                                               reference: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def test_prefill_and_decode_match_transformers(
+    family: str, stages: int, tiny_checkpoints: dict[str, Path], reference: dict[str, tuple[torch.Tensor, torch.Tensor]]
+) -> None:
     ids, expected = reference[family]
     pipeline = Pipeline(tiny_checkpoints[family], stages)
     caches = pipeline.allocate(1, PROMPT + DECODE)

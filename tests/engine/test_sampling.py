@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dejavu_engine.sampling import SamplingParams, filtered_probs, sample, sample_token
 from dejavu_engine.stopping import FinishReason, StopCriteria
 

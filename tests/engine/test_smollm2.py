@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.stopping import StopCriteria
-from transformers import AutoModelForCausalLM
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytestmark = pytest.mark.model
@@ -36,8 +37,9 @@ def cases(smollm2: Path) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 5])
-def test_greedy_tokens_equal_transformers_generate(stages: int, smollm2: Path,
-                                                   cases: list[tuple[list[int], list[int]]]) -> None:
+def test_greedy_tokens_equal_transformers_generate(
+    stages: int, smollm2: Path, cases: list[tuple[list[int], list[int]]]
+) -> None:
     pipeline = Pipeline(smollm2, stages)
     eos = pipeline.spec.eos_token_ids
     for prompt, expected in cases:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline, split_layers
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
-from safetensors import safe_open
-
 from engine.tiny_models import FAMILIES, LAYERS
 
 TOKEN_EMBEDDING = {

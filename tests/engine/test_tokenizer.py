@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
-from dejavu_common.tokenizer import Tokenizer, TokenizerError
 from transformers import AutoTokenizer
 
+from dejavu_common.tokenizer import Tokenizer, TokenizerError
 from engine.tiny_models import FAMILIES
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -22,8 +22,12 @@ TEXTS = [
 ]
 CHATS = [
     [{"role": "user", "content": "What is two plus two?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Tell me about Paris 🙂"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Tell me about Paris 🙂"},
+    ],
 ]
 
 

@@ -46,12 +46,28 @@ CHAT_TEMPLATE = (
 def _config(family: str) -> PretrainedConfig:
     common = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if family == "llama":
-        return LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-                           rms_norm_eps=1e-5, **common)
+        return LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            **common,
+        )
     if family == "opt":
-        return OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                         max_position_embeddings=256, word_embed_proj_dim=64, do_layer_norm_before=True, **common)
+        return OPTConfig(
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+            do_layer_norm_before=True,
+            **common,
+        )
     if family == "gpt2":
         return GPT2Config(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=256, **common)
     if family == "bloom":
@@ -60,7 +76,10 @@ def _config(family: str) -> PretrainedConfig:
 
 
 _MODELS: dict[str, type[PreTrainedModel]] = {
-    "llama": LlamaForCausalLM, "opt": OPTForCausalLM, "gpt2": GPT2LMHeadModel, "bloom": BloomForCausalLM,
+    "llama": LlamaForCausalLM,
+    "opt": OPTForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+    "bloom": BloomForCausalLM,
 }
 
 
@@ -70,16 +89,23 @@ def _tokenizer(family: str) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 8, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS * 4, trainer)
     bos = {"llama": "<s>", "opt": "</s>"}.get(family)
     if bos is not None:  # Llama prepends <s>, OPT prepends </s>; GPT-2 and BLOOM add nothing
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
         )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos or "<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos or "<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:

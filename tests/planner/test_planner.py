@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,3 +103,11 @@ def test_swap_costs_the_transfer_and_needs_a_bandwidth(make_profile: ProfileFact
     assert swapped.inverse_throughput_s == pytest.approx(formulas.baseline_inverse_throughput(4, 1.5, 70.0, 19))
     with pytest.raises(ValueError, match="cannot swap"):
         Planner(make_profile(), workload).plan(2, swap=True)
+
+
+def test_planner_and_simulator_do_not_import_torch() -> None:
+    code = (
+        "import sys; import dejavu_planner.planner, dejavu_planner.simulator, dejavu_planner.plots; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=120).returncode == 0

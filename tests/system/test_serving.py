@@ -16,7 +16,7 @@ from dejavu_common.settings import Mode, Settings
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.checkpoint import ensure_default_model
 from dejavu_engine.generate import generate
-from tests.system.cluster import cluster_settings, logs, running
+from .cluster import cluster_settings, logs, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 

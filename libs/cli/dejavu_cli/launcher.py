@@ -153,10 +153,10 @@ class Launcher:
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self) -> None:
-        procs = [c.proc for c in reversed(self.children) if c.proc is not None]
+        """Stop workers and controller first (they deregister through Redis), then our Redis."""
+        terminate_all([c.proc for c in reversed(self.children) if c.proc is not None])
         if self.redis_proc is not None:
-            procs.append(self.redis_proc)
-        terminate_all(procs)
+            terminate_all([self.redis_proc])
         if STATE_FILE.exists():
             STATE_FILE.unlink()
 

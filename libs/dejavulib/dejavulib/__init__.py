@@ -1,5 +1,55 @@
-"""DejaVuLib: KV-cache streaming primitives (stream_out/stream_in, scatter/gather, flush/fetch)."""
+"""DejaVuLib: KV-cache streaming primitives (stream_out/stream_in, scatter/gather, flush/fetch).
 
+Heavy modules (torch, ucxx) load on first use of their names, so ``import dejavulib`` stays cheap for
+the pure parts (layout, topology, header, errors).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dejavulib.errors import (
+    BackPressureTimeout,
+    ClosedError,
+    DejaVuLibError,
+    IntegrityError,
+    PeerError,
+    ProtocolError,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from dejavulib.header import Channel, DType, Header
 from dejavulib.layout import DIM_ORDER, KVLayout, Region, Which
+from dejavulib.topology import Topology, Transfer, plan_transfers, token_padded_lengths
 
-__all__ = ["DIM_ORDER", "KVLayout", "Region", "Which"]
+_LAZY = {
+    "Endpoint": "dejavulib.endpoint",
+    "Message": "dejavulib.endpoint",
+    "Handle": "dejavulib.handle",
+    "KVCache": "dejavulib.kvcache",
+    "StagingBuffer": "dejavulib.kvcache",
+    "scatter": "dejavulib.scatter_gather",
+    "gather": "dejavulib.scatter_gather",
+    "Streamer": "dejavulib.streamer",
+    "stream_out": "dejavulib.streaming",
+    "stream_in": "dejavulib.streaming",
+    "LayerStreamer": "dejavulib.streaming",
+    "create_transport": "dejavulib.transport.factory",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dejavulib' has no attribute {name!r}")
+
+
+__all__ = [
+    "DIM_ORDER", "BackPressureTimeout", "Channel", "ClosedError", "DType", "DejaVuLibError", "Endpoint", "Handle",
+    "Header", "IntegrityError", "KVCache", "KVLayout", "LayerStreamer", "Message", "PeerError", "ProtocolError",
+    "Region", "StagingBuffer", "Streamer", "Topology", "Transfer", "TransferError", "TransferTimeout",
+    "TransportUnavailable", "Which", "create_transport", "gather", "plan_transfers", "scatter", "stream_in",
+    "stream_out", "token_padded_lengths",
+]  # fmt: skip

@@ -20,7 +20,7 @@ class TransferError(DejaVuLibError):
     """A transfer did not complete."""
 
 
-class TransferTimeout(TransferError):  # noqa: N818 - the name the serving layer matches on
+class TransferTimeout(TransferError):
     """A transfer (or a wait for one) did not complete within its deadline."""
 
 
@@ -40,7 +40,7 @@ class ProtocolError(DejaVuLibError):
     """A well-formed message arrived that the receiving primitive did not expect."""
 
 
-class TransportUnavailable(DejaVuLibError):  # noqa: N818 - reads as a state, like TimeoutError
+class TransportUnavailable(DejaVuLibError):
     """A required transport (e.g. UCX shared memory) was not selected or cannot be created."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from dejavulib.errors import TransferTimeout
@@ -14,10 +15,12 @@ class Handle:
     ``wait`` re-raises the transfer's exception (a ``DejaVuLibError`` subclass) in the waiting thread.
     """
 
-    __slots__ = ("_callbacks", "_done", "_error", "_lock", "nbytes")
+    __slots__ = ("_callbacks", "_done", "_error", "_lock", "deadline", "nbytes")
 
-    def __init__(self, nbytes: int = 0) -> None:
+    def __init__(self, nbytes: int = 0, deadline_s: float | None = None) -> None:
+        """``deadline_s`` (seconds from now) bounds ``wait()`` when it is called without a timeout."""
         self.nbytes = nbytes
+        self.deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -56,7 +59,10 @@ class Handle:
         cb(self)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until complete; raise its error, or ``TransferTimeout`` if not done within ``timeout_s``."""
+        """Block until complete; raise its error, or ``TransferTimeout`` if not done within ``timeout_s``
+        (default: until the handle's own deadline, or forever if it has none)."""
+        if timeout_s is None and self.deadline is not None:
+            timeout_s = max(0.0, self.deadline - time.monotonic())
         if not self._done.wait(timeout_s):
             raise TransferTimeout(f"transfer of {self.nbytes} bytes not complete within {timeout_s} s")
         if self._error is not None:

@@ -35,6 +35,7 @@ class Channel(enum.IntEnum):
     TOKENS = 4
     CONTROL = 5
     KV_SWAP = 6
+    KV_RESTORE = 7  # recovery: caches sent to a replacement stage
 
 
 class DType(enum.IntEnum):

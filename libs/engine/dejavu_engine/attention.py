@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.family import ForwardContext
 from dejavu_engine.geometry import BatchGeometry
@@ -45,8 +45,15 @@ def bool_mask(geometry: BatchGeometry, n: int, device: torch.device) -> tuple[to
     return allowed(geometry, n, device), False
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           ctx: ForwardContext, scale: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx: ForwardContext,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Write ``k``/``v`` (``[batch, kv_heads, n, head_dim]``) into the layer's cache at
     ``[ctx.start, ctx.cur_len)`` and attend ``q`` (``[batch, heads, n, head_dim]``) over the filled
     prefix. Returns ``[batch, n, heads * head_dim]``.
@@ -56,7 +63,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     keys = k_cache[:, :, : ctx.cur_len]
     values = v_cache[:, :, : ctx.cur_len]
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=ctx.mask, is_causal=ctx.causal, scale=scale,
+        q,
+        keys,
+        values,
+        attn_mask=ctx.mask,
+        is_causal=ctx.causal,
+        scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     batch, heads, n, head_dim = out.shape
@@ -80,8 +92,7 @@ def alibi_slopes(heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_mask(geometry: BatchGeometry, n: int, heads: int, device: torch.device,
-               dtype: torch.dtype) -> torch.Tensor:
+def alibi_mask(geometry: BatchGeometry, n: int, heads: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Additive ``[batch, heads, n, cur_len]``: slope x key position (pad-aware), min where masked."""
     keys = torch.arange(geometry.cur_len, device=device)
     pads = torch.tensor(geometry.pad_lens, device=device).unsqueeze(1)

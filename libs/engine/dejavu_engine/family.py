@@ -92,8 +92,9 @@ class Family(ABC):
         """Token ids ``[batch, n]`` -> hidden states ``[batch, n, hidden]``."""
 
     @abstractmethod
-    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              ctx: ForwardContext) -> torch.Tensor:
+    def layer(
+        self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """One decoder layer; writes this call's K/V into ``k_cache``/``v_cache`` (``[batch,
         kv_heads, max_len, head_dim]`` views of the layer) at ``[ctx.start, ctx.cur_len)``."""
 

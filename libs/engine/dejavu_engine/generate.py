@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
-
 from dejavu_engine.checkpoint import CheckpointError, ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
@@ -156,7 +156,9 @@ def generate(
     if not folder.is_dir():
         raise CheckpointError(f"model folder not found: {folder}")
     tokenizer = Tokenizer.from_pretrained(folder)
-    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    prompt_ids = (
+        tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    )
     if not prompt_ids:
         raise GenerationError("the prompt encodes to no tokens")
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from dejavulib.layout import KVLayout
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,8 +32,11 @@ class KVCache:
     def allocate(cls, layout: KVLayout, device: torch.device | str = "cpu") -> KVCache:
         """Zero-filled cache for ``layout`` on ``device``."""
         dtype = torch_dtype(layout.dtype)
-        return cls(layout, torch.zeros(layout.shape, dtype=dtype, device=device),
-                   torch.zeros(layout.shape, dtype=dtype, device=device))
+        return cls(
+            layout,
+            torch.zeros(layout.shape, dtype=dtype, device=device),
+            torch.zeros(layout.shape, dtype=dtype, device=device),
+        )
 
     @property
     def device(self) -> torch.device:

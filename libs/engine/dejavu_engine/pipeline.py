@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
+from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.stage import LayerHook, Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import load_config
-from dejavu_engine.families import family_for
 
 
 def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -40,8 +40,14 @@ class Pipeline:
         """One cache per stage for a microbatch."""
         return [stage.allocate_cache(batch, max_len) for stage in self.stages]
 
-    def forward(self, input_ids: torch.Tensor, caches: list[KVCache], geometry: BatchGeometry,
-                on_layer_done: LayerHook | None = None, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        caches: list[KVCache],
+        geometry: BatchGeometry,
+        on_layer_done: LayerHook | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
         """Token ids ``[batch, n]`` through every stage; returns logits (see :meth:`Stage.forward`)."""
         io = StageIO(input_ids=input_ids)
         for stage, cache in zip(self.stages, caches, strict=True):

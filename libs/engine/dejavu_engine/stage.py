@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from dejavulib.layout import KVLayout
 
 from dejavu_engine.families import family_for
 from dejavu_engine.family import Weights
@@ -20,6 +19,7 @@ from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache, torch_dtype
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import CheckpointReader, load_config
+from dejavulib.layout import KVLayout
 
 LayerHook = Callable[[int], None]
 
@@ -31,8 +31,9 @@ class Stage:
     ValueError for an unsupported architecture or an empty / out-of-range layer range.
     """
 
-    def __init__(self, folder: str | Path, layers: tuple[int, int], device: str = "cpu",
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self, folder: str | Path, layers: tuple[int, int], device: str = "cpu", dtype: str = "float32"
+    ) -> None:
         self.folder = Path(folder)
         self.family = family_for(load_config(self.folder))
         self.spec = self.family.spec
@@ -77,8 +78,14 @@ class Stage:
         return KVCache.allocate(self.kv_layout(batch, max_len), self.device)
 
     @torch.inference_mode()
-    def forward(self, io: StageIO, cache: KVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None = None,
-                all_logits: bool = False) -> StageIO:
+    def forward(
+        self,
+        io: StageIO,
+        cache: KVCache,
+        geometry: BatchGeometry,
+        on_layer_done: LayerHook | None = None,
+        all_logits: bool = False,
+    ) -> StageIO:
         """Run this stage's layers for ``n`` new tokens per row, writing cache positions
         ``[geometry.cur_len - n, geometry.cur_len)`` of every layer in place.
 
@@ -100,15 +107,22 @@ class Stage:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.family.head(self._head_w, hidden if all_logits else hidden[:, -1:]))
 
-    def prefill(self, io: StageIO, cache: KVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None = None,
-                all_logits: bool = False) -> StageIO:
+    def prefill(
+        self,
+        io: StageIO,
+        cache: KVCache,
+        geometry: BatchGeometry,
+        on_layer_done: LayerHook | None = None,
+        all_logits: bool = False,
+    ) -> StageIO:
         """:meth:`forward` over whole (left-padded) prompts: positions ``[0, cur_len)``."""
         if self._input(io).shape[1] != geometry.cur_len:
             raise ValueError("prefill feeds all cur_len positions of the microbatch")
         return self.forward(io, cache, geometry, on_layer_done, all_logits)
 
-    def decode(self, io: StageIO, cache: KVCache, geometry: BatchGeometry,
-               on_layer_done: LayerHook | None = None) -> StageIO:
+    def decode(
+        self, io: StageIO, cache: KVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None = None
+    ) -> StageIO:
         """:meth:`forward` of one token per row, written at position ``cur_len - 1``."""
         if self._input(io).shape[1] != 1:
             raise ValueError("decode feeds exactly one token per row")

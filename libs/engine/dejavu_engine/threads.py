@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -17,8 +18,7 @@ def configure_torch_threads(n: int) -> int:
         raise ValueError(f"thread count must be >= 0, got {n}")
     threads = n or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    try:
+    # torch allows this once, before any parallel work; later calls raise and keep the first value.
+    with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass  # already set, or parallel work has started: torch allows it only once
     return threads

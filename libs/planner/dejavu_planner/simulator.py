@@ -77,6 +77,18 @@ class _Pipeline:
     batch_members: list[_Microbatch] = field(default_factory=list)  # FasterTransformer only
 
 
+@dataclass(frozen=True)
+class _StageDone:
+    """Event: ``stage`` of ``pipeline`` finished its current step of ``mb``."""
+
+    pipeline: _Pipeline
+    stage: _Stage
+    mb: _Microbatch
+
+
+Event = Request | _StageDone
+
+
 class Simulator:
     """Runs one deployment over one trace; call :meth:`run` once."""
 
@@ -86,7 +98,7 @@ class Simulator:
         self.cost = cost
         self.record_timeline = record_timeline
         self.now = 0.0
-        self._events: list[tuple[float, int, object]] = []
+        self._events: list[tuple[float, int, Event]] = []
         self._seq = itertools.count()
         self._mids = itertools.count()
         self._waiting: deque[Request] = deque()
@@ -113,15 +125,18 @@ class Simulator:
             self._push(request.arrival_s, request)
         while self._events:
             self.now, _, payload = heapq.heappop(self._events)
-            if isinstance(payload, Request):
-                self._waiting.append(payload)
-                # Requests arriving at the same instant form microbatches together.
-                while self._events and self._events[0][0] == self.now and isinstance(self._events[0][2], Request):
-                    self._waiting.append(heapq.heappop(self._events)[2])  # type: ignore[arg-type]
-                self._admit_all()
-            else:
-                pipeline, stage, mb = payload
-                self._stage_done(pipeline, stage, mb)
+            if isinstance(payload, _StageDone):
+                self._stage_done(payload.pipeline, payload.stage, payload.mb)
+                continue
+            self._waiting.append(payload)
+            # Requests arriving at the same instant form microbatches together.
+            while self._events and self._events[0][0] == self.now:
+                same_time = self._events[0][2]
+                if not isinstance(same_time, Request):
+                    break
+                heapq.heappop(self._events)
+                self._waiting.append(same_time)
+            self._admit_all()
         records = tuple(sorted(self._records, key=lambda r: r.rid))
         assert len(records) == len(self.trace), "every request must finish"
         makespan = max(r.finish_s for r in records)
@@ -129,7 +144,7 @@ class Simulator:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def _push(self, time: float, payload: object) -> None:
+    def _push(self, time: float, payload: Event) -> None:
         heapq.heappush(self._events, (time, next(self._seq), payload))
 
     def _enqueue(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> None:
@@ -144,7 +159,7 @@ class Simulator:
         end = self.now + self._duration(pipeline, stage, mb)
         if self.record_timeline:
             self._timeline.append(Segment(pipeline.name, stage.index, self.now, end, mb.mid, mb.step))
-        self._push(end, (pipeline, stage, mb))
+        self._push(end, _StageDone(pipeline, stage, mb))
 
     def _duration(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> float:
         if mb.step == 0:

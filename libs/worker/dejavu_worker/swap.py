@@ -34,6 +34,8 @@ import torch
 from dejavu_common.errors import DeadlineExceeded, FatalError
 from dejavu_common.kv_budget import resident_microbatches
 from dejavu_engine.kv_cache import KVCache, torch_dtype
+from dejavulib.kvcache import KVCache as StreamedCache
+from dejavulib.kvcache import StagingBuffer
 from dejavulib.layout import KVLayout
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
@@ -173,10 +175,12 @@ class SwapManager:
             for _ in range(resident_microbatches(depth, swapping=True))
         ]
         self._free = deque(range(len(self._slots)))
-        staging = 2 * layout.layers * layout.batch * layout.kv_heads * staging_positions * layout.head_dim
         self._staging_positions = staging_positions
-        self._stage_device = self._device_empty(staging)
-        self._stage_host = self._host_empty(staging)
+        self._staging_bytes = layout.batch * layout.bytes_per_token * staging_positions
+        self._stage_device = StagingBuffer(self.device)
+        self._stage_host = StagingBuffer(self.host_device, pin=self._seam.enabled)
+        self._stage_device.get(self._staging_bytes)  # allocated once, up front: commits never exceed it
+        self._stage_host.get(self._staging_bytes)
         self._entries: dict[int, _Entry] = {}
         self._queue: deque[int] = deque()
         self._cond = threading.Condition()
@@ -201,14 +205,14 @@ class SwapManager:
     @property
     def device_bytes(self) -> int:
         """Everything this manager allocated on the device: the cache buffers and the swap-out staging buffer."""
-        return self.slots * self.layout.bytes_total + self._stage_device.numel() * self.layout.itemsize
+        return self.slots * self.layout.bytes_total + self._staging_bytes
 
     @property
     def host_bytes(self) -> int:
         """The host caches of all registered microbatches plus the host staging buffer."""
         with self._cond:
             caches = sum(e.host.layout.bytes_total for e in self._entries.values())
-        return caches + self._stage_host.numel() * self.layout.itemsize
+        return caches + self._staging_bytes
 
     # -- registration -------------------------------------------------------------------------------
 
@@ -419,17 +423,15 @@ class SwapManager:
             self._copy(device.v[:, :, :, :filled], host.v[:, :, :, :filled])
 
     def _swap_out(self, device: KVCache, host: KVCache, p0: int, p1: int) -> None:
-        """Buffered copy of positions ``[p0, p1)``: gather on the device, one transfer, scatter on the host."""
+        """Buffered copy of positions ``[p0, p1)`` (dejavulib's pack / unpack): gather every layer, row and
+        head of those positions on the device into the staging buffer, one transfer, scatter on the host."""
         self._seam.sync_compute()  # the step's kernels must have written the positions
-        L, B, H, _, D = host.layout.shape
+        source, target = StreamedCache(device.layout, device.k, device.v), StreamedCache(host.layout, host.k, host.v)
         for a in range(p0, p1, self._staging_positions):
-            b = min(a + self._staging_positions, p1)
-            numel = 2 * L * B * H * (b - a) * D
-            staged = self._stage_device[:numel].view(2, L, B, H, b - a, D)
-            staged[0].copy_(device.k[:, :, :, a:b])
-            staged[1].copy_(device.v[:, :, :, a:b])
-            landed = self._stage_host[:numel].view(2, L, B, H, b - a, D)
+            region = host.layout.region(positions=(a, min(a + self._staging_positions, p1)))
+            nbytes = region.nbytes(host.layout)
+            staged = source.pack(region, self._stage_device.get(nbytes))
+            landed = self._stage_host.get(nbytes).view(staged.dtype).view(staged.shape)
             self._copy(landed, staged)
             self._seam.sync_compute()  # the transfer ran on the compute stream
-            host.k[:, :, :, a:b].copy_(landed[0])
-            host.v[:, :, :, a:b].copy_(landed[1])
+            target.unpack(region, landed)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 
@@ -37,6 +38,9 @@ def check_key(key: int) -> None:
 
 class Transport(abc.ABC):
     """Moves contiguous host chunks between peers. Methods are thread-safe unless a subclass says otherwise."""
+
+    #: Whether ``flush``/``fetch`` accept device (e.g. CUDA) tensors; otherwise callers stage through host memory.
+    moves_device_memory: ClassVar[bool] = False
 
     def __init__(self, self_id: str) -> None:
         self.self_id = self_id

@@ -60,6 +60,8 @@ class _CudaCopier(_Copier):
 class LocalTransport(Transport):
     """Slot semantics; addresses are ``b"local:<n>"`` names valid inside one process."""
 
+    moves_device_memory = True
+
     def __init__(self, self_id: str) -> None:
         super().__init__(self_id)
         self._address = f"local:{next(_NAMES)}".encode()

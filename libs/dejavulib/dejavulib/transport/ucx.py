@@ -83,7 +83,9 @@ class UcxTransport(MessageTransport):
         self._api, self._Array = ucx_api, Array
         self.progress_mode, self.require = progress, require
         self._hash = peer_hash(self_id)
-        self._context = ucx_api.UCXContext({"PROTO_INFO": "y"}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self._context = ucx_api.UCXContext(
+            {"PROTO_INFO": "y"}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+        )
         self._worker = ucx_api.UCXWorker(self._context)
         if progress == "thread":
             self._worker.init_blocking_progress_mode()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dejavu_engine.family import Family
 from dejavu_engine.families.bloom import Bloom
 from dejavu_engine.families.gpt2 import GPT2
 from dejavu_engine.families.llama import Llama
 from dejavu_engine.families.opt import OPT
+from dejavu_engine.family import Family
 
 FAMILIES: dict[str, type[Family]] = {"llama": Llama, "opt": OPT, "gpt2": GPT2, "bloom": Bloom}
 

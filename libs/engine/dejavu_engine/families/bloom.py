@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import alibi_mask, attend, positions
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
@@ -41,13 +41,22 @@ class Bloom(Family):
         self.post_ln_residual = bool(config.get("apply_residual_connection_post_layernorm", False))
 
     def embedding_names(self) -> dict[str, str]:
-        return {"embed": f"{_PREFIX}word_embeddings.weight", "embed_ln": f"{_PREFIX}word_embeddings_layernorm.weight",
-                "embed_ln_bias": f"{_PREFIX}word_embeddings_layernorm.bias"}
+        return {
+            "embed": f"{_PREFIX}word_embeddings.weight",
+            "embed_ln": f"{_PREFIX}word_embeddings_layernorm.weight",
+            "embed_ln_bias": f"{_PREFIX}word_embeddings_layernorm.bias",
+        }
 
     def layer_names(self, layer: int) -> dict[str, str]:
         p = f"{_PREFIX}h.{layer}."
-        roles = {"ln_1": "input_layernorm", "qkv": "self_attention.query_key_value", "o": "self_attention.dense",
-                 "ln_2": "post_attention_layernorm", "fc1": "mlp.dense_h_to_4h", "fc2": "mlp.dense_4h_to_h"}
+        roles = {
+            "ln_1": "input_layernorm",
+            "qkv": "self_attention.query_key_value",
+            "o": "self_attention.dense",
+            "ln_2": "post_attention_layernorm",
+            "fc1": "mlp.dense_h_to_4h",
+            "fc2": "mlp.dense_4h_to_h",
+        }
         names = {}
         for role, module in roles.items():
             names[role] = f"{p}{module}.weight"
@@ -68,8 +77,9 @@ class Bloom(Family):
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self._norm(F.embedding(input_ids, w["embed"]), w, "embed_ln")
 
-    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              ctx: ForwardContext) -> torch.Tensor:
+    def layer(
+        self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         spec = self.spec
         x = self._norm(hidden, w, "ln_1")
         residual = x if self.post_ln_residual else hidden

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
@@ -49,8 +49,14 @@ class GPT2(Family):
 
     def layer_names(self, layer: int) -> dict[str, str]:
         p = f"{_PREFIX}h.{layer}."
-        roles = {"ln_1": "ln_1", "qkv": "attn.c_attn", "proj": "attn.c_proj", "ln_2": "ln_2", "fc": "mlp.c_fc",
-                 "fc_proj": "mlp.c_proj"}
+        roles = {
+            "ln_1": "ln_1",
+            "qkv": "attn.c_attn",
+            "proj": "attn.c_proj",
+            "ln_2": "ln_2",
+            "fc": "mlp.c_fc",
+            "fc_proj": "mlp.c_proj",
+        }
         names = {}
         for role, module in roles.items():
             names[role] = f"{p}{module}.weight"
@@ -68,8 +74,9 @@ class GPT2(Family):
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return F.embedding(input_ids, w["wte"]) + F.embedding(ctx.positions, w["wpe"])
 
-    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              ctx: ForwardContext) -> torch.Tensor:
+    def layer(
+        self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         width, heads = self.spec.hidden_size, self.spec.num_heads
         x = F.layer_norm(hidden, (width,), w["ln_1"], w["ln_1_bias"], self.eps)
         q, k, v = conv1d(x, w["qkv"], w["qkv_bias"]).split(width, dim=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
@@ -84,14 +84,16 @@ class Llama(Family):
         freqs = pos.unsqueeze(-1).to(torch.float32) * self.inv_freq.to(device)  # [batch, n, dim/2]
         angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [batch, 1, n, dim]
         mask, causal = bool_mask(geometry, n, device)
-        return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal,
-                              rope=(angles.cos().to(dtype), angles.sin().to(dtype)))
+        return ForwardContext(
+            geometry, geometry.cur_len - n, pos, mask, causal, rope=(angles.cos().to(dtype), angles.sin().to(dtype))
+        )
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return F.embedding(input_ids, w["embed"])
 
-    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              ctx: ForwardContext) -> torch.Tensor:
+    def layer(
+        self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         spec = self.spec
         x = F.rms_norm(hidden, (spec.hidden_size,), w["ln_1"], self.eps)
         q = split_heads(F.linear(x, w["q"], w.get("q_bias")), spec.num_heads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
@@ -56,10 +56,20 @@ class OPT(Family):
 
     def layer_names(self, layer: int) -> dict[str, str]:
         p = f"{_PREFIX}layers.{layer}."
-        linear = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                  "o": "self_attn.out_proj", "fc1": "fc1", "fc2": "fc2"}
-        names = {"ln_1": p + "self_attn_layer_norm.weight", "ln_1_bias": p + "self_attn_layer_norm.bias",
-                 "ln_2": p + "final_layer_norm.weight", "ln_2_bias": p + "final_layer_norm.bias"}
+        linear = {
+            "q": "self_attn.q_proj",
+            "k": "self_attn.k_proj",
+            "v": "self_attn.v_proj",
+            "o": "self_attn.out_proj",
+            "fc1": "fc1",
+            "fc2": "fc2",
+        }
+        names = {
+            "ln_1": p + "self_attn_layer_norm.weight",
+            "ln_1_bias": p + "self_attn_layer_norm.bias",
+            "ln_2": p + "final_layer_norm.weight",
+            "ln_2_bias": p + "final_layer_norm.bias",
+        }
         for role, module in linear.items():
             names[role] = f"{p}{module}.weight"
             if self.bias:
@@ -88,8 +98,9 @@ class OPT(Family):
     def _norm(self, x: torch.Tensor, w: Weights, role: str) -> torch.Tensor:
         return F.layer_norm(x, (self.spec.hidden_size,), w[role], w[f"{role}_bias"], _EPS)
 
-    def layer(self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              ctx: ForwardContext) -> torch.Tensor:
+    def layer(
+        self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         heads = self.spec.num_heads
         x = self._norm(hidden, w, "ln_1") if self.pre_norm else hidden
         q = split_heads(F.linear(x, w["q"], w.get("q_bias")), heads)

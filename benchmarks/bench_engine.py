@@ -1,0 +1,158 @@
+"""Engine benchmark: prefill and per-token decode time of our stage engine vs transformers' forward
+with its own DynamicCache, on SmolLM2-135M-Instruct (float32), plus the memory-bandwidth bound of a
+decode step, all measured in one run on this machine.
+
+Usage: dejavu bench engine [--prompt-len 1000] [--batches 1 8] [--steps 16] [--threads 0]
+Prints a table and writes benchmarks/results/engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dejavu_common.settings import Settings
+from dejavu_engine.checkpoint import ensure_default_model
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.pipeline import Pipeline
+from dejavu_engine.threads import configure_torch_threads
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
+
+
+def memcpy_bandwidth(size_bytes: int = 256 << 20, repeats: int = 8) -> float:
+    """Best observed memory traffic of a contiguous copy, bytes/s (read + write)."""
+    src = torch.ones(size_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size_bytes / best
+
+
+def timed_steps(step: Callable[[int], object], steps: int) -> list[float]:
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_ours(pipeline: Pipeline, ids: torch.Tensor, steps: int) -> dict[str, float]:
+    batch, prompt = ids.shape
+    caches = pipeline.allocate(batch, prompt + steps + 1)
+    geometry = BatchGeometry((0,) * batch, prompt)
+    start = time.perf_counter()
+    logits = pipeline.forward(ids, caches, geometry)
+    prefill = time.perf_counter() - start
+    state = {"geometry": geometry, "next": logits[:, -1].argmax(-1, keepdim=True)}
+
+    def step(_: int) -> None:
+        state["geometry"] = state["geometry"].advance()
+        state["next"] = pipeline.forward(state["next"], caches, state["geometry"])[:, -1].argmax(-1, keepdim=True)
+
+    times = timed_steps(step, steps)
+    return {"prefill_s": prefill, "decode_s_per_token": statistics.median(times)}
+
+
+def bench_hf(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict[str, float]:
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        start = time.perf_counter()
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill = time.perf_counter() - start
+        state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+        def step(_: int) -> None:
+            logits = model(state["next"], past_key_values=cache, use_cache=True).logits
+            state["next"] = logits[:, -1].argmax(-1, keepdim=True)
+
+        times = timed_steps(step, steps)
+    return {"prefill_s": prefill, "decode_s_per_token": statistics.median(times)}
+
+
+def decode_bytes(pipeline: Pipeline, batch: int, cached: int) -> int:
+    """Bytes a decode step must read: every weight once plus the K and V of ``cached`` positions."""
+    spec = pipeline.spec
+    weights = sum(stage.param_bytes for stage in pipeline.stages)
+    kv = 2 * spec.num_layers * batch * spec.num_kv_heads * cached * spec.head_dim * 4
+    return weights + kv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-len", type=int, default=1000)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed (median reported)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    threads = configure_torch_threads(args.threads)
+    folder = ensure_default_model(Settings())
+    from transformers import AutoModelForCausalLM
+
+    pipeline = Pipeline(folder, 1)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    bandwidth = memcpy_bandwidth()
+    rows = []
+    for batch in args.batches:
+        ids = torch.randint(
+            100, pipeline.spec.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch)
+        )
+        ours, hf = bench_ours(pipeline, ids, args.steps), bench_hf(hf_model, ids, args.steps)
+        bytes_step = decode_bytes(pipeline, batch, args.prompt_len + args.steps // 2)
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_len": args.prompt_len,
+                "ours": ours,
+                "hf": hf,
+                "decode_bytes_per_step": bytes_step,
+                "decode_bound_s": bytes_step / bandwidth,
+            }
+        )
+    result = {
+        "model": folder.name,
+        "dtype": "float32",
+        "threads": threads,
+        "decode_steps": args.steps,
+        "memcpy_bytes_per_s": bandwidth,
+        "host": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "rows": rows,
+    }
+    print(f"memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, prompt {args.prompt_len}")
+    print(
+        f"{'batch':>5} | {'prefill ours':>12} {'prefill HF':>10} | {'decode/token ours':>17} "
+        f"{'HF':>8} {'bound':>8} | {'ours/HF':>7}"
+    )
+    for r in rows:
+        o, h = r["ours"], r["hf"]
+        print(
+            f"{r['batch']:>5} | {o['prefill_s']:>11.2f}s {h['prefill_s']:>9.2f}s | "
+            f"{o['decode_s_per_token'] * 1e3:>15.1f}ms {h['decode_s_per_token'] * 1e3:>6.1f}ms "
+            f"{r['decode_bound_s'] * 1e3:>6.1f}ms | {o['decode_s_per_token'] / h['decode_s_per_token']:>7.2f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

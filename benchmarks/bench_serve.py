@@ -1,0 +1,314 @@
+"""``dejavu bench serve``: DejaVu (1 prompt + 1 token worker) against the colocated 2-stage baseline.
+
+The paper's end-to-end experiment (section 5.1, Figure 6) on this host: fixed-length prompts
+(1,000 tokens by default), generated lengths drawn from a skewed LMSys-like distribution, and one
+open-loop client sending Poisson arrivals at several request rates. For each deployment the script
+starts the whole system (its own redis-server, controller and workers, one torch thread per
+worker), sends one warm-up request, runs every rate in turn (a rate's run ends when all its
+requests have), and stops the system. It prints a table and writes ``benchmarks/results/serve.json``
+(configuration, metrics and every request's record) and ``serve.png`` (median normalized latency,
+and p99 dashed, against the request rate).
+
+The workload: ``new_tokens`` is log-normal with median ``--median-new`` and log-space sigma
+``--sigma`` (``dejavu_planner.trace.lmsys_like_trace``), rounded and clipped to
+``[--min-new, --max-new]``; it is sent as ``max_tokens`` with greedy sampling, so both deployments
+generate the same tokens, and the model may stop earlier (metrics use the actual counts). Every rate
+uses the same seed, hence the same lengths and prompts; only the arrival times differ.
+
+With ``--trace FILE`` (the planner's CSV/JSON format) it replays that trace instead of the Poisson
+rates, to validate the simulator against the real system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord, RunMetrics
+
+from dejavu_cli.launcher import Launcher
+from dejavu_common.settings import Mode, Settings
+from dejavu_planner.trace import Trace, lmsys_like_trace
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUICK = {"rates": [0.1, 0.2], "requests": 3, "max_new": 64}  # ~3 minutes: a smoke run, not a measurement
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One system under test on this host."""
+
+    name: str
+    mode: Mode
+    prompt_depth: int
+    token_depth: int
+
+    @property
+    def workers(self) -> int:
+        return self.token_depth + (self.prompt_depth if self.mode is Mode.DISAGGREGATED else 0)
+
+
+DEPLOYMENTS = {
+    "dejavu": Deployment("dejavu-1P+1T", Mode.DISAGGREGATED, prompt_depth=1, token_depth=1),
+    "baseline": Deployment("baseline-colocated-2", Mode.COLOCATED, prompt_depth=1, token_depth=2),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests of one rate: fixed prompt length, LMSys-like generated lengths (module docstring)."""
+
+    requests: int
+    prompt_len: int
+    median_new: int
+    sigma: float
+    min_new: int
+    max_new: int
+    seed: int
+
+    def trace(self, rate_per_s: float) -> Trace:
+        drawn = lmsys_like_trace(
+            self.requests, self.prompt_len, self.median_new, self.sigma, self.max_new, rate_per_s, self.seed
+        )
+        return Trace.of([(r.arrival_s, r.prompt_len, max(r.new_tokens, self.min_new)) for r in drawn.requests])
+
+
+@dataclass(frozen=True)
+class Run:
+    """One deployment at one load (a rate, or the replayed trace when ``rate_per_s`` is None)."""
+
+    deployment: str
+    rate_per_s: float | None
+    metrics: RunMetrics
+    records: tuple[RequestRecord, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "deployment": self.deployment,
+            "rate_per_s": self.rate_per_s,
+            "metrics": self.metrics.to_json(),
+            "records": [r.to_json() for r in self.records],
+        }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deployment_settings(base: Settings, deployment: Deployment, args: argparse.Namespace) -> Settings:
+    """``base`` (the environment's settings) with this deployment's shape, fresh ports and 1 torch thread."""
+    controller = base.controller.model_copy(
+        update={
+            "port": _free_port(),
+            "mode": deployment.mode,
+            "prompt_depth": deployment.prompt_depth,
+            "token_depth": deployment.token_depth,
+            "prompt_microbatch": args.microbatch,
+            "token_microbatch": args.microbatch,
+            "batch_wait_ms": args.batch_wait_ms,
+            "request_timeout_s": args.request_timeout_s,
+        }
+    )
+    return base.model_copy(
+        update={
+            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{_free_port()}/0"}),
+            "model": base.model.model_copy(update={"path": args.model_folder}),
+            "engine": base.engine.model_copy(update={"torch_threads": 1}),
+            "controller": controller,
+        }
+    )
+
+
+def measure(
+    deployment: Deployment,
+    settings: Settings,
+    loads: list[tuple[float | None, Trace]],
+    args: argparse.Namespace,
+    runs: list[Run],
+) -> None:
+    """Start the deployment, warm it up, run every load in turn (appending to ``runs``), and stop it
+    (always, by PID). Raises ``RuntimeError``/``TimeoutError`` if it does not start or a process dies."""
+    from dejavu_common.tokenizer import Tokenizer
+
+    builder = PromptBuilder(Tokenizer.from_pretrained(args.model_folder), seed=args.seed)
+    launcher = Launcher(settings, spares=0, restart_workers=False)
+    print(f"== {deployment.name}: starting ({deployment.workers} workers), logs in {launcher.log_dir}", flush=True)
+    try:
+        launcher.start()
+        launcher.wait_ready(args.ready_timeout_s)
+        config = ClientConfig(
+            launcher.api_url,
+            settings.model.name,
+            request_timeout_s=args.request_timeout_s,
+            run_timeout_s=args.run_timeout_s,
+            seed=args.seed,
+        )
+        generator = LoadGenerator(config, lambda r: builder.text(r.prompt_len, r.rid))
+        warm = generator.run_sync(Trace.of([(0.0, 16, 4)]))[0]  # first-request costs stay out of the figures
+        print(f"   warm-up: {warm.status.value} in {warm.e2e_s or 0:.1f} s", flush=True)
+        for rate, trace in loads:
+            started = time.monotonic()
+            records = generator.run_sync(trace)
+            _check_alive(launcher)
+            runs.append(Run(deployment.name, rate, RunMetrics.of(records), tuple(records)))
+            print(f"   {_label(rate)}: done in {time.monotonic() - started:.0f} s", flush=True)
+    finally:
+        launcher.stop()
+
+
+def _check_alive(launcher: Launcher) -> None:
+    """Raise if any process of the deployment has exited: a run with a dead worker measures nothing.
+
+    (``Launcher.check_children`` would restart a dead worker instead, hiding the failure.)
+    """
+    dead = [f"{c.name} (exit {c.proc.returncode})" for c in launcher.children if c.proc and c.proc.poll() is not None]
+    if dead:
+        raise RuntimeError(f"{', '.join(dead)} exited during the run; logs in {launcher.log_dir}")
+
+
+def _label(rate: float | None) -> str:
+    return "trace" if rate is None else f"{rate:g} req/s"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def print_table(runs: list[Run]) -> None:
+    """One row per run; latencies in milliseconds (normalized latency: ms per generated token)."""
+    head = (
+        f"{'deployment':<22}{'load':>12}{'ok/n':>7}{'norm p50':>10}{'norm p99':>10}{'ttft p50':>10}"
+        f"{'ttft p99':>10}{'tpot p50':>10}{'tpot p99':>10}{'tok/s':>8}{'req/s':>8}{'errors':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for run in runs:
+        m = run.metrics
+        print(
+            f"{run.deployment:<22}{_label(run.rate_per_s):>12}{f'{m.completed}/{m.requests}':>7}"
+            f"{_ms(m.normalized_latency_s.median):>10}{_ms(m.normalized_latency_s.p99):>10}"
+            f"{_ms(m.ttft_s.median):>10}{_ms(m.ttft_s.p99):>10}{_ms(m.tpot_s.median):>10}{_ms(m.tpot_s.p99):>10}"
+            f"{m.throughput_tok_s:>8.2f}{m.request_throughput_s:>8.3f}{m.errors:>8}"
+        )
+
+
+def plot(runs: list[Run], path: Path, title: str) -> None:
+    """Median (solid) and p99 (dashed) normalized latency against the request rate, per deployment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name in dict.fromkeys(r.deployment for r in runs):
+        points = [
+            (r.rate_per_s, r.metrics.normalized_latency_s)
+            for r in runs
+            if r.deployment == name and r.rate_per_s is not None and r.metrics.normalized_latency_s.median is not None
+        ]
+        if not points:
+            continue
+        rates = [p[0] for p in points]
+        (line,) = ax.plot(rates, [p[1].median for p in points], marker="o", label=f"{name} median")
+        ax.plot(rates, [p[1].p99 for p in points], ls="--", color=line.get_color(), alpha=0.6, label=f"{name} p99")
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.15], help="Request rates (req/s).")
+    p.add_argument("--requests", type=int, default=6, help="Requests per rate.")
+    p.add_argument("--prompt-len", type=int, default=1000, help="Prompt length in tokens.")
+    p.add_argument("--median-new", type=int, default=64, help="Median of the generated-length distribution.")
+    p.add_argument("--sigma", type=float, default=0.9, help="Log-space sigma of the generated lengths.")
+    p.add_argument("--min-new", type=int, default=8, help="Generated lengths are clipped to [min, max].")
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--microbatch", type=int, default=4, help="Prompt and token microbatch size of both systems.")
+    p.add_argument("--batch-wait-ms", type=float, default=20.0, help="How long a partial microbatch waits.")
+    p.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS))
+    p.add_argument("--trace", type=Path, default=None, help="Replay this trace file instead of the rates.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0, help="Deadline of one request.")
+    p.add_argument("--run-timeout-s", type=float, default=300.0, help="Bound of one rate's run.")
+    p.add_argument("--ready-timeout-s", type=float, default=300.0, help="Bound of a deployment's start.")
+    p.add_argument("--model-folder", type=Path, default=None, help="Checkpoint (default: the prepared SmolLM2).")
+    p.add_argument("--out", type=Path, default=RESULTS / "serve.json", help="JSON result; the PNG goes beside it.")
+    p.add_argument("--quick", action="store_true", help=f"Smoke run (~3 min): {QUICK}.")
+    args = p.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    if args.model_folder is None:
+        from dejavu_engine.checkpoint import ensure_default_model
+
+        args.model_folder = ensure_default_model(Settings())
+    return args
+
+
+def result_json(args: argparse.Namespace, workload: Workload, runs: list[Run], failed: dict[str, str]) -> dict:
+    """The serve.json document: configuration, deployments that failed to start, and every run."""
+    return {
+        "benchmark": "serve",
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "config": {
+            "workload": asdict(workload) if args.trace is None else {"trace": str(args.trace)},
+            "rates": args.rates if args.trace is None else None,
+            "microbatch": args.microbatch,
+            "batch_wait_ms": args.batch_wait_ms,
+            "torch_threads_per_worker": 1,
+            "deployments": {DEPLOYMENTS[k].name: asdict(DEPLOYMENTS[k]) for k in args.deployments},
+            "quick": args.quick,
+        },
+        "failed": failed,
+        "runs": [r.to_json() for r in runs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every deployment at every load; exit 1 if a deployment failed to start or died."""
+    args = parse_args(argv)
+    workload = Workload(
+        args.requests, args.prompt_len, args.median_new, args.sigma, args.min_new, args.max_new, args.seed
+    )
+    loads = [(None, Trace.load(args.trace))] if args.trace else [(r, workload.trace(r)) for r in args.rates]
+    print(f"new_tokens per request: {[r.new_tokens for r in loads[0][1].requests]}", flush=True)
+    base = Settings()
+    runs: list[Run] = []
+    failed: dict[str, str] = {}
+    for key in args.deployments:
+        deployment = DEPLOYMENTS[key]
+        try:
+            measure(deployment, deployment_settings(base, deployment, args), loads, args, runs)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            failed[deployment.name] = str(exc)
+            print(f"!! {deployment.name} failed: {exc}", flush=True)
+    print_table(runs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result_json(args, workload, runs, failed), indent=1) + "\n")
+    print(f"wrote {args.out}")
+    if args.trace is None and runs:
+        png = args.out.with_suffix(".png")
+        plot(runs, png, f"{args.prompt_len}-token prompts, LMSys-like generated lengths, {args.requests} req/rate")
+        print(f"wrote {png}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""An open-loop load generator for DejaVu's OpenAI-compatible API, and the serving metrics it reports.
+
+Requests are sent at the arrival times of a :class:`dejavu_planner.trace.Trace` (a Poisson process
+from :func:`poisson_arrivals`, or a replayed trace file) whatever the server's progress: a slow
+server builds a queue, as in the paper's experiments, instead of slowing the client down. Every
+request streams (``POST /v1/completions`` with ``stream: true``) and its record keeps the send time,
+the arrival of every streamed chunk, the end time, the generated token count (the server's
+``usage``) and how it ended. Each request has a deadline and the whole run is bounded in time, so a
+run always stops by itself.
+
+The API has no ``ignore_eos``: a request asks for ``new_tokens`` of its trace row as ``max_tokens``
+and may generate fewer; normalized latency divides by the count actually generated.
+
+Times in records are seconds since the run's start (``time.perf_counter`` based).
+
+Used as a script, it replays a trace file against a running deployment (e.g. ``dejavu up``)::
+
+    python benchmarks/loadgen.py --url http://127.0.0.1:8000 --trace trace.csv --out records.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import enum
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from dejavu_planner.trace import Request, Trace, arrivals
+
+# Common English words; those that are one token (with their leading space) build exact-length prompts.
+_WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but have "
+    "an they you were their one all we can her has there been if more when will would who so no out up "
+    "into do time than them only some could other its new two may about these also like first people any "
+    "over after most made between many such city water house river music story light world small great "
+    "long little old right large place year work school number part day night week game point home "
+    "country family power money state group"
+)
+
+
+class Status(str, enum.Enum):
+    """How a request ended."""
+
+    OK = "ok"  # streamed to [DONE] with a finish reason
+    HTTP_ERROR = "http_error"  # answered with a non-200 status before streaming
+    STREAM_ERROR = "stream_error"  # an error event, a malformed stream, or the connection failed
+    TIMEOUT = "timeout"  # its deadline (or the run's) passed first
+    NOT_SENT = "not_sent"  # its arrival time lay beyond the run's time bound
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What the client observed of one request; times are seconds since the run's start.
+
+    ``chunk_times_s`` are the arrivals of the streamed chunks that carry a choice. The gateway sends
+    one chunk per token event, except that it holds back text that could still become a stop string
+    or an incomplete character, so the chunks approximate the token arrivals; counts come from
+    ``generated`` (the server's ``usage.completion_tokens``, or the chunk count if it sent none).
+    """
+
+    request: Request
+    status: Status
+    send_s: float | None = None
+    chunk_times_s: tuple[float, ...] = ()
+    end_s: float | None = None
+    generated: int = 0
+    finish_reason: str | None = None
+    http_status: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Send to end of stream."""
+        return None if self.send_s is None or self.end_s is None else self.end_s - self.send_s
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Send to the first chunk (the gateway sends nothing before the first token)."""
+        return None if self.send_s is None or not self.chunk_times_s else self.chunk_times_s[0] - self.send_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last chunk - first chunk) / (generated - 1)."""
+        if len(self.chunk_times_s) < 2 or self.generated < 2:
+            return None
+        return (self.chunk_times_s[-1] - self.chunk_times_s[0]) / (self.generated - 1)
+
+    @property
+    def normalized_latency_s(self) -> float | None:
+        """End-to-end seconds per generated token (the paper's and vLLM's normalized latency)."""
+        e2e = self.e2e_s
+        return None if e2e is None or self.generated < 1 else e2e / self.generated
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["status"] = self.status.value
+        out["request"] = asdict(self.request)
+        return out
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """Median and p99 of a sample (linear interpolation between order statistics); None when empty."""
+
+    median: float | None
+    p99: float | None
+    count: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Percentiles:
+        ordered = sorted(values)
+        return cls(percentile(ordered, 50), percentile(ordered, 99), len(ordered))
+
+
+def percentile(ordered: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile of sorted ``ordered`` (numpy's default 'linear' method); None if empty."""
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """Serving metrics of one run; latencies over the completed (OK) requests only.
+
+    ``makespan_s`` runs from the first send to the last end of any sent request; throughputs divide
+    the completed requests' generated tokens (and their count) by it. ``errors`` counts every
+    request that did not complete (timeouts and unsent ones included).
+    """
+
+    requests: int
+    completed: int
+    errors: int
+    timeouts: int
+    generated_tokens: int
+    requested_tokens: int
+    makespan_s: float
+    throughput_tok_s: float
+    request_throughput_s: float
+    normalized_latency_s: Percentiles
+    ttft_s: Percentiles
+    tpot_s: Percentiles
+    e2e_s: Percentiles
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> RunMetrics:
+        done = [r for r in records if r.ok]
+        sent = [r for r in records if r.send_s is not None and r.end_s is not None]
+        makespan = max(r.end_s for r in sent) - min(r.send_s for r in sent) if sent else 0.0
+        tokens = sum(r.generated for r in done)
+
+        def sample(metric: Callable[[RequestRecord], float | None]) -> Percentiles:
+            return Percentiles.of([v for r in done if (v := metric(r)) is not None])
+
+        return cls(
+            requests=len(records),
+            completed=len(done),
+            errors=len(records) - len(done),
+            timeouts=sum(r.status is Status.TIMEOUT for r in records),
+            generated_tokens=tokens,
+            requested_tokens=sum(r.request.new_tokens for r in records),
+            makespan_s=makespan,
+            throughput_tok_s=tokens / makespan if makespan > 0 else 0.0,
+            request_throughput_s=len(done) / makespan if makespan > 0 else 0.0,
+            normalized_latency_s=sample(lambda r: r.normalized_latency_s),
+            ttft_s=sample(lambda r: r.ttft_s),
+            tpot_s=sample(lambda r: r.tpot_s),
+            e2e_s=sample(lambda r: r.e2e_s),
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
+    """Arrival times of a Poisson process (exponential gaps of mean ``1 / rate_per_s``), seeded."""
+    return arrivals(count, rate_per_s, random.Random(seed))
+
+
+class PromptBuilder:
+    """Texts that the server's tokenizer encodes to exactly a given number of tokens.
+
+    A prompt is a seeded random sequence of common words, each a single token with its leading
+    space, so the text of ``n`` words has ``n`` tokens plus whatever special tokens ``encode`` adds;
+    the count is verified with the tokenizer (the one the server uses: ``encode`` with special
+    tokens) and corrected once for those. Raises ``ValueError`` if the tokenizer has too few such
+    words or the count cannot be made exact.
+    """
+
+    def __init__(self, tokenizer: object, seed: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self._seed = seed
+        self._words = [w for w in _WORDS.split() if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
+        if len(self._words) < 16:
+            raise ValueError("the tokenizer has too few single-token words to build exact prompts")
+
+    def text(self, n_tokens: int, key: int = 0) -> str:
+        """A text of exactly ``n_tokens`` tokens; ``key`` (e.g. a request id) varies the words."""
+        rng = random.Random(self._seed * 1_000_003 + key)
+        words = [rng.choice(self._words) for _ in range(n_tokens)]
+        count = n_tokens
+        for _ in range(2):
+            text = "".join(" " + w for w in words[:count])
+            got = len(self._tokenizer.encode(text))
+            if got == n_tokens:
+                return text
+            count -= got - n_tokens  # special tokens added by encode (e.g. a BOS)
+            if count < 1:
+                break
+        raise ValueError(f"cannot build a prompt of exactly {n_tokens} tokens (got {got})")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where and how the load generator sends its requests."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    request_timeout_s: float = 300.0  # deadline of one request, from its send to the end of its stream
+    run_timeout_s: float = 3600.0  # bound of the whole run: no send after it, every request ends by it
+    connect_timeout_s: float = 10.0
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class _Observed:
+    """The mutable observations of one request while it streams (frozen into a record at its end)."""
+
+    send_s: float | None = None
+    chunk_times_s: list[float] = field(default_factory=list)
+    generated: int | None = None
+    finish_reason: str | None = None
+    http_status: int | None = None
+
+
+class _StreamFailed(Exception):
+    """The stream carried an error event or was malformed."""
+
+
+class LoadGenerator:
+    """Sends one trace's requests open-loop and records each; see the module docstring.
+
+    ``prompt_of`` gives each request's prompt (text or token ids); it is called for every request
+    before the clock starts, so prompt building never delays a send. :meth:`run` is a coroutine
+    (one event loop, one ``httpx.AsyncClient`` with an unbounded pool so that sends never queue in
+    the client); :meth:`run_sync` wraps it in ``asyncio.run``.
+    """
+
+    def __init__(self, config: ClientConfig, prompt_of: Callable[[Request], str | list[int]]) -> None:
+        self.config = config
+        self._prompt_of = prompt_of
+
+    def run_sync(self, trace: Trace) -> list[RequestRecord]:
+        return asyncio.run(self.run(trace))
+
+    async def run(self, trace: Trace) -> list[RequestRecord]:
+        """Replay ``trace``; returns one record per request, in trace order. Never raises for a
+        request's failure (it is recorded); returns by ``run_timeout_s`` plus a short grace."""
+        prompts = [self._prompt_of(r) for r in trace.requests]
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(
+            base_url=self.config.base_url, headers=headers, timeout=timeout, limits=limits
+        ) as client:
+            start = time.perf_counter()
+            tasks = [
+                asyncio.create_task(self._one(client, r, p, start))
+                for r, p in zip(trace.requests, prompts, strict=True)
+            ]
+            return list(await asyncio.gather(*tasks))
+
+    async def _one(
+        self, client: httpx.AsyncClient, request: Request, prompt: str | list[int], start: float
+    ) -> RequestRecord:
+        """Wait for the request's arrival time, stream it within its deadline, and record it."""
+
+        def now() -> float:
+            return time.perf_counter() - start
+
+        if request.arrival_s > self.config.run_timeout_s:
+            return RequestRecord(request, Status.NOT_SENT)
+        await asyncio.sleep(max(0.0, request.arrival_s - now()))
+        seen = _Observed(send_s=now())
+        budget = min(self.config.request_timeout_s, self.config.run_timeout_s - seen.send_s)
+        status, error = Status.OK, None
+        try:
+            async with asyncio.timeout(max(budget, 0.0)):
+                await self._stream(client, request, prompt, seen, now)
+        except TimeoutError:
+            status, error = Status.TIMEOUT, f"no end within {budget:.1f} s"
+        except _StreamFailed as exc:
+            status, error = (Status.HTTP_ERROR if seen.http_status != 200 else Status.STREAM_ERROR), str(exc)
+        except httpx.HTTPError as exc:  # connection refused or reset, protocol errors
+            status, error = Status.STREAM_ERROR, f"{type(exc).__name__}: {exc}"
+        generated = seen.generated if seen.generated is not None else len(seen.chunk_times_s)
+        return RequestRecord(
+            request=request,
+            status=status,
+            send_s=seen.send_s,
+            chunk_times_s=tuple(seen.chunk_times_s),
+            end_s=now(),
+            generated=generated,
+            finish_reason=seen.finish_reason,
+            http_status=seen.http_status,
+            error=error,
+        )
+
+    async def _stream(
+        self,
+        client: httpx.AsyncClient,
+        request: Request,
+        prompt: str | list[int],
+        seen: _Observed,
+        now: Callable[[], float],
+    ) -> None:
+        """POST one streaming completion and fill ``seen``; raises :class:`_StreamFailed` on errors."""
+        body = {
+            "model": self.config.model,
+            "prompt": prompt,
+            "max_tokens": request.new_tokens,
+            "temperature": self.config.temperature,
+            "seed": self.config.seed + request.rid,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            seen.http_status = response.status_code
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise _StreamFailed(f"HTTP {response.status_code}: {text[:300]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and SSE comments
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    if seen.finish_reason is None:
+                        raise _StreamFailed("the stream ended without a finish reason")
+                    return
+                try:
+                    chunk = json.loads(data)
+                except ValueError as exc:
+                    raise _StreamFailed(f"malformed event {data[:100]!r}") from exc
+                _absorb(chunk, seen, now())
+        raise _StreamFailed("the stream closed before [DONE]")
+
+
+def _absorb(chunk: dict, seen: _Observed, at_s: float) -> None:
+    """Fold one streamed chunk into ``seen``."""
+    if "error" in chunk:
+        raise _StreamFailed(f"error event: {chunk['error']}")
+    choices = chunk.get("choices") or []
+    if choices:
+        seen.chunk_times_s.append(at_s)
+        seen.finish_reason = choices[0].get("finish_reason") or seen.finish_reason
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        seen.generated = usage["completion_tokens"]
+
+
+# -- the script: replay a trace file against a running deployment ---------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Replay a trace (CSV or JSON, the planner's format) open-loop.")
+    parser.add_argument("--url", required=True, help="Base URL of the API, e.g. http://127.0.0.1:8000.")
+    parser.add_argument("--trace", type=Path, required=True, help="Trace file (arrival_s,prompt_len,new_tokens).")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="Model id the API serves.")
+    parser.add_argument("--model-folder", type=Path, default=None, help="Checkpoint folder (for its tokenizer).")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--request-timeout-s", type=float, default=300.0)
+    parser.add_argument("--run-timeout-s", type=float, default=3600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="Write the records and metrics as JSON here.")
+    args = parser.parse_args(argv)
+
+    from dejavu_common.settings import Settings
+    from dejavu_common.tokenizer import Tokenizer
+
+    folder = args.model_folder or Settings().model.folder
+    builder = PromptBuilder(Tokenizer.from_pretrained(folder), seed=args.seed)
+    config = ClientConfig(
+        args.url, args.model, args.api_key, args.request_timeout_s, args.run_timeout_s, seed=args.seed
+    )
+    records = LoadGenerator(config, lambda r: builder.text(r.prompt_len, r.rid)).run_sync(Trace.load(args.trace))
+    metrics = RunMetrics.of(records)
+    print(json.dumps(metrics.to_json(), indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps({"metrics": metrics.to_json(), "records": [r.to_json() for r in records]}))
+    return 0 if metrics.errors == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""One stage's KV cache for one microbatch as torch tensors, and region copies in and out of it.
+
+``pack`` is the *buffered copy*: it gathers a non-contiguous region (layers x rows x heads x positions
+x head_dim, of K and/or V) into one contiguous buffer with one strided copy per tensor, instead of one
+copy per contiguous chunk. ``unpack`` is its inverse at the destination. The packed order is
+``[which][layer][row][head][position][head_dim]``: K before V, the same order as ``chunks.contiguous_runs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dejavulib.layout import KVLayout, Region, Which
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """K and V tensors of shape ``layout.shape`` on one device."""
+
+    layout: KVLayout
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name, t in (("k", self.k), ("v", self.v)):
+            if tuple(t.shape) != self.layout.shape or t.dtype != TORCH_DTYPES[self.layout.dtype]:
+                raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}, layout wants {self.layout.shape}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, device: str | torch.device = "cpu") -> KVCache:
+        dtype = TORCH_DTYPES[layout.dtype]
+        return cls(
+            layout,
+            torch.zeros(layout.shape, dtype=dtype, device=device),
+            torch.zeros(layout.shape, dtype=dtype, device=device),
+        )
+
+    def tensor(self, which: Which) -> torch.Tensor:
+        return self.k if which == Which.K else self.v
+
+    def view(self, region: Region, which: Which, position_offset: int = 0) -> torch.Tensor:
+        """The (strided) view of ``region`` in the ``which`` tensor, positions shifted by ``position_offset``."""
+        region.check_within(self.layout)
+        l0 = region.layers[0] - self.layout.first_layer
+        l1 = region.layers[1] - self.layout.first_layer
+        p0, p1 = region.positions[0] + position_offset, region.positions[1] + position_offset
+        if p0 < 0 or p1 > self.layout.max_len:
+            raise ValueError(f"positions {(p0, p1)} outside max_len {self.layout.max_len}")
+        return self.tensor(which)[l0:l1, region.rows[0] : region.rows[1], :, p0:p1, :]
+
+    def packed_shape(self, region: Region) -> tuple[int, ...]:
+        return (len(region.tensors), region.n_layers, region.n_rows, self.layout.kv_heads, region.n_positions,
+                self.layout.head_dim)  # fmt: skip
+
+    def pack(self, region: Region, out: torch.Tensor) -> torch.Tensor:
+        """Gather ``region`` into the front of contiguous ``out`` (any dtype/shape with enough bytes); return the
+        packed tensor (a view of ``out`` with this cache's dtype and ``packed_shape``)."""
+        packed = _typed_prefix(out, self.packed_shape(region), self.k.dtype)
+        for i, which in enumerate(region.tensors):
+            packed[i].copy_(self.view(region, which))
+        return packed
+
+    def unpack(self, region: Region, data: torch.Tensor, position_offset: int = 0) -> None:
+        """Scatter packed ``data`` (as produced by ``pack``) into ``region`` shifted by ``position_offset``."""
+        packed = _typed_prefix(data, self.packed_shape(region), self.k.dtype)
+        for i, which in enumerate(region.tensors):
+            self.view(region, which, position_offset).copy_(packed[i])
+
+
+def _typed_prefix(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    flat = buf.reshape(-1).view(torch.uint8)
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if flat.numel() < nbytes:
+        raise ValueError(f"buffer of {flat.numel()} bytes cannot hold {nbytes}")
+    return flat[:nbytes].view(dtype).view(shape)
+
+
+class StagingBuffer:
+    """A reusable contiguous host/device buffer that grows to the largest request (the paper's temporary buffer).
+
+    Not thread-safe: one owner at a time (e.g. the ``Streamer`` thread).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", pin: bool = False) -> None:
+        self.device, self.pin = torch.device(device), pin
+        self._buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """At least ``nbytes`` of uint8; the contents of earlier calls are not preserved."""
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+        return self._buf[:nbytes]

@@ -1,0 +1,98 @@
+"""A worker's data-plane endpoint: a DejaVuLib :class:`Endpoint` over UCX, addressed by worker id.
+
+Peers' endpoint addresses come from the registry in Redis (``WorkerInfo.data_address``). Payloads
+are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVuLib adds the sealed
+header (size, crc32, epoch fencing, sender authentication with the deployment secret).
+
+Sends are asynchronous: :meth:`send` returns once the transfer is queued, and keeps the payload alive
+until the transfer completes. A failed or timed-out send is logged when noticed; the controller's
+lease-based failure detection, not the data plane, decides that a peer is dead.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import logging
+
+import numpy as np
+import redis
+from dejavu_common import keys
+from dejavu_common.messages import WorkerInfo
+from dejavu_common.settings import TransportSettings
+from dejavulib.endpoint import Endpoint
+from dejavulib.errors import TransferError, TransferTimeout
+from dejavulib.handle import Handle
+from dejavulib.header import Channel, Header
+
+__all__ = ["Channel", "DataEndpoint"]
+
+log = logging.getLogger("dejavu.worker.endpoint")
+
+
+def _transport(settings: TransportSettings, worker_id: str):
+    if settings.kind != "ucx":
+        raise ValueError(f"workers in separate processes need the 'ucx' transport, not {settings.kind!r}")
+    from dejavulib.transport.ucx import UcxTransport
+
+    return UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require)
+
+
+class DataEndpoint:
+    def __init__(self, settings: TransportSettings, worker_id: str) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self._ep = Endpoint(_transport(settings, worker_id), settings.secret.get_secret_value())
+        self._addresses: dict[str, bytes] = {}
+        self._inflight: collections.deque[tuple[Handle, np.ndarray]] = collections.deque()
+
+    @property
+    def address(self) -> bytes:
+        return self._ep.address
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        return self._ep.stats
+
+    def set_epoch(self, epoch: int) -> None:
+        self._ep.set_epoch(epoch)
+
+    def connect_all(self, client: redis.Redis, peer_ids: list[str]) -> None:
+        """Connect to each peer by the address it registered (reconnecting when it changed)."""
+        for peer in peer_ids:
+            raw = client.hget(keys.worker(peer), "info")
+            if raw is None:
+                raise TransferError(f"peer {peer!r} is not registered")
+            address = base64.b64decode(WorkerInfo.decode(raw).data_address)
+            if self._addresses.get(peer) != address:
+                self._ep.connect(peer, address)
+                self._addresses[peer] = address
+
+    def send(self, peer: str, channel: Channel, payload: bytes) -> None:
+        """Queue ``payload`` to ``peer`` on ``channel`` (FIFO per peer)."""
+        self._reap()
+        data = np.frombuffer(payload, dtype=np.uint8)
+        handle = self._ep.send(peer, Header(channel=channel), data, deadline_s=self.settings.deadline_s)
+        self._inflight.append((handle, data))
+
+    def recv(self, channel: Channel, timeout_s: float) -> memoryview | None:
+        """The next payload on ``channel``, or None after ``timeout_s``."""
+        try:
+            return memoryview(self._ep.recv(channel, timeout_s).payload)
+        except TransferTimeout:
+            return None
+
+    def flush_sends(self, timeout_s: float) -> None:
+        """Wait until every queued send completed (or raise its error)."""
+        while self._inflight:
+            handle, _ = self._inflight.popleft()
+            handle.wait(timeout_s)
+
+    def _reap(self) -> None:
+        while self._inflight and self._inflight[0][0].done:
+            handle, _ = self._inflight.popleft()
+            if handle.error is not None:
+                log.warning("a send failed: %s", handle.error)
+
+    def close(self) -> None:
+        self._ep.close()

@@ -1,0 +1,73 @@
+"""A UCX peer process driven over the CONTROL channel, for tests and benchmarks.
+
+Run as ``python peer.py SECRET PROGRESS ADDRESS_FILE``: writes its UCX address (hex) to ADDRESS_FILE
+(UCX prints its protocol tables on stdout), reads the driver's address (hex) from stdin, then serves
+JSON commands arriving as CONTROL messages from peer id ``driver`` until ``{"op": "exit"}``. No pickle: commands and replies are JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dejavulib.endpoint import Endpoint
+from dejavulib.header import Channel, Header
+from dejavulib.transport.ucx import UcxTransport
+
+DRIVER = "driver"
+
+
+def reply(endpoint: Endpoint, obj: object) -> None:
+    endpoint.send(DRIVER, Header(Channel.CONTROL), json.dumps(obj).encode(), 10).wait()
+
+
+def serve(endpoint: Endpoint, transport: UcxTransport) -> None:
+    while True:
+        cmd = json.loads(endpoint.recv(Channel.CONTROL, 120).payload.tobytes())
+        op = cmd["op"]
+        if op == "exit":
+            return
+        if op == "echo_chunks":  # fetch every chunk, then flush each back under the same key
+            bufs = [(key, np.empty(nbytes, np.uint8)) for key, nbytes in cmd["specs"]]
+            for key, buf in bufs:
+                transport.fetch(DRIVER, key, buf, 10)
+            for key, buf in bufs:
+                transport.flush(DRIVER, key, buf, 10)
+        elif op == "echo_messages":  # send back each message of a channel with the same header fields
+            for _ in range(cmd["count"]):
+                m = endpoint.recv(Channel(cmd["channel"]), 10)
+                endpoint.send(DRIVER, m.header, m.payload, 10).wait()
+        elif op == "set_epoch":
+            endpoint.set_epoch(cmd["epoch"])
+        elif op == "stats":
+            reply(endpoint, dict(endpoint.stats))
+        elif op == "send_kv":  # slow producer: `count` KV_PROMPT messages of `nbytes`, `interval_s` apart
+            payload = np.ones(cmd["nbytes"], np.uint8)
+            for i in range(cmd["count"]):
+                endpoint.send(DRIVER, Header(Channel.KV_PROMPT, microbatch=i), payload, 10).wait()
+                time.sleep(cmd["interval_s"])
+        else:
+            reply(endpoint, {"error": f"unknown op {op}"})
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    transport = UcxTransport("peer", progress=sys.argv[2])
+    endpoint = Endpoint(transport, sys.argv[1])
+    tmp = Path(sys.argv[3] + ".tmp")
+    tmp.write_text(transport.address.hex())
+    tmp.rename(sys.argv[3])
+    transport.connect(DRIVER, bytes.fromhex(sys.stdin.readline().strip()))
+    try:
+        serve(endpoint, transport)
+    finally:
+        endpoint.close()
+
+
+if __name__ == "__main__":
+    main()
