@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import sys
 import time
@@ -39,7 +40,8 @@ from dejavu_common.settings import Mode, Settings
 from dejavu_planner.trace import Trace, lmsys_like_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
-QUICK = {"rates": [0.1, 0.2], "requests": 3, "max_new": 64}  # ~3 minutes: a smoke run, not a measurement
+# A smoke run (~3 minutes on 2 idle cores, most of it starting the deployments), not a measurement.
+QUICK = {"rates": [0.2, 0.4], "requests": 3, "prompt_len": 256, "max_new": 32}
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ def measure(
             print(f"   {_label(rate)}: done in {time.monotonic() - started:.0f} s", flush=True)
     finally:
         launcher.stop()
+    shutil.rmtree(launcher.log_dir, ignore_errors=True)  # kept above when the deployment failed
 
 
 def _check_alive(launcher: Launcher) -> None:
@@ -250,7 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="Bound of a deployment's start.")
     p.add_argument("--model-folder", type=Path, default=None, help="Checkpoint (default: the prepared SmolLM2).")
     p.add_argument("--out", type=Path, default=RESULTS / "serve.json", help="JSON result; the PNG goes beside it.")
-    p.add_argument("--quick", action="store_true", help=f"Smoke run (~3 min): {QUICK}.")
+    p.add_argument("--quick", action="store_true", help=f"Smoke run (~3 min), sets {QUICK}.")
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
@@ -261,7 +264,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def result_json(args: argparse.Namespace, workload: Workload, runs: list[Run], failed: dict[str, str]) -> dict:
+def result_json(
+    args: argparse.Namespace, base: Settings, workload: Workload, runs: list[Run], failed: dict[str, str]
+) -> dict:
     """The serve.json document: configuration, deployments that failed to start, and every run."""
     return {
         "benchmark": "serve",
@@ -273,6 +278,9 @@ def result_json(args: argparse.Namespace, workload: Workload, runs: list[Run], f
             "microbatch": args.microbatch,
             "batch_wait_ms": args.batch_wait_ms,
             "torch_threads_per_worker": 1,
+            "transport": base.transport.kind,
+            "replication": base.recovery.replication.value,
+            "swap": base.swap.enabled,
             "deployments": {DEPLOYMENTS[k].name: asdict(DEPLOYMENTS[k]) for k in args.deployments},
             "quick": args.quick,
         },
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"!! {deployment.name} failed: {exc}", flush=True)
     print_table(runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result_json(args, workload, runs, failed), indent=1) + "\n")
+    args.out.write_text(json.dumps(result_json(args, base, workload, runs, failed), indent=1) + "\n")
     print(f"wrote {args.out}")
     if args.trace is None and runs:
         png = args.out.with_suffix(".png")

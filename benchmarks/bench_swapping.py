@@ -4,7 +4,7 @@ Run with ``dejavu bench swapping [--batches 2 8] [--lengths 128 1024] [--depth 4
 
 The stage is a middle stage of a ``depth``-deep token pipeline of the default model (SmolLM2-135M):
 layers ``[L/D, 2L/D)``, fed random hidden states, with ``depth`` microbatches in flight round-robin,
-as a pipeline stage sees them. Caches are filled with random values up to ``length`` positions (a
+as a pipeline stage sees them. Caches are filled with constant values up to ``length`` positions (a
 decode step's cost does not depend on the values). For each (B, length):
 
 * without swapping, ``depth`` microbatches of B rows stay resident (the device KV budget is exactly

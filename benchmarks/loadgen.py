@@ -31,10 +31,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from dejavu_planner.trace import Request, Trace, arrivals
+
+if TYPE_CHECKING:
+    from dejavu_common.tokenizer import Tokenizer
 
 # Common English words; those that are one token (with their leading space) build exact-length prompts.
 _WORDS = (
@@ -203,7 +207,7 @@ class PromptBuilder:
     words or the count cannot be made exact.
     """
 
-    def __init__(self, tokenizer: object, seed: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
         self._tokenizer = tokenizer
         self._seed = seed
         self._words = [w for w in _WORDS.split() if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
@@ -307,6 +311,8 @@ class LoadGenerator:
                 await self._stream(client, request, prompt, seen, now)
         except TimeoutError:
             status, error = Status.TIMEOUT, f"no end within {budget:.1f} s"
+        except httpx.TimeoutException as exc:  # connect (or a silent read) past httpx's own timeouts
+            status, error = Status.TIMEOUT, f"{type(exc).__name__}: {exc}"
         except _StreamFailed as exc:
             status, error = (Status.HTTP_ERROR if seen.http_status != 200 else Status.STREAM_ERROR), str(exc)
         except httpx.HTTPError as exc:  # connection refused or reset, protocol errors

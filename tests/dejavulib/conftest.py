@@ -83,8 +83,19 @@ class UcxPeer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ucx_peer() -> Iterator[UcxPeer]:
+    """One peer process shared by a module's tests (tests leave it idle)."""
+    peer = UcxPeer()
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+@pytest.fixture
+def fresh_ucx_peer() -> Iterator[UcxPeer]:
+    """A peer process of the test's own, for tests that kill it."""
     peer = UcxPeer()
     try:
         yield peer

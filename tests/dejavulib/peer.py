@@ -2,7 +2,8 @@
 
 Run as ``python peer.py SECRET PROGRESS ADDRESS_FILE``: writes its UCX address (hex) to ADDRESS_FILE
 (UCX prints its protocol tables on stdout), reads the driver's address (hex) from stdin, then serves
-JSON commands arriving as CONTROL messages from peer id ``driver`` until ``{"op": "exit"}``. No pickle: commands and replies are JSON.
+JSON commands arriving as CONTROL messages from peer id ``driver`` until ``{"op": "exit"}``.
+No pickle: commands and replies are JSON.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from dejavulib.endpoint import Endpoint
-from dejavulib.header import Channel, Header
+from dejavulib.header import Channel, Header, secret_key
 from dejavulib.transport.ucx import UcxTransport
 
 DRIVER = "driver"
@@ -51,12 +51,18 @@ def serve(endpoint: Endpoint, transport: UcxTransport) -> None:
             for i in range(cmd["count"]):
                 endpoint.send(DRIVER, Header(Channel.KV_PROMPT, microbatch=i), payload, 10).wait()
                 time.sleep(cmd["interval_s"])
+        elif op == "send_corrupt":  # a correctly sealed header, then one payload byte flipped on the way out
+            payload = np.arange(cmd["nbytes"], dtype=np.uint8)
+            header = Header(Channel.TOKENS).with_payload(
+                memoryview(payload), epoch=endpoint.epoch, seq=0, sender="peer"
+            )
+            payload[0] ^= 0xFF
+            transport.send_message(DRIVER, header.pack(secret_key(sys.argv[1])), payload).wait(10)
         else:
             reply(endpoint, {"error": f"unknown op {op}"})
 
 
 def main() -> None:
-    torch.set_num_threads(1)
     transport = UcxTransport("peer", progress=sys.argv[2])
     endpoint = Endpoint(transport, sys.argv[1])
     tmp = Path(sys.argv[3] + ".tmp")

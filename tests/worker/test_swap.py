@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,15 @@ from dejavu_engine.stage_io import StageIO
 from dejavulib.layout import KVLayout
 
 STEPS = 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: the prefetch thread and the compute share a small, busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +62,15 @@ def prefill(pipeline: Pipeline, rows: list[list[int]], caches: list[KVCache]) ->
     return Microbatch(geometry, first.unsqueeze(1), [[t] for t in first.tolist()])
 
 
-def decode_step(pipeline: Pipeline, mb: Microbatch, caches: list[KVCache], before_stage=None, after_stage=None):
-    """One token step of ``mb`` through every stage; the hooks wrap each stage's compute."""
+def decode_step(
+    pipeline: Pipeline,
+    mb: Microbatch,
+    caches: list[KVCache],
+    before_stage: Callable[[int], KVCache] | None = None,
+    after_stage: Callable[[int], None] | None = None,
+) -> None:
+    """One token step of ``mb`` through every stage. ``before_stage(s)`` returns stage ``s``'s cache
+    (default ``caches[s]``); ``after_stage(s)`` runs after its compute."""
     mb.geometry = mb.geometry.advance()
     io = StageIO(input_ids=mb.next_ids)
     for s, stage in enumerate(pipeline.stages):
@@ -106,8 +122,8 @@ def run_swapped(pipeline: Pipeline, sizes: list[int], max_len: int, managers: li
     return mbs
 
 
-def managers_for(pipeline: Pipeline, batch: int, max_len: int, depth: int, **kwargs) -> list[SwapManager]:
-    return [SwapManager(stage.kv_layout(batch, max_len), depth, "cpu", **kwargs) for stage in pipeline.stages]
+def managers_for(pipeline: Pipeline, batch: int, max_len: int, depth: int) -> list[SwapManager]:
+    return [SwapManager(stage.kv_layout(batch, max_len), depth, "cpu") for stage in pipeline.stages]
 
 
 @pytest.fixture

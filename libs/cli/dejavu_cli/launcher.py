@@ -44,7 +44,8 @@ class Child:
 @dataclass
 class Launcher:
     settings: Settings
-    spares: int = 0
+    spares: int = 0  # spare token workers
+    prompt_spares: int = 0
     restart_workers: bool = True
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dejavu-logs-")))
     children: list[Child] = field(default_factory=list)
@@ -55,8 +56,10 @@ class Launcher:
         self._ensure_redis()
         c = self.settings.controller
         n_prompt = 0 if c.mode is Mode.COLOCATED else c.prompt_depth
-        n_workers = n_prompt + c.token_depth + self.spares
-        env_threads = self.settings.engine.torch_threads or max(1, (os.cpu_count() or 1) // max(1, n_workers))
+        n_workers = n_prompt + c.token_depth + self.spares + self.prompt_spares
+        # Spares idle until they take over, so they do not count when dividing the cores.
+        active = n_workers - self.spares - self.prompt_spares
+        env_threads = self.settings.engine.torch_threads or max(1, (os.cpu_count() or 1) // max(1, active))
         self.settings = self.settings.model_copy(
             update={"engine": self.settings.engine.model_copy(update={"torch_threads": env_threads})}
         )
@@ -69,6 +72,9 @@ class Launcher:
         for i in range(self.spares):
             argv = [py, "-m", "dejavu_token_worker", "--worker-id", f"spare{i}", "--spare"]
             self.children.append(Child(f"spare{i}", argv, True))
+        for i in range(self.prompt_spares):
+            argv = [py, "-m", "dejavu_prompt_worker", "--worker-id", f"pspare{i}", "--spare"]
+            self.children.append(Child(f"pspare{i}", argv, True))
         for child in self.children:
             self._spawn(child)
         self._write_state()
@@ -150,6 +156,10 @@ class Launcher:
             if self.restart_workers:
                 self.check_children()
             time.sleep(0.5)
+
+    def child(self, name: str) -> Child:
+        """The child process called ``name`` (``controller``, ``p0``, ``t1``, ``spare0``...)."""
+        return next(c for c in self.children if c.name == name)
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
 
-Buffer = np.ndarray | torch.Tensor
+if TYPE_CHECKING:
+    import torch
+
+Buffer: TypeAlias = "np.ndarray | torch.Tensor"
+
+
+def is_tensor(buf: object) -> bool:
+    """Whether ``buf`` is a torch tensor, without importing torch (a process that never imported it has none)."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(buf, torch_module.Tensor)
 
 
 def as_bytes(buf: Any) -> np.ndarray:
@@ -15,7 +24,9 @@ def as_bytes(buf: Any) -> np.ndarray:
 
     Raises ``ValueError`` for non-contiguous or non-CPU buffers: transports never copy silently.
     """
-    if isinstance(buf, torch.Tensor):
+    if is_tensor(buf):
+        import torch
+
         if buf.device.type != "cpu":
             raise ValueError(f"transports move host memory; got a tensor on {buf.device}")
         if not buf.is_contiguous():

@@ -23,9 +23,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, IntegrityError, TransferTimeout
@@ -33,12 +33,13 @@ from dejavulib.handle import Handle
 from dejavulib.header import Channel, DType, Header, secret_key
 from dejavulib.transport.base import MessageTransport
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 _NUMPY = {DType.UINT8: np.uint8, DType.FLOAT32: np.float32, DType.FLOAT16: np.float16, DType.INT64: np.int64,
           DType.INT32: np.int32}  # fmt: skip
-_TORCH = {DType.UINT8: torch.uint8, DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16,
-          DType.BFLOAT16: torch.bfloat16, DType.INT64: torch.int64, DType.INT32: torch.int32}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class Message:
 
     def tensor(self) -> torch.Tensor:
         """The payload as a CPU tensor of the header's dtype and shape (zero-copy)."""
-        t = torch.from_numpy(self.payload).view(_TORCH[self.header.dtype])
+        import torch
+
+        t = torch.from_numpy(self.payload).view(getattr(torch, self.header.dtype.name.lower()))
         return t.view(self.header.shape) if self.header.shape else t
 
     def array(self) -> np.ndarray:

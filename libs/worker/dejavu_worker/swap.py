@@ -154,7 +154,7 @@ class SwapManager:
         layout: KVLayout,
         depth: int,
         device: torch.device | str,
-        host_device: str = "cpu",
+        host_device: torch.device | str = "cpu",
         copy: CopyFn = default_copy,
         deadline_s: float = 30.0,
         staging_positions: int = 1,
@@ -238,7 +238,8 @@ class SwapManager:
     def drop(self, mb_id: int) -> None:
         """Forget ``mb_id`` in whatever state (finished, cancelled, failed); frees its device buffer.
 
-        A swap-in in progress finishes into its buffer, which the prefetch thread then frees.
+        A swap-in in progress finishes into its buffer, which the prefetch thread then frees. Dropping an
+        acquired microbatch belongs to the compute thread (its buffer is freed at once).
         """
         with self._cond:
             entry = self._entries.pop(mb_id, None)
@@ -285,7 +286,8 @@ class SwapManager:
         """The device-resident cache of ``mb_id``, once its swap-in has completed.
 
         Waits for an in-flight swap-in (raises :class:`DeadlineExceeded` after ``deadline_s``) and
-        re-raises a failed one as :class:`SwapInError`. Requires an earlier :meth:`prefetch`.
+        re-raises a failed one as :class:`SwapInError` (the microbatch then stays FAILED until dropped).
+        Requires an earlier :meth:`prefetch`.
         """
         deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
         start = time.perf_counter()

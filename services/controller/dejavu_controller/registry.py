@@ -91,9 +91,10 @@ class Registry:
     def _pick(self, live: dict[str, WorkerView], role: WorkerRole, depth: int, attr: str) -> list[str] | None:
         current = [a.worker_id for a in getattr(self.topology, attr, ())] if self.topology else []
         # Keep survivors in their stages; fill holes with other live workers of the role, non-spares first.
+        # Spares only ever replace: the first pipeline waits for its regular workers.
         chosen = [w if w in live else None for w in current][:depth] + [None] * max(0, depth - len(current))
         pool = sorted(
-            (w for w, v in live.items() if v.info.role is role and w not in chosen),
+            (w for w, v in live.items() if v.info.role is role and w not in chosen and (current or not v.info.spare)),
             key=lambda w: (live[w].info.spare, w),
         )
         for i, w in enumerate(chosen):

@@ -19,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--token-microbatch", type=int, help="requests per token microbatch")
     p.add_argument("--colocated", action="store_true", help="the baseline: prompts and tokens on one pipeline")
     p.add_argument("--spares", type=int, default=0, help="pre-started spare token workers")
+    p.add_argument("--prompt-spares", type=int, default=0, help="pre-started spare prompt workers")
     p.add_argument("--model", help="checkpoint folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="API bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="API port (default 8000)")
@@ -71,7 +72,7 @@ def _up(args: argparse.Namespace) -> int:
         raise CLIError(f"model folder {settings.model.folder} does not exist (run `dejavu model prepare`)")
     if not settings.controller.api_keys:
         print("note: no API keys configured: the API on 127.0.0.1 is unauthenticated", file=sys.stderr)
-    launcher = Launcher(settings, spares=args.spares)
+    launcher = Launcher(settings, spares=args.spares, prompt_spares=args.prompt_spares)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

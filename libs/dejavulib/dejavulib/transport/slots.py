@@ -23,6 +23,11 @@ class SlotStore(Generic[T]):
             self._slots[(sender, key)] = value
             self._cond.notify_all()
 
+    def peek(self, sender: str, key: int) -> T | None:
+        """The current value for (sender, key), or None; never waits."""
+        with self._cond:
+            return self._slots.get((sender, key))
+
     def get(self, sender: str, key: int, deadline_s: float) -> T:
         """The value for (sender, key); ``TransferTimeout`` if none appears within ``deadline_s``."""
         end = time.monotonic() + deadline_s

@@ -1,0 +1,83 @@
+"""The message channel over real UCX between processes: round trips, auth, epochs, integrity, dead peers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dejavulib.endpoint import Endpoint
+from dejavulib.errors import IntegrityError, PeerError, TransferTimeout
+from dejavulib.header import Channel, Header, secret_key
+from dejavulib.streamer import Streamer
+
+pytestmark = pytest.mark.ucx
+
+
+def test_tensors_round_trip_per_channel(ucx_peer) -> None:
+    activation = torch.randn(2, 5, 16)
+    tokens = torch.tensor([[3, 1, 4]], dtype=torch.int64)
+    ucx_peer.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
+    ucx_peer.command(op="echo_messages", channel=int(Channel.TOKENS), count=1)
+    ucx_peer.endpoint.send("peer", Header(Channel.ACTIVATION, microbatch=7, step=2), activation).wait()
+    ucx_peer.endpoint.send("peer", Header(Channel.TOKENS, microbatch=7), tokens).wait()
+    tok = ucx_peer.endpoint.recv(Channel.TOKENS, 10)
+    act = ucx_peer.endpoint.recv(Channel.ACTIVATION, 10)
+    assert torch.equal(act.tensor(), activation) and (act.header.microbatch, act.header.step) == (7, 2)
+    assert torch.equal(tok.tensor(), tokens) and tok.header.sender == "peer"
+
+
+def test_wrong_secret_is_rejected_and_counted(ucx_peer) -> None:
+    payload = np.arange(64, dtype=np.uint8)
+    forged = Header(Channel.CONTROL).with_payload(memoryview(payload), epoch=0, seq=0, sender="driver")
+    ucx_peer.transport.send_message("peer", forged.pack(secret_key("not-the-secret")), payload).wait(10)
+    ucx_peer.command(op="stats")
+    stats = ucx_peer.reply()
+    assert stats["rejected_auth"] == 1, stats
+
+
+def test_stale_epoch_is_rejected(ucx_peer) -> None:
+    ucx_peer.command(op="set_epoch", epoch=3)
+    ucx_peer.endpoint.send("peer", Header(Channel.ACTIVATION), np.full(8, 1, np.uint8)).wait()  # epoch 0: stale
+    ucx_peer.endpoint.set_epoch(3)
+    ucx_peer.endpoint.send("peer", Header(Channel.ACTIVATION), np.full(8, 2, np.uint8)).wait()
+    ucx_peer.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
+    echoed = ucx_peer.endpoint.recv(Channel.ACTIVATION, 10)
+    assert echoed.payload.tolist() == [2] * 8 and echoed.header.epoch == 3
+    ucx_peer.command(op="stats")
+    assert ucx_peer.reply()["rejected_stale_epoch"] == 1
+    ucx_peer.command(op="set_epoch", epoch=0)
+    ucx_peer.endpoint.set_epoch(0)
+
+
+def test_corrupted_payload_raises_integrity_error(ucx_peer) -> None:
+    ucx_peer.command(op="send_corrupt", nbytes=100_000)
+    with pytest.raises(IntegrityError):
+        ucx_peer.endpoint.recv(Channel.TOKENS, 10)
+
+
+def test_killed_receiver_gives_timeout_not_hang(fresh_ucx_peer) -> None:
+    fresh_ucx_peer.kill()
+    big = np.ones(16 << 20, np.uint8)  # rendezvous-sized: completes only if the peer takes it
+    with pytest.raises((TransferTimeout, PeerError)):
+        fresh_ucx_peer.endpoint.send("peer", Header(Channel.KV_PROMPT), big, deadline_s=1.0).wait()
+    with pytest.raises((TransferTimeout, PeerError)):
+        fresh_ucx_peer.transport.flush("peer", 5, big, deadline_s=1.0)
+    streamer = Streamer(fresh_ucx_peer.endpoint, max_inflight_bytes=64 << 20)
+    handle = streamer.submit("peer", Header(Channel.KV_PROMPT), big, deadline_s=1.0)
+    with pytest.raises((TransferTimeout, PeerError)):
+        handle.wait()
+    streamer.close()
+
+
+def test_sender_killed_mid_stream_gives_timeout(fresh_ucx_peer) -> None:
+    endpoint: Endpoint = fresh_ucx_peer.endpoint
+    fresh_ucx_peer.command(op="send_kv", count=200, nbytes=1 << 20, interval_s=0.05)
+    endpoint.recv(Channel.KV_PROMPT, 10)
+    fresh_ucx_peer.kill()
+    received = 1
+    with pytest.raises(TransferTimeout):
+        while True:
+            endpoint.recv(Channel.KV_PROMPT, 1.0)
+            received += 1
+    assert received < 200
