@@ -36,7 +36,7 @@ from dejavulib.kvcache import KVCache, StagingBuffer
 from dejavulib.layout import KVLayout, Region, Which
 from dejavulib.scatter_gather import scatter
 from dejavulib.streamer import Streamer
-from dejavulib.streaming import LayerStreamer, stream_in, stream_out
+from dejavulib.streaming import LayerStreamer, stream_in
 from dejavulib.topology import Topology, plan_transfers
 from dejavulib.transport.local import LocalTransport
 from dejavulib.transport.ucx import UcxTransport
@@ -135,10 +135,10 @@ class Compute:
 
     def __init__(self, seconds: float, n: int = 384) -> None:
         self.a, self.b = torch.randn(n, n), torch.randn(n, n)
-        t0 = time.perf_counter()
-        for _ in range(20):
+        for _ in range(5):  # warm up thread pools and caches before timing
             torch.mm(self.a, self.b)
-        self.reps = max(1, round(seconds / ((time.perf_counter() - t0) / 20)))
+        per_mm = median_time(lambda: torch.mm(self.a, self.b), 30)
+        self.reps = max(1, round(seconds / per_mm))
 
     def __call__(self) -> torch.Tensor:
         out = self.a
@@ -198,13 +198,15 @@ def bench_prompt(peer: Peer, prefill_s: float, reps: int) -> dict:
         cache.k[i, :, :, :PROMPT].copy_(x.reshape(-1)[0].expand(BATCH, HEADS, PROMPT, HEAD_DIM))
         cache.v[i, :, :, :PROMPT].copy_(cache.k[i, :, :, :PROMPT])
 
-    def after_prefill() -> float:
+    def after_prefill() -> float:  # the same per-layer messages, sent only once prefill has finished
         peer.command(op="recv_prompt")
         t0 = time.monotonic()
         for i in range(LAYERS):
             layer(i)
-        for h in stream_out(streamer, cache, transfers, 0, 0, {0: "peer"}, DEADLINE):
-            h.wait()
+        hook = LayerStreamer(streamer, cache, transfers, 0, 0, {0: "peer"}, DEADLINE)
+        for i in range(LAYERS):
+            hook.on_layer_done(i)
+        hook.wait()
         return peer.done_at() - t0
 
     def layer_by_layer() -> float:
@@ -224,9 +226,14 @@ def bench_prompt(peer: Peer, prefill_s: float, reps: int) -> dict:
     after = statistics.median(after_prefill() for _ in range(reps))
     lbl = statistics.median(layer_by_layer() for _ in range(reps))
     streamer.close()
-    return {"cache_bytes": 2 * LAYERS * BATCH * HEADS * PROMPT * HEAD_DIM * 4, "prefill_only_s": prefill_only,
-            "after_prefill_s": after, "layer_by_layer_s": lbl,
-            "after_prefill_overhead_s": after - prefill_only, "layer_by_layer_overhead_s": lbl - prefill_only}  # fmt: skip
+    return {
+        "cache_bytes": 2 * LAYERS * BATCH * HEADS * PROMPT * HEAD_DIM * 4,
+        "prefill_only_s": prefill_only,
+        "after_prefill_s": after,
+        "layer_by_layer_s": lbl,
+        "after_prefill_overhead_s": after - prefill_only,
+        "layer_by_layer_overhead_s": lbl - prefill_only,
+    }
 
 
 def bench_decode(peer: Peer, step_s: float, steps: int, reps: int) -> dict:
@@ -284,21 +291,37 @@ def bench_throughput(peer: Peer, sizes_mib: list[int]) -> list[dict]:
 
 
 def print_table(r: dict) -> None:
-    b, p, d = r["buffered_copies"], r["prompt_streaming"], r["decode_streaming"]
-    print(f"\nDejaVuLib streaming ({r['ucx_progress']} progress; UCX transports {r['ucx_transports']})")
+    print(f"\nDejaVuLib streaming ({r['ucx_progress']} progress; UCX transports {r['ucx_transports']};"
+          f" load average {r['load_average_before']:.1f} on {os.cpu_count()} cores)")  # fmt: skip
+    if "buffered_copies" in r:
+        print_buffered(r["buffered_copies"])
+    if "prompt_streaming" in r:
+        print_prompt(r["prompt_streaming"])
+    if "decode_streaming" in r:
+        print_decode(r["decode_streaming"])
+    if "throughput" in r:
+        print("4. size      UCX GB/s   memcpy GB/s")
+        for row in r["throughput"]:
+            print(f"   {row['mib']:4d} MiB  {row['ucx_gbps']:8.2f}   {row['memcpy_gbps']:8.2f}")
+
+
+def print_buffered(b: dict) -> None:
     print(f"1. one decode step's update ({b['chunks']} chunks, {b['bytes']} B):")
     print(f"   host  per-chunk {b['host_unbuffered_s'] * 1e3:8.3f} ms   buffered {b['host_buffered_s'] * 1e3:7.3f} ms"
           f"   speedup {b['host_speedup']:6.1f}x")  # fmt: skip
     print(f"   UCX   per-chunk {b['ucx_unbuffered_s'] * 1e3:8.3f} ms   buffered {b['ucx_buffered_s'] * 1e3:7.3f} ms"
           f"   speedup {b['ucx_speedup']:6.1f}x")  # fmt: skip
+
+
+def print_prompt(p: dict) -> None:
     print(f"2. prompt KV ({p['cache_bytes'] / 2**20:.0f} MiB): prefill alone {p['prefill_only_s']:.3f} s; until the"
           f" receiver holds it: after prefill {p['after_prefill_s']:.3f} s (+{p['after_prefill_overhead_s']:.3f}),"
           f" layer by layer {p['layer_by_layer_s']:.3f} s (+{p['layer_by_layer_overhead_s']:.3f})")  # fmt: skip
+
+
+def print_decode(d: dict) -> None:
     print(f"3. decode, {d['steps']} steps of {d['step_s'] * 1e3:.1f} ms: no streaming {d['no_streaming_s']:.3f} s,"
           f" streaming each step {d['streaming_s']:.3f} s: slowdown {d['slowdown_percent']:+.2f}%")  # fmt: skip
-    print("4. size      UCX GB/s   memcpy GB/s")
-    for row in r["throughput"]:
-        print(f"   {row['mib']:4d} MiB  {row['ucx_gbps']:8.2f}   {row['memcpy_gbps']:8.2f}")
 
 
 def main() -> int:
@@ -311,6 +334,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes-mib", default="1,4,16,64,256")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the driver (compute workload).")
+    parser.add_argument("--sections", default="buffered_copies,prompt_streaming,decode_streaming,throughput")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.peer:
@@ -323,11 +347,16 @@ def main() -> int:
             "ucx_progress": args.progress,
             "ucx_transports": sorted(peer.transport.selected["peer"]),
             "torch_threads": args.threads,
-            "buffered_copies": bench_buffered(peer, reps=max(5, args.reps)),
-            "prompt_streaming": bench_prompt(peer, args.prefill_s, args.reps),
-            "decode_streaming": bench_decode(peer, args.step_ms / 1e3, args.steps, args.reps),
-            "throughput": bench_throughput(peer, [int(s) for s in args.sizes_mib.split(",")]),
+            "load_average_before": os.getloadavg()[0],
         }
+        sections = {
+            "buffered_copies": lambda: bench_buffered(peer, reps=max(5, args.reps)),
+            "prompt_streaming": lambda: bench_prompt(peer, args.prefill_s, args.reps),
+            "decode_streaming": lambda: bench_decode(peer, args.step_ms / 1e3, args.steps, args.reps),
+            "throughput": lambda: bench_throughput(peer, [int(s) for s in args.sizes_mib.split(",")]),
+        }
+        for name in args.sections.split(","):
+            results[name] = sections[name]()
     finally:
         peer.stop()
     print_table(results)

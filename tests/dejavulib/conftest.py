@@ -42,6 +42,7 @@ class UcxPeer:
         )  # fmt: skip
         try:
             address = bytes.fromhex(self._wait_for(address_file))
+            self.proc_address = address
             self.transport = UcxTransport("driver", progress=progress)
             self.endpoint = Endpoint(self.transport, SECRET)
             self.transport.connect("peer", address)

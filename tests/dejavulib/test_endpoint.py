@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from dejavulib.endpoint import Endpoint
-from dejavulib.errors import IntegrityError, PeerError, TransferTimeout
+from dejavulib.errors import IntegrityError, PeerError, TransferTimeout, TransportUnavailable
 from dejavulib.header import Channel, Header, secret_key
 from dejavulib.streamer import Streamer
+from dejavulib.transport.ucx import satisfies
+
+from .conftest import UcxPeer
 
 pytestmark = pytest.mark.ucx
 
@@ -81,3 +84,25 @@ def test_sender_killed_mid_stream_gives_timeout(fresh_ucx_peer) -> None:
             endpoint.recv(Channel.KV_PROMPT, 1.0)
             received += 1
     assert received < 200
+
+
+def test_thread_progress_mode_round_trip() -> None:
+    peer = UcxPeer(progress="thread")
+    try:
+        data = np.arange(1 << 16, dtype=np.int32)
+        peer.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
+        peer.endpoint.send("peer", Header(Channel.ACTIVATION), data).wait()
+        assert np.array_equal(peer.endpoint.recv(Channel.ACTIVATION, 10).array(), data)
+    finally:
+        peer.stop()
+
+
+def test_required_transport_is_enforced(ucx_peer) -> None:
+    from dejavulib.transport.ucx import UcxTransport
+
+    assert satisfies("sm", ucx_peer.transport.selected["peer"]), "one host must use shared memory"
+    peer_address = ucx_peer.proc_address
+    with UcxTransport("driver-2", require="sm") as ok:
+        ok.connect("peer", peer_address)
+    with UcxTransport("driver-3", require="tcp") as strict, pytest.raises(TransportUnavailable):
+        strict.connect("peer", peer_address)

@@ -9,7 +9,7 @@ import torch
 
 from engine.tiny_models import FAMILIES, build_checkpoint
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # modest: the machine is shared
 
 
 @pytest.fixture(scope="session")

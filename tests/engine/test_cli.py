@@ -89,3 +89,8 @@ def test_bad_arguments_give_one_line_errors(args: list[str], message: str, tiny_
 def test_long_prompt_is_rejected(tiny_checkpoints: dict[str, Path]) -> None:
     done = dejavu("generate", "--model", str(tiny_checkpoints["opt"]), "--prompt", "fox " * 400, "--max-tokens", "1")
     assert done.returncode != 0 and "exceeds the context" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_bench_unknown_name_lists_the_available_ones() -> None:
+    done = dejavu("bench", "no-such-benchmark")
+    assert done.returncode != 0 and "available:" in done.stderr and "engine" in done.stderr

@@ -71,10 +71,14 @@ class Streamer:
         """Pack ``region`` of ``cache`` on the streaming thread (buffered copy) and send it with ``header``.
 
         The region must not be written again until the handle completes (prompt layers already computed
-        and past decode positions are not). ``header`` gets the cache's dtype, the packed shape and ``which``.
+        and past decode positions are not). ``header`` gets the cache's dtype, the packed shape and ``which``;
+        its layers/rows/positions, if left at ``(0, 0)``, become the region's (same place at the destination).
         """
         nbytes = region.nbytes(cache.layout)
         header = replace(header, dtype=DType.from_name(cache.layout.dtype), shape=(), which=int(region.which))
+        for name in ("layers", "rows", "positions"):
+            if getattr(header, name) == (0, 0):
+                header = replace(header, **{name: getattr(region, name)})
 
         def produce(staging: StagingBuffer) -> Buffer:
             packed = cache.pack(region, staging.get(nbytes)).reshape(-1)

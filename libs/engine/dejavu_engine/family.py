@@ -83,6 +83,15 @@ class Family(ABC):
         """Roles -> checkpoint names of the final norm and LM head (role ``"lm_head"``); with tied
         embeddings the LM head role names the embedding matrix."""
 
+    def prepare_layer(self, w: Weights) -> Weights:
+        """Rearrange one layer's loaded weights for speed (e.g. fuse projections), in place.
+
+        Each role of :meth:`layer_names` must stay in ``w`` and keep its shape and values (it may
+        become a view into a fused tensor), so the stage's checkpoint-named weights remain exact.
+        The default keeps the weights as loaded.
+        """
+        return w
+
     @abstractmethod
     def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
         """The shared context of a call feeding ``n`` new tokens per row."""
@@ -101,6 +110,17 @@ class Family(ABC):
     @abstractmethod
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden ``[batch, n, hidden]`` -> logits ``[batch, n, vocab]``."""
+
+
+def fuse(w: Weights, roles: tuple[str, ...], fused_role: str) -> None:
+    """Concatenate ``w[roles]`` along dim 0 into ``w[fused_role]``; the parts become views of it.
+
+    One matmul then replaces several, with no extra memory (the separate copies are released).
+    """
+    fused = torch.cat([w[role] for role in roles])
+    for role, part in zip(roles, fused.split([w[role].shape[0] for role in roles]), strict=True):
+        w[role] = part
+    w[fused_role] = fused
 
 
 def eos_ids(config: dict[str, Any]) -> frozenset[int]:

@@ -56,7 +56,11 @@ class Stage:
         weights = reader.load(names, torch_dtype(self.dtype), self.device)
         self._embed_w: Weights = {role: weights[name] for role, name in embed_names.items()}
         self._head_w: Weights = {role: weights[name] for role, name in head_names.items()}
-        self._layer_w: list[Weights] = [{role: weights[name] for role, name in part.items()} for part in parts]
+        self._layer_w: list[Weights] = []
+        for part in parts:
+            w = self.family.prepare_layer({role: weights[name] for role, name in part.items()})
+            weights.update((name, w[role]) for role, name in part.items())  # views into fused tensors
+            self._layer_w.append(w)
         return weights
 
     @property

@@ -76,6 +76,7 @@ class PipelineBackend:
         self._tasks: list[asyncio.Task] = []
         self.repair = Repair(settings, redis)
         self._repair_task: asyncio.Task | None = None
+        self._repairing: set[int] = set()  # token stages the current repair restores
 
     async def __aenter__(self) -> PipelineBackend:
         for coro in (self._control_loop(), self._dispatch_loop(), self._relay_loop()):
@@ -175,12 +176,17 @@ class PipelineBackend:
             self._wake.set()
 
     def _start_repair(self, old: Topology, new: Topology, lost: list[str]) -> None:
+        replaced = self.registry.replaced(old, new, lost)
         if self._repair_task is not None and not self._repair_task.done():
-            self._repair_task.cancel()  # a failure during recovery: start over at the newer epoch
+            # A failure during recovery: the stages the unfinished repair was restoring are still
+            # not restored, so they count as replaced again at the newer epoch.
+            self._repair_task.cancel()
+            holders = {a.stage: a.worker_id for a in new.token_stages}
+            replaced = {**{s: holders[s] for s in self._repairing if s in holders}, **replaced}
+        self._repairing = set(replaced)
         active = self.scheduler.active.values()
         resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
         not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
-        replaced = self.registry.replaced(old, new, lost)
         self._repair_task = asyncio.create_task(
             self.repair.run(new, replaced, resumable, not_started, self._redispatch, time.monotonic())
         )

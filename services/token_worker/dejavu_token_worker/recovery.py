@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 from dejavu_worker.dataplane import KVChunk, frame, unframe
@@ -49,18 +50,29 @@ def send_caches(endpoint: DataEndpoint, peer: str, chunks: list[KVChunk], role: 
     endpoint.send(peer, Channel.KV_RESTORE, frame({"role": role, "end": True}, None))
 
 
-def receive_caches(endpoint: DataEndpoint, deadline_s: float) -> tuple[list[KVChunk], list[KVChunk]]:
-    """Collect restore chunks until both senders said they are done: (primary chunks, replica chunks).
+def expected_roles(stage: int, depth: int, replaced: set[int]) -> set[str]:
+    """What a replacement of ``stage`` receives: its own cache from a surviving successor ('primary'),
+    the replica it keeps from a surviving predecessor ('replica'). A replaced neighbour sends nothing."""
+    roles = set()
+    if depth > 1 and (stage + 1) % depth not in replaced:
+        roles.add("primary")
+    if depth > 1 and (stage - 1) % depth not in replaced:
+        roles.add("replica")
+    return roles
 
-    With a two-stage pipeline the same peer sends both roles.
-    """
+
+def receive_caches(endpoint: DataEndpoint, roles: set[str], deadline_s: float, abandon: Callable[[], bool]
+                   ) -> tuple[list[KVChunk], list[KVChunk]]:
+    """Collect restore chunks until the sender of each of ``roles`` said it is done:
+    (primary chunks, replica chunks). With a two-stage pipeline one peer sends both roles.
+    Raises :class:`DeadlineExceeded` past the deadline or once ``abandon()`` is true."""
     primary: list[KVChunk] = []
     replica: list[KVChunk] = []
     ended: set[str] = set()
     end = time.monotonic() + deadline_s
-    while ended != {"primary", "replica"}:
+    while not roles <= ended:
         left = end - time.monotonic()
-        if left <= 0:
+        if left <= 0 or abandon():
             raise DeadlineExceeded(f"cache restore incomplete after {deadline_s} s (got {sorted(ended)})")
         payload = endpoint.recv(Channel.KV_RESTORE, timeout_s=min(left, 0.2))
         if payload is None:
@@ -74,9 +86,11 @@ def receive_caches(endpoint: DataEndpoint, deadline_s: float) -> tuple[list[KVCh
     return primary, replica
 
 
-def wait_resume(client: redis.Redis, epoch: int, deadline_s: float) -> ResumePoint:
+def wait_resume(client: redis.Redis, epoch: int, deadline_s: float, abandon: Callable[[], bool]) -> ResumePoint:
+    """The controller's resume point for ``epoch``; :class:`DeadlineExceeded` past the deadline or
+    as soon as ``abandon()`` is true (a newer epoch began: a failure during recovery)."""
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
+    while time.monotonic() < end and not abandon():
         raw = client.get(keys.RESUME)
         if raw is not None:
             point = ResumePoint.decode(raw)

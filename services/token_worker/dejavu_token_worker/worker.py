@@ -133,7 +133,9 @@ class TokenWorker(WorkerProcess):
         order = recovery.recovery_order(self.redis, topology.epoch)
         if order is None:
             return {}
-        deadline = self.settings.transport.deadline_s * 2
+        # The controller gives up waiting for reports after 3 deadlines and then still publishes a
+        # resume point (re-running every prompt), so a worker waits longer than that.
+        deadline = self.settings.transport.deadline_s * 4
         try:
             if pos.index in order.replaced:
                 self._restore(order, pos)
@@ -141,10 +143,14 @@ class TokenWorker(WorkerProcess):
             else:
                 self._send_restores(order, pos, topology)
                 recovery.report_progress(self.redis, topology.epoch, pos.index, self.worker_id, self.runner.progress())
-            point = recovery.wait_resume(self.redis, topology.epoch, deadline)
+            point = recovery.wait_resume(self.redis, topology.epoch, deadline, self.epoch_changed)
         except DeadlineExceeded as exc:
-            log.error("recovery at epoch %d failed: %s", topology.epoch, exc)
-            return None if self.epoch_changed() else {}
+            if self.epoch_changed():
+                return None  # a newer epoch: its own recovery takes over
+            log.error("recovery at epoch %d failed (%s): dropping every in-flight microbatch", topology.epoch, exc)
+            for mb in list(self.runner.states):
+                self.runner.release(mb)
+            return {}
         for mb in point.rerun:
             self.runner.release(mb)
             if self.replica is not None:
@@ -182,9 +188,12 @@ class TokenWorker(WorkerProcess):
     def _restore(self, order: RecoveryOrder, pos: Position) -> None:
         """As a replacement: receive this stage's caches (primary) and the predecessor's (replica)."""
         assert self.runner is not None and self.endpoint is not None
-        if pos.depth == 1 or self.settings.recovery.replication is Replication.OFF:
+        roles = recovery.expected_roles(pos.index, pos.depth, set(order.replaced))
+        if not roles or self.settings.recovery.replication is Replication.OFF:
             return
-        primary, replica = recovery.receive_caches(self.endpoint, self.settings.transport.deadline_s * 2)
+        primary, replica = recovery.receive_caches(
+            self.endpoint, roles, self.settings.transport.deadline_s * 2, self.epoch_changed
+        )
         for chunk in primary:
             state = self.runner.state(chunk.mb_id)
             state.cache.k.copy_(chunk.k)

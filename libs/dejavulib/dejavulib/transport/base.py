@@ -10,7 +10,9 @@ Contract of the chunk primitives (paper Table 1, lowest level):
 * ``fetch(peer_id, key, dst, deadline_s)`` fills the contiguous buffer ``dst`` (exactly as many bytes)
   with what ``peer_id`` flushed under ``key``. Slot transports (local, disk, fake) keep the last flush
   per (sender, key) and may be fetched repeatedly; stream transports (UCX) deliver each flush to
-  exactly one fetch, FIFO per key. Both raise ``TransferTimeout`` past the deadline.
+  exactly one fetch, FIFO per key. Both raise ``TransferTimeout`` past the deadline. A slot fetched
+  while the same (sender, key) is being flushed may mix old and new bytes: order them (the serving layer
+  does, through its messages).
 
 ``MessageTransport`` adds whole messages (a header blob + a payload) from any peer, delivered to one
 sink callback; ``Endpoint`` builds verified, per-channel queues on it.

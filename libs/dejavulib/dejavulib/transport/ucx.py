@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO, KIND_HEADER_ONLY = 1, 2, 3, 4, 5
 _KIND_MASK = 0xF << 60
-_IDLE_SPIN_S = 0.002
-_IDLE_SLEEP_S = 0.00005
+_IDLE_SPIN_S = 0.0002  # keep spinning this long after the last event: replies usually follow quickly
+_IDLE_SLEEP_MIN_S = 0.00005
+_IDLE_SLEEP_MAX_S = 0.0005  # bounds the extra latency of the first message after a quiet spell
+_FRESH_S = 0.5  # requests younger than this keep the loop spinning; older ones (a dead peer's) do not
 SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
 _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
 
@@ -68,6 +70,7 @@ class _Pending:
     request: Any
     on_done: Callable[[BaseException | None], None]
     keepalive: tuple[Any, ...] = field(default_factory=tuple)
+    posted: float = field(default_factory=time.monotonic)
 
 
 class UcxTransport(MessageTransport):
@@ -233,20 +236,26 @@ class UcxTransport(MessageTransport):
         return box[0]
 
     def _loop(self) -> None:
-        last_activity = time.monotonic()
+        last_activity, idle_sleep = time.monotonic(), _IDLE_SLEEP_MIN_S
         while self._running:
             busy = self._run_ops()
             self._worker.progress()
             busy |= self._reap()
             busy |= self._probe()
             now = time.monotonic()
-            if busy:
-                last_activity = now
+            if busy or any(now - p.posted < _FRESH_S for p in self._pending):  # transfers in flight: full speed
+                last_activity, idle_sleep = now, _IDLE_SLEEP_MIN_S
+                time.sleep(0)
             elif now - last_activity > _IDLE_SPIN_S and not self._ops:
                 if self.progress_mode == "thread":
                     self._worker.progress_worker_event(1)
-                else:
-                    time.sleep(_IDLE_SLEEP_S)
+                else:  # idle: back off so a quiet transport costs little CPU on a busy host
+                    time.sleep(idle_sleep)
+                    idle_sleep = min(2 * idle_sleep, _IDLE_SLEEP_MAX_S)
+            else:
+                # Hand the GIL over: otherwise a thread woken by a completion waits for the interpreter's
+                # switch interval (5 ms) while this loop spins.
+                time.sleep(0)
 
     def _run_ops(self) -> bool:
         ran = False

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from dejavu_engine.attention import attend, bool_mask, positions, split_heads
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
+from dejavu_engine.attention import attend, bool_mask, positions
+from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, fuse
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model."
@@ -23,9 +23,20 @@ def rope_theta(config: dict[str, Any]) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """The two halves of the last dimension exchanged (rotate_half without its sign)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def residual_linear(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``residual + x @ weight.T (+ bias)`` as one fused GEMM when there is no bias."""
+    if bias is not None:
+        return residual + F.linear(x, weight, bias)
+    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+    return out.view(residual.shape)
 
 
 class Llama(Family):
@@ -79,14 +90,26 @@ class Llama(Family):
         lm_head = self.embedding_names()["embed"] if self.spec.tie_word_embeddings else "lm_head.weight"
         return {"norm": f"{_PREFIX}norm.weight", "lm_head": lm_head}
 
+    def prepare_layer(self, w: Weights) -> Weights:
+        """Fuse q/k/v and gate/up into one matmul each (their names stay, as views)."""
+        fuse(w, ("q", "k", "v"), "qkv")
+        fuse(w, ("gate", "up"), "gate_up")
+        if "q_bias" in w:
+            fuse(w, ("q_bias", "k_bias", "v_bias"), "qkv_bias")
+        if "gate_bias" in w:
+            fuse(w, ("gate_bias", "up_bias"), "gate_up_bias")
+        return w
+
     def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
         pos = positions(geometry, n, device)
         freqs = pos.unsqueeze(-1).to(torch.float32) * self.inv_freq.to(device)  # [batch, n, dim/2]
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [batch, 1, n, dim]
+        # rotate_half(x) * sin == swap_halves(x) * (-sin, sin): the sign lives in the table.
+        cos = torch.cat((freqs, freqs), dim=-1).cos()
+        sin = torch.cat((-freqs, freqs), dim=-1).sin()
         mask, causal = bool_mask(geometry, n, device)
-        return ForwardContext(
-            geometry, geometry.cur_len - n, pos, mask, causal, rope=(angles.cos().to(dtype), angles.sin().to(dtype))
-        )
+        # [batch, n, 1, dim]: broadcast over the heads of a [batch, n, heads, dim] projection.
+        rope = (cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype))
+        return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope)
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return F.embedding(input_ids, w["embed"])
@@ -95,17 +118,20 @@ class Llama(Family):
         self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         spec = self.spec
-        x = F.rms_norm(hidden, (spec.hidden_size,), w["ln_1"], self.eps)
-        q = split_heads(F.linear(x, w["q"], w.get("q_bias")), spec.num_heads)
-        k = split_heads(F.linear(x, w["k"], w.get("k_bias")), spec.num_kv_heads)
-        v = split_heads(F.linear(x, w["v"], w.get("v_bias")), spec.num_kv_heads)
+        batch, n, width = hidden.shape
+        heads, kv_heads = spec.num_heads, spec.num_kv_heads
+        x = F.rms_norm(hidden, (width,), w["ln_1"], self.eps)
+        qkv = F.linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
         cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        hidden = hidden + F.linear(attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
-        x = F.rms_norm(hidden, (spec.hidden_size,), w["ln_2"], self.eps)
-        gated = F.silu(F.linear(x, w["gate"], w.get("gate_bias"))) * F.linear(x, w["up"], w.get("up_bias"))
-        return hidden + F.linear(gated, w["down"], w.get("down_bias"))
+        qk = qkv[:, :, : heads + kv_heads]  # rotary embedding of q and k in one pass
+        qk = torch.addcmul(qk * cos, swap_halves(qk), sin)
+        q = qk[:, :, :heads].transpose(1, 2)
+        k = qk[:, :, heads:].transpose(1, 2)
+        v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        hidden = residual_linear(hidden, attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
+        x = F.rms_norm(hidden, (width,), w["ln_2"], self.eps)
+        gate, up = F.linear(x, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
+        return residual_linear(hidden, F.silu(gate).mul_(up), w["down"], w.get("down_bias"))
 
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
         x = F.rms_norm(hidden, (self.spec.hidden_size,), w["norm"], self.eps)
