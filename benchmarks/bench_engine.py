@@ -124,6 +124,7 @@ def main() -> None:
     args = parser.parse_args()
 
     threads = configure_torch_threads(args.threads)
+    load_before = os.getloadavg()[0]  # the machine is shared: record how busy it was
     folder = ensure_default_model(Settings())
     from transformers import AutoModelForCausalLM
 
@@ -158,19 +159,24 @@ def main() -> None:
         "memcpy_bytes_per_s": bandwidth,
         "host": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
+        "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "rows": rows,
     }
-    print(f"memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, prompt {args.prompt_len}")
+    print(
+        f"memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, prompt {args.prompt_len}, "
+        f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print(
         f"{'batch':>5} | {'prefill ours':>12} {'prefill HF':>10} | {'decode/token ours':>17} "
-        f"{'HF':>8} {'bound':>8} | {'ours/HF':>7}"
+        f"{'HF':>8} {'bound':>8} | {'ours/HF':>7} | {'min ours':>8} {'min HF':>8}"
     )
     for r in rows:
         o, h = r["ours"], r["hf"]
         print(
             f"{r['batch']:>5} | {o['prefill_s']:>11.2f}s {h['prefill_s']:>9.2f}s | "
             f"{o['decode_s_per_token'] * 1e3:>15.1f}ms {h['decode_s_per_token'] * 1e3:>6.1f}ms "
-            f"{r['decode_bound_s'] * 1e3:>6.1f}ms | {o['decode_s_per_token'] / h['decode_s_per_token']:>7.2f}"
+            f"{r['decode_bound_s'] * 1e3:>6.1f}ms | {o['decode_s_per_token'] / h['decode_s_per_token']:>7.2f} | "
+            f"{o['decode_s_per_token_min'] * 1e3:>6.1f}ms {h['decode_s_per_token_min'] * 1e3:>6.1f}ms"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -42,8 +42,9 @@ def serve(endpoint: Endpoint, transport: UcxTransport) -> None:
             for _ in range(cmd["count"]):
                 m = endpoint.recv(Channel(cmd["channel"]), 10)
                 endpoint.send(DRIVER, m.header, m.payload, 10).wait()
-        elif op == "set_epoch":
+        elif op == "set_epoch":  # the ack is stamped with the new epoch
             endpoint.set_epoch(cmd["epoch"])
+            reply(endpoint, {"epoch": endpoint.epoch})
         elif op == "stats":
             reply(endpoint, dict(endpoint.stats))
         elif op == "send_kv":  # slow producer: `count` KV_PROMPT messages of `nbytes`, `interval_s` apart

@@ -73,16 +73,10 @@ def dependency_closure(roots: list[str]) -> set[str]:
 
 
 # Known gap, reported to the lead: remove the mark once libs/common/pyproject.toml declares them.
-COMMON_LACKS_TOKENIZER_DEPS = pytest.mark.xfail(
-    strict=True,
-    reason="libs/common/pyproject.toml does not declare tokenizers and jinja2, which dejavu_common/tokenizer.py "
-    "imports; the worker images get them through dejavu-engine, the controller image would not",
-)
-
 
 @pytest.mark.parametrize(
     "image",
-    [pytest.param(name, marks=COMMON_LACKS_TOKENIZER_DEPS) if name == "controller" else name for name in IMAGES],
+    list(IMAGES),
 )
 def test_declared_dependencies_cover_the_imports(image: str) -> None:
     folders = IMAGES[image]

@@ -51,8 +51,9 @@ def cluster_settings(
 
 
 @contextlib.contextmanager
-def running(settings: Settings, spares: int = 0, prompt_spares: int = 0, ready_timeout_s: float = 180.0
-            ) -> Iterator[Launcher]:
+def running(
+    settings: Settings, spares: int = 0, prompt_spares: int = 0, ready_timeout_s: float = 180.0
+) -> Iterator[Launcher]:
     """Start the deployment, wait for /ready, yield the launcher; stop every process by PID after."""
     launcher = Launcher(settings, spares=spares, prompt_spares=prompt_spares, restart_workers=False)
     try:

@@ -15,15 +15,16 @@ import time
 
 import pytest
 import redis
+from openai import OpenAI
+
 from dejavu_common import keys
 from dejavu_common.admin import sign
 from dejavu_common.messages import AdminAction
 from dejavu_common.settings import Mode, Settings
 from dejavu_engine.checkpoint import ensure_default_model
-from dejavu_engine.generate import generate
-from openai import OpenAI
 
 from .cluster import cluster_settings, logs, running
+from .reference import Reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 
@@ -38,7 +39,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def reference(model):
-    return {p: generate(p, max_tokens=MAX_TOKENS, model=model).text for p in PROMPTS}
+    ref = Reference(model)
+    return {p: ref.text(p, MAX_TOKENS) for p in PROMPTS}
 
 
 class Round:
@@ -57,8 +59,9 @@ class Round:
 
     def _one(self, prompt: str) -> None:
         try:
-            stream = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                    temperature=0, stream=True)
+            stream = self.client.completions.create(
+                model=self.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
             parts = []
             for chunk in stream:
                 if chunk.choices:
@@ -116,8 +119,9 @@ def test_middle_last_and_first_token_stage_crashes(redis_url, model, reference) 
 def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url, model, reference) -> None:
     """Disaggregated 1P + 4T: a hung worker (heartbeats paused beyond the lease) is fenced and replaced;
     two non-adjacent stages die together; a third dies while the pipeline is being repaired."""
-    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=4, prompt_microbatch=2,
-                                token_microbatch=2)
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=4, prompt_microbatch=2, token_microbatch=2
+    )
     with running(settings, spares=4) as launcher:
         client = redis.Redis.from_url(settings.redis.url)
         # 1. A paused worker: its lease expires, a spare takes over, and it is fenced afterwards.
@@ -148,8 +152,9 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
 def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_url, model, reference) -> None:
     """When a replica is lost with its stage (two adjacent stages die), the microbatches re-run their
     prompts; a dead prompt worker's microbatches re-run on a spare prompt worker."""
-    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=3, prompt_microbatch=2,
-                                token_microbatch=2)
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=3, prompt_microbatch=2, token_microbatch=2
+    )
     with running(settings, spares=2, prompt_spares=1) as launcher:
         r = Round(launcher, settings)
         r.wait_tokens(6)

@@ -1,22 +1,23 @@
 """The whole system through HTTP: real Redis, real worker processes, real UCX, the real default model.
 
-Greedy outputs through the API must equal the staged engine run in one process (``dejavu generate``'s
-Python API), for disaggregated and colocated deployments whose prompt and token pipelines differ in
-depth and microbatch size.
+Greedy outputs through the API must equal the staged engine run in one process, one request at a
+time, for disaggregated and colocated deployments whose prompt and token pipelines differ in depth
+and microbatch size. The official ``openai`` client is the HTTP client.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 
+import httpx
 import pytest
 from openai import OpenAI
 
 from dejavu_common.settings import Mode, Settings
-from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.checkpoint import ensure_default_model
-from dejavu_engine.generate import generate
+
 from .cluster import cluster_settings, logs, running
+from .reference import Reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 
@@ -35,77 +36,79 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    """Greedy text of each prompt from the in-process engine, for a few max_tokens values."""
-    cache: dict[tuple[str, int, bool], str] = {}
-
-    def ref(prompt: str, max_tokens: int, chat: bool = False) -> str:
-        key = (prompt, max_tokens, chat)
-        if key not in cache:
-            cache[key] = generate(prompt, chat=chat, max_tokens=max_tokens, model=model).text
-        return cache[key]
-
-    return ref
+def reference(model) -> Reference:
+    return Reference(model)
 
 
 def _client(launcher) -> OpenAI:
-    return OpenAI(base_url=launcher.api_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return OpenAI(base_url=launcher.api_url + "/v1", api_key="unused", timeout=180, max_retries=0)
 
 
-DEPLOYMENTS = {
-    "1P+2T": dict(prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2),
-    "2P+3T split/merge": dict(prompt_depth=2, token_depth=3, prompt_microbatch=2, token_microbatch=4),
-    "colocated 2-stage": dict(mode=Mode.COLOCATED, token_depth=2, token_microbatch=2),
-}
+def _jobs(n: int) -> list[tuple[str, int]]:
+    """``n`` requests of different prompt lengths and token budgets."""
+    return [(PROMPTS[i % len(PROMPTS)] + " and" * (i // len(PROMPTS)), 3 + (i * 5) % 14) for i in range(n)]
 
 
-@pytest.mark.parametrize("name", list(DEPLOYMENTS))
-def test_greedy_outputs_equal_the_engine(name, redis_url, model, reference) -> None:
-    settings = cluster_settings(redis_url, model, **DEPLOYMENTS[name])
-    with running(settings) as launcher:
-        client = _client(launcher)
-        jobs = [(p, 6 + 3 * i) for i, p in enumerate(PROMPTS)]
+def _complete_all(client: OpenAI, name: str, jobs: list[tuple[str, int]]):
+    def one(job):
+        prompt, n = job
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0)
+        return r.choices[0].text, r.usage, r.choices[0].finish_reason
 
-        def complete(job):
-            prompt, n = job
-            r = client.completions.create(model=settings.model.name, prompt=prompt, max_tokens=n, temperature=0)
-            return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
-
-        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(complete, jobs))
-        for (prompt, n), (text, used, finish) in zip(jobs, results, strict=True):
-            assert text == reference(prompt, n), f"{name}: {prompt!r}\n{logs(launcher)}"
-            assert used <= n and finish in ("stop", "length")
-
-        # Streaming chat applies the chat template and yields the same text as the engine's chat mode.
-        stream = client.chat.completions.create(
-            model=settings.model.name,
-            messages=[{"role": "user", "content": "Say hello."}],
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-        )
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert text == reference("Say hello.", 12, chat=True)
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(one, jobs))
 
 
-def test_sixteen_concurrent_requests_of_different_lengths(redis_url, model, reference) -> None:
+def _check_outputs(launcher, settings, reference: Reference, n_requests: int) -> None:
+    client = _client(launcher)
+    jobs = _jobs(n_requests)
+    for (prompt, n), (text, usage, finish) in zip(jobs, _complete_all(client, settings.model.name, jobs), strict=True):
+        assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
+        assert usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+        assert usage.completion_tokens <= n and finish in ("stop", "length")
+    # Streaming chat applies the chat template and yields the same text as the engine's chat mode.
+    stream = client.chat.completions.create(
+        model=settings.model.name,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference.text("Say hello.", 12, chat=True)
+
+
+def test_disaggregated_1p_2t_sixteen_concurrent_requests_and_bad_input(redis_url, model, reference) -> None:
     settings = cluster_settings(
         redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=4, token_microbatch=4
     )
-    tok = Tokenizer.from_pretrained(model)
-    prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' and' * (i % 4)}" for i in range(16)]
-    budgets = [3 + (i * 5) % 14 for i in range(16)]
     with running(settings) as launcher:
-        client = _client(launcher)
+        _check_outputs(launcher, settings, reference, 16)
+        url = launcher.api_url + "/v1/completions"
+        bad = [
+            (b"{not json", 400),
+            (b'{"model": "nope", "prompt": "x", "max_tokens": 4}', 404),
+            (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 0}', 400),
+            (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 1000000}', 400),
+            (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 4, "n": 2}', 400),
+        ]
+        for body, status in bad:
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == status, (body, r.text)
+            assert set(r.json()["error"]) >= {"message", "type"}
+        # The system keeps serving afterwards.
+        ((text, _, _),) = _complete_all(_client(launcher), settings.model.name, [(PROMPTS[0], 5)])
+        assert text == reference.text(PROMPTS[0], 5)
 
-        def complete(i: int):
-            return client.completions.create(
-                model=settings.model.name, prompt=prompts[i], max_tokens=budgets[i], temperature=0
-            )
 
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(complete, range(16)))
-        for i, r in enumerate(results):
-            assert r.choices[0].text == reference(prompts[i], budgets[i]), logs(launcher)
-            assert r.usage.prompt_tokens == len(tok.encode(prompts[i]))
+@pytest.mark.parametrize(
+    "deployment",
+    [
+        pytest.param(dict(prompt_depth=2, token_depth=3, prompt_microbatch=2, token_microbatch=4), id="2P+3T"),
+        pytest.param(dict(mode=Mode.COLOCATED, token_depth=2, token_microbatch=2), id="colocated-2"),
+    ],
+)
+def test_split_merge_and_colocated_deployments(deployment, redis_url, model, reference) -> None:
+    settings = cluster_settings(redis_url, model, **deployment)
+    with running(settings) as launcher:
+        _check_outputs(launcher, settings, reference, 6)

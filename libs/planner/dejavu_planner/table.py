@@ -23,13 +23,22 @@ def _check_axis(name: str, axis: tuple[float, ...]) -> None:
 
 
 def interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
-    """Piecewise-linear ``y(x)`` through ``(xs, ys)``, extended along the end segments, clamped at 0."""
+    """Piecewise-linear ``y(x)`` through ``(xs, ys)``, extended along the end segments (never below
+    the nearest measurement above the range), clamped at 0."""
     if len(xs) == 1:
         return max(ys[0], 0.0)
     i = bisect.bisect_right(xs, x) - 1
     i = min(max(i, 0), len(xs) - 2)
     x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    # Beyond the measured range a noisy end segment may slope the wrong way: work never shrinks with
+    # a larger batch or prompt, so extrapolation keeps at least the nearest measurement's value (above)
+    # or its proportional share (below).
+    if x > xs[-1]:
+        y = max(y, ys[-1])
+    elif x < xs[0] and xs[0] > 0:
+        y = max(y, ys[0] * max(x, 0.0) / xs[0])
+    return max(y, 0.0)
 
 
 @dataclass(frozen=True)

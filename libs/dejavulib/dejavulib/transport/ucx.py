@@ -112,7 +112,12 @@ class UcxTransport(MessageTransport):
         return self._address
 
     def connect(self, peer_id: str, address: bytes, deadline_s: float = 10.0) -> None:
-        """Create the endpoint, exchange a hello, log the selected transports, enforce ``require``."""
+        """Create the endpoint, exchange a hello, log the selected transports, enforce ``require``.
+
+        ``selected[peer_id]`` is read from the worker's protocol tables, which accumulate over every endpoint
+        configuration the worker has used so far: on a host where all peers are local it is exact.
+        Raises ``PeerError`` (bad address, no hello within ``deadline_s``) or ``TransportUnavailable``.
+        """
         done = Handle()
 
         def op() -> None:

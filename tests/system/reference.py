@@ -1,0 +1,34 @@
+"""Failure-free reference outputs from the in-process engine (what ``dejavu generate`` computes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dejavu_common.tokenizer import Tokenizer
+from dejavu_engine.generate import Request, generate_batch
+from dejavu_engine.pipeline import Pipeline
+from dejavu_engine.sampling import SamplingParams
+from dejavu_engine.stopping import StopCriteria
+
+
+class Reference:
+    """Greedy completions, one request at a time (no batching effects), cached; the model loads once."""
+
+    def __init__(self, model: Path) -> None:
+        self.tokenizer = Tokenizer.from_pretrained(model)
+        self.pipeline = Pipeline(model, 1)
+        self.eos = self.pipeline.spec.eos_token_ids | self.tokenizer.eos_token_ids
+        self._cache: dict[tuple[str, int, bool], str] = {}
+
+    def text(self, prompt: str, max_tokens: int, chat: bool = False) -> str:
+        key = (prompt, max_tokens, chat)
+        if key not in self._cache:
+            ids = (
+                self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                if chat
+                else self.tokenizer.encode(prompt)
+            )
+            request = Request(tuple(ids), StopCriteria(max_tokens, self.eos), SamplingParams())
+            (completion,), _ = generate_batch(self.pipeline, [request])
+            self._cache[key] = self.tokenizer.decode(completion.token_ids)
+        return self._cache[key]
