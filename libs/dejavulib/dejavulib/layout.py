@@ -94,7 +94,7 @@ class KVLayout:
 
     def strides(self) -> tuple[int, int, int, int, int]:
         """Element strides of a contiguous tensor in ``LBHSD`` order."""
-        L, B, H, S, D = self.shape
+        _L, B, H, S, D = self.shape
         return (B * H * S * D, H * S * D, S * D, D, 1)
 
     def with_batch(self, batch: int) -> KVLayout:

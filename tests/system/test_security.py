@@ -1,0 +1,71 @@
+"""Hostile input to a running system: nothing it injects is accepted, and the system keeps serving.
+
+- a data-plane peer with a wrong secret, or with the right secret but a stale epoch, sends tokens,
+  activations and KV to every worker;
+- malformed entries land on every Redis stream the services read;
+- an admin command signed without the admin credential orders a worker to die.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import redis
+from dejavu_common import keys
+from dejavu_common.admin import sign
+from dejavu_common.messages import AdminAction, Topology, WorkerInfo
+from dejavu_common.settings import Settings
+from dejavu_engine.checkpoint import ensure_default_model
+from dejavulib.endpoint import Endpoint
+from dejavulib.header import Channel, Header
+from dejavulib.transport.ucx import UcxTransport
+from openai import OpenAI
+
+from .cluster import cluster_settings, logs, running
+from .reference import Reference
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
+
+
+def _rogue_sends(settings: Settings, secret: str, epoch: int) -> None:
+    """Connect to every worker's data plane and send garbage on every channel."""
+    client = redis.Redis.from_url(settings.redis.url)
+    ep = Endpoint(UcxTransport("rogue"), secret, epoch=epoch)
+    try:
+        for wid in (m.decode() for m in client.smembers(keys.WORKERS)):
+            info = WorkerInfo.decode(client.hget(keys.worker(wid), "info"))
+            ep.connect(wid, base64.b64decode(info.data_address))
+            for channel in Channel:
+                payload = np.frombuffer(b"\x10\x00\x00\x00" + b"{" * 16 + b"\x00" * 64, np.uint8)
+                ep.send(wid, Header(channel=channel, microbatch=0, step=1), payload).wait(5)
+    finally:
+        ep.close()
+
+
+def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> None:
+    model = ensure_default_model(Settings())
+    reference = Reference(model)
+    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2,
+                                token_microbatch=2)
+    with running(settings) as launcher:
+        client = redis.Redis.from_url(settings.redis.url)
+        epoch = Topology.decode(client.get(keys.TOPOLOGY)).epoch
+        secret = settings.transport.secret.get_secret_value()
+        _rogue_sends(settings, "not-the-secret", epoch)  # wrong secret
+        _rogue_sends(settings, secret, epoch - 1)  # a fenced (older-epoch) sender
+        for stream in (keys.PROMPT_QUEUE, keys.COLOCATED_QUEUE, keys.READY_QUEUE, keys.ADMIN_STREAM):
+            client.xadd(stream, {"task": b"{bad", "done": b"[]", "cmd": b"{}"})
+        client.xadd(keys.tokens(12345), {"step": b"nonsense"})
+        forged = sign("t0", AdminAction.KILL, "not-the-admin-credential")
+        client.xadd(keys.ADMIN_STREAM, {"cmd": forged.encode()})
+
+        api = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=180, max_retries=0)
+        for prompt in ("The capital of France is", "def fibonacci(n):"):
+            r = api.completions.create(model=settings.model.name, prompt=prompt, max_tokens=8, temperature=0)
+            assert r.choices[0].text == reference.text(prompt, 8), logs(launcher)
+        for child in launcher.children:
+            assert child.proc.poll() is None, f"{child.name} died\n{logs(launcher)}"
+        text = logs(launcher)
+        assert "bad credential" in text  # the forged kill was seen and refused
