@@ -103,3 +103,14 @@ def test_request_delivers_each_step_once_and_rejects_illegal_transitions() -> No
     assert r.status is RequestStatus.FINISHED
     with pytest.raises(IllegalTransition):
         r.transition(RequestStatus.DECODING)
+
+
+def test_microbatch_span_stays_within_the_context() -> None:
+    s = Scheduler(SchedulerLimits(4, 4, 2, 100, 0.0, max_len=20))
+    s.admit(_req(0, n_prompt=15, max_tokens=2))
+    s.admit(_req(1, n_prompt=2, max_tokens=15))  # alone it fits; with request 0 the span would be 30
+    s.admit(_req(2, n_prompt=3, max_tokens=3))
+    a, b = s.form(now=1.0)
+    assert [r.request_id for r in a.requests] == ["r0"]
+    assert [r.request_id for r in b.requests] == ["r1", "r2"]
+    assert b.spec.max_len <= 20

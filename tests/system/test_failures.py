@@ -165,3 +165,18 @@ def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_ur
         time.sleep(0.3)  # the prompts are being processed
         _kill(launcher, "p0")
         _check(r.finish(), reference, launcher)
+
+
+def test_swapping_with_replication_and_disaggregation_recovers(redis_url, model, reference) -> None:
+    """Token stages that swap microbatch caches to host memory and replicate them at once: outputs
+    equal the engine's, before and after a stage crash."""
+    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=3, prompt_microbatch=2,
+                                token_microbatch=2, swap={"enabled": True})
+    with running(settings, spares=1) as launcher:
+        r = Round(launcher, settings)
+        _check(r.finish(), reference, launcher)
+        r = Round(launcher, settings)
+        r.wait_tokens(8)
+        _kill(launcher, _holder(settings, 1))
+        _check(r.finish(), reference, launcher)
+        assert any("swapping on" in p.read_text() for p in launcher.log_dir.glob("t*.log"))

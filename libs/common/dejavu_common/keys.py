@@ -60,6 +60,7 @@ def watermark(stage: int) -> str:
     return f"{PREFIX}:wm:{stage}"
 
 
+KV_BYTES = f"{PREFIX}:wm:kvbytes"  # hash purpose -> KV bytes the workers streamed (monotonic counters)
 RESUME = f"{PREFIX}:ctl:resume"  # JSON of messages.ResumePoint for the current epoch
 RECOVERY = f"{PREFIX}:ctl:recovery"  # JSON of messages.RecoveryOrder for the current epoch
 

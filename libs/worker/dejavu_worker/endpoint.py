@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import collections
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import redis
@@ -28,6 +29,10 @@ from dejavulib.header import Channel, Header
 __all__ = ["Channel", "DataEndpoint"]
 
 log = logging.getLogger("dejavu.worker.endpoint")
+
+# The purposes of the controller's ``dejavu_kv_bytes_streamed`` counter, by channel.
+_KV_PURPOSE = {Channel.KV_PROMPT: "prompt_to_token", Channel.KV_REPLICA: "replication",
+               Channel.KV_RESTORE: "recovery", Channel.KV_SWAP: "swap"}
 
 
 def _transport(settings: TransportSettings, worker_id: str):
@@ -45,6 +50,8 @@ class DataEndpoint:
         self._ep = Endpoint(_transport(settings, worker_id), settings.secret.get_secret_value())
         self._addresses: dict[str, bytes] = {}
         self._inflight: collections.deque[tuple[Handle, np.ndarray]] = collections.deque()
+        # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
+        self.count_kv: Callable[[str, int], None] = lambda purpose, nbytes: None
 
     @property
     def address(self) -> bytes:
@@ -72,6 +79,9 @@ class DataEndpoint:
         """Queue ``payload`` to ``peer`` on ``channel`` (FIFO per peer)."""
         self._reap()
         data = np.frombuffer(payload, dtype=np.uint8)
+        purpose = _KV_PURPOSE.get(channel)
+        if purpose is not None:
+            self.count_kv(purpose, data.nbytes)
         handle = self._ep.send(peer, Header(channel=channel), data, deadline_s=self.settings.deadline_s)
         self._inflight.append((handle, data))
 

@@ -36,6 +36,13 @@ class Heartbeat(threading.Thread):
         self._stop = threading.Event()
         self._paused_until = 0.0
         self._admin_cursor = "$"
+        self._kv_bytes: dict[str, int] = {}
+        self._kv_lock = threading.Lock()
+
+    def add_kv_bytes(self, purpose: str, nbytes: int) -> None:
+        """Count KV bytes this worker streamed; flushed to Redis with the next beat."""
+        with self._kv_lock:
+            self._kv_bytes[purpose] = self._kv_bytes.get(purpose, 0) + nbytes
 
     def stop(self) -> None:
         self._stop.set()
@@ -56,6 +63,10 @@ class Heartbeat(threading.Thread):
         renew = time.monotonic() >= self._paused_until
         if renew:
             pipe.set(keys.worker_lease(self.worker_id), "1", px=ttl_ms)
+        with self._kv_lock:
+            counts, self._kv_bytes = self._kv_bytes, {}
+        for purpose, n in counts.items():
+            pipe.hincrby(keys.KV_BYTES, purpose, n)
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
         results = pipe.execute()

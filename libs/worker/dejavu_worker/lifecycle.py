@@ -92,6 +92,9 @@ class WorkerProcess(abc.ABC):
         self.redis.hset(keys.worker(self.worker_id), mapping={"info": info.encode(), "state": "idle", "epoch": 0})
         self.redis.sadd(keys.WORKERS, self.worker_id)
         self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id)
+        endpoint = getattr(self, "endpoint", None)
+        if endpoint is not None:
+            endpoint.count_kv = self.heartbeat.add_kv_bytes
         self.heartbeat.beat()  # the lease exists before anyone reads the registry
         self.heartbeat.start()
         log.info("registered as %s worker %s (spare=%s)", self.role.value, self.worker_id, self.spare)

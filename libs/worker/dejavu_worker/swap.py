@@ -63,7 +63,7 @@ _LEGAL: dict[SwapState, frozenset[SwapState]] = {
     SwapState.HOST: frozenset({SwapState.QUEUED}),
     SwapState.QUEUED: frozenset({SwapState.LOADING, SwapState.FAILED}),
     SwapState.LOADING: frozenset({SwapState.READY, SwapState.FAILED}),
-    SwapState.READY: frozenset({SwapState.IN_USE}),
+    SwapState.READY: frozenset({SwapState.IN_USE, SwapState.HOST}),  # READY -> HOST: evicted unused
     SwapState.IN_USE: frozenset({SwapState.HOST}),
     SwapState.FAILED: frozenset(),
 }
@@ -258,6 +258,24 @@ class SwapManager:
 
     def state(self, mb_id: int) -> SwapState:
         return self._entry(mb_id).state
+
+    def free_slots(self) -> int:
+        """Device buffers neither loading, loaded nor in use."""
+        with self._cond:
+            return len(self._free)
+
+    def make_room(self, keep: int) -> None:
+        """Evict loaded-but-unused caches other than ``keep`` until a device buffer is free or being
+        freed. A swap-in that guessed the next microbatch wrong must not hold a buffer forever; the
+        host copy is still current (nothing computed on the evicted buffer), so nothing is copied back."""
+        with self._cond:
+            if self._free:
+                return
+            for mb_id, entry in self._entries.items():
+                if mb_id != keep and entry.state is SwapState.READY:
+                    entry.move(mb_id, SwapState.HOST)
+                    self._release(entry)
+                    return
 
     def stats(self) -> SwapStats:
         with self._cond:

@@ -10,6 +10,9 @@ from collections.abc import AsyncIterator
 
 from dejavu_common.redis_client import async_client
 from dejavu_common.settings import Settings
+from dejavu_common.kv_budget import KVBudgetError
+
+from dejavu_controller.kv_admission import admitted_microbatch
 from dejavu_controller.model_info import count_layers
 
 
@@ -27,6 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings.model_copy(update={"controller": settings.controller.model_copy(update=ctl)})
     logging.basicConfig(level=settings.log_level, format="%(asctime)s controller %(name)s %(levelname)s %(message)s")
     n_layers = count_layers(settings.model.folder)
+    try:
+        microbatch = admitted_microbatch(settings, n_layers)
+    except KVBudgetError as exc:
+        print(f"dejavu-controller: configuration refused: {exc}", file=sys.stderr)
+        return 2
+    if microbatch != settings.controller.token_microbatch:
+        settings = settings.model_copy(
+            update={"controller": settings.controller.model_copy(update={"token_microbatch": microbatch})}
+        )
 
     from dejavu_controller.api.server import run_api
     from dejavu_controller.pipeline_backend import PipelineBackend

@@ -25,7 +25,7 @@ from dejavu_common import keys
 from dejavu_common.messages import FinishReason as WireFinish
 from dejavu_common.messages import SamplingSpec, TokenStep, Topology
 from dejavu_common.settings import Mode, Settings
-from dejavu_controller.api.metrics import RuntimeMetrics
+from dejavu_controller.api.metrics import KVStream, RuntimeMetrics
 from dejavu_controller.backend import (
     BackendStats,
     FinishReason,
@@ -66,6 +66,7 @@ class PipelineBackend:
                 max_outstanding=c.token_depth + (0 if colocated else c.prompt_depth),
                 queue_bound=c.queue_bound,
                 batch_wait_s=c.batch_wait_ms / 1000.0,
+                max_len=settings.engine.max_context,
             )
         )
         self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE
@@ -77,6 +78,7 @@ class PipelineBackend:
         self.repair = Repair(settings, redis)
         self._repair_task: asyncio.Task | None = None
         self._repairing: set[int] = set()  # token stages the current repair restores
+        self._kv_seen: dict[str, int] = {}
 
     async def __aenter__(self) -> PipelineBackend:
         for coro in (self._control_loop(), self._dispatch_loop(), self._relay_loop()):
@@ -156,6 +158,7 @@ class PipelineBackend:
 
     async def _control_once(self) -> None:
         self._workers = await self.registry.workers()
+        await self._collect_kv_bytes()
         old = self.registry.topology
         lost = self.registry.lost(self._workers)
         if old is None or lost:
@@ -175,6 +178,17 @@ class PipelineBackend:
             log.info("system %s", "ready" if self._ready else "not ready")
             self._wake.set()
 
+    async def _collect_kv_bytes(self) -> None:
+        """Feed the workers' KV byte counters (monotonic, in Redis) into the metrics as deltas."""
+        if self.metrics is None:
+            return
+        for purpose, total in (await self.redis.hgetall(keys.KV_BYTES)).items():
+            name, total = purpose.decode(), int(total)
+            delta = total - self._kv_seen.get(name, 0)
+            self._kv_seen[name] = total
+            if delta > 0:
+                self.metrics.add_kv_bytes(delta, KVStream(name))
+
     def _start_repair(self, old: Topology, new: Topology, lost: list[str]) -> None:
         replaced = self.registry.replaced(old, new, lost)
         if self._repair_task is not None and not self._repair_task.done():
@@ -188,7 +202,7 @@ class PipelineBackend:
         resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
         not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
         self._repair_task = asyncio.create_task(
-            self.repair.run(new, replaced, resumable, not_started, self._redispatch, time.monotonic())
+            self.repair.run(new, replaced, resumable, not_started, self._redispatch, time.monotonic(), self.metrics)
         )
 
     async def _redispatch(self, mb_ids: list[int]) -> None:

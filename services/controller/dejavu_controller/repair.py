@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from dejavu_common import keys
 from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress, Topology
 from dejavu_common.settings import Replication, Settings
+from dejavu_controller.api.metrics import RuntimeMetrics
 from dejavu_controller.recovery import plan_resume
 
 log = logging.getLogger("dejavu.controller.repair")
@@ -57,6 +58,7 @@ class Repair:
         not_started: list[int],
         redispatch: Callable[[list[int]], asyncio.Future | None],
         detected_at: float,
+        metrics: RuntimeMetrics | None = None,
     ) -> ResumePoint:
         """Drive recovery at ``topology.epoch``; returns the published resume point.
 
@@ -109,6 +111,9 @@ class Repair:
             await redispatch(list(plan.rerun))
         timings.mark("resumed")
         self.last = timings
+        if metrics is not None:
+            for phase, seconds in timings.phases.items():
+                metrics.observe_recovery(phase, seconds)
         log.warning(
             "recovery at epoch %d done: resume %s, re-run prompts of %s; phases %s",
             epoch,

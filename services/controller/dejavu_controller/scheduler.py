@@ -28,6 +28,7 @@ class SchedulerLimits:
     max_outstanding: int
     queue_bound: int
     batch_wait_s: float
+    max_len: int = 1 << 30  # cache positions a microbatch may span (longest prompt + largest budget)
 
 
 @dataclass
@@ -80,11 +81,19 @@ class Scheduler:
             stale = now - self.waiting[0].arrival >= self.limits.batch_wait_s
             if not (full or stale):
                 break
-            reqs = [self.waiting.popleft() for _ in range(min(b, len(self.waiting)))]
+            reqs = [self.waiting.popleft()]
+            while self.waiting and len(reqs) < b and self._fits([*reqs, self.waiting[0]]):
+                reqs.append(self.waiting.popleft())
             mb = self._make(reqs)
             self.active[mb.spec.mb_id] = mb
             formed.append(mb)
         return formed
+
+    def _fits(self, reqs: list[Request]) -> bool:
+        """Left padding aligns every row to the longest prompt: the microbatch's cache spans the longest
+        prompt plus the largest token budget, which must stay within ``max_len``."""
+        span = max(len(r.prompt_ids) for r in reqs) + max(r.sampling.max_tokens for r in reqs)
+        return span <= self.limits.max_len
 
     def _make(self, reqs: list[Request]) -> Microbatch:
         mb_id = self._next_mb

@@ -140,13 +140,23 @@ class Driver:
 
     # -- steps --------------------------------------------------------------------------------
     def _step(self, mb_id: int) -> None:
+        self.inflight[mb_id] = self.inflight.pop(mb_id)  # dict order = least recently run first
         state = self.runner.state(mb_id)
         state.wait_complete(self.deadline_s)
         self.runner.replicate_prompt(state)
         ids = torch.tensor([[t] for t in self.inflight[mb_id]], dtype=torch.long)
-        self.runner.run(self.pos, state, Kind.DECODE, self.next_step[mb_id], StageIO(input_ids=ids))
+        self.runner.run(self.pos, state, Kind.DECODE, self.next_step[mb_id], StageIO(input_ids=ids),
+                        next_mb=self._guess_next(mb_id))
         if self.pos.depth == 1:
             self._local_return(mb_id)
+
+    def _guess_next(self, current: int) -> int | None:
+        """The microbatch likely to run after ``current``: the head of the queue, else the one that
+        has waited longest (round-robin). Stages use it to prefetch swapped-out caches."""
+        if self.runnable:
+            return self.runnable[0]
+        others = [mb for mb in self.inflight if mb != current]
+        return others[0] if others else None
 
     def _local_return(self, mb_id: int) -> None:
         """Single-stage pipeline: the step's tokens come back without a network hop."""

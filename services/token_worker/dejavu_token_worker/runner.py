@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import redis
@@ -18,8 +19,11 @@ from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
+from dejavu_worker.swap import SwapManager, SwapState
+from dejavu_engine.kv_cache import KVCache
 
 from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import TokenStep
 from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
@@ -45,8 +49,10 @@ class Position:
 
 
 class StageRunner:
-    def __init__(self, stage: Stage, client: redis.Redis, endpoint: DataEndpoint, deadline_s: float) -> None:
+    def __init__(self, stage: Stage, client: redis.Redis, endpoint: DataEndpoint, deadline_s: float,
+                 swap: SwapManager | None = None) -> None:
         self.stage = stage
+        self.swap = swap  # microbatch swapping: caches live in host memory, two device buffers
         self.redis = client
         self.endpoint = endpoint
         self.deadline_s = deadline_s
@@ -63,14 +69,17 @@ class StageRunner:
             st = self.states.get(mb_id)
             if st is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
-                cache = self.stage.allocate_cache(len(spec.rows), spec.max_len)
+                layout = self.stage.kv_layout(len(spec.rows), spec.max_len)
+                cache = self.swap.add(mb_id, layout) if self.swap is not None else self.stage.allocate_cache(
+                    len(spec.rows), spec.max_len)
                 st = MicrobatchState(spec, cache, expected_cells=self.stage.num_layers * len(spec.rows))
                 self.states[mb_id] = st
             return st
 
     def release(self, mb_id: int) -> None:
         with self._lock:
-            self.states.pop(mb_id, None)
+            if self.states.pop(mb_id, None) is not None and self.swap is not None:
+                self.swap.drop(mb_id)
         self.trackers.pop(mb_id, None)
         self.last_tokens.pop(mb_id, None)
 
@@ -80,18 +89,26 @@ class StageRunner:
             return {mb: st.done_step if st.complete.is_set() else -1 for mb, st in self.states.items()}
 
     # -- one pass -----------------------------------------------------------------------------
-    def run(self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO) -> TokenStep | None:
+    def run(self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO,
+            next_mb: int | None = None) -> TokenStep | None:
         """Run this stage's layers for ``step`` of ``state`` and hand the result on.
 
-        Returns the step's token entry on the last stage, None elsewhere.
+        ``next_mb`` is the microbatch stage 0 expects to run next: with swapping, its cache is
+        prefetched into the free device buffer while this step computes. Returns the step's token
+        entry on the last stage, None elsewhere.
         """
         geometry = state.geometry(step)
+        cache = self._acquire(state, geometry.cur_len - (geometry.cur_len if kind is Kind.PREFILL else 1))
+        if next_mb is not None:
+            self.prefetch(next_mb)
         if kind is Kind.PREFILL:
-            out = self.stage.prefill(io, state.cache, geometry)
+            out = self.stage.prefill(io, cache, geometry)
             written = (0, geometry.cur_len)
         else:
-            out = self.stage.decode(io, state.cache, geometry)
+            out = self.stage.decode(io, cache, geometry)
             written = (geometry.cur_len - 1, geometry.cur_len)
+        if self.swap is not None:
+            self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
         state.done_step = step
         if self.replicas is not None:
             self.replicas.send(state, step, written)
@@ -110,6 +127,33 @@ class StageRunner:
         else:
             self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(state.mb_id, step, feed, done).encode())
         return entry
+
+    def _acquire(self, state: MicrobatchState, filled: int) -> KVCache:
+        """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache."""
+        if self.swap is None:
+            return state.cache
+        if self.swap.state(state.mb_id) is SwapState.HOST:  # not prefetched (a missed hint)
+            self.swap.make_room(keep=state.mb_id)
+            self.swap.prefetch(state.mb_id, filled)
+        end = time.monotonic() + self.deadline_s
+        while True:
+            try:
+                return self.swap.acquire(state.mb_id, 0.05)
+            except DeadlineExceeded:
+                if time.monotonic() > end:
+                    raise
+                self.swap.make_room(keep=state.mb_id)  # stale guesses must not starve this swap-in
+
+    def prefetch(self, mb_id: int) -> None:
+        """Start swapping ``mb_id``'s cache in (swapping only; a no-op when it is not resident here yet)."""
+        if self.swap is None:
+            return
+        with self._lock:
+            st = self.states.get(mb_id)
+        if st is None or not st.complete.is_set():
+            return
+        if self.swap.state(mb_id) is SwapState.HOST and self.swap.free_slots() > 0:
+            self.swap.prefetch(mb_id, st.spec.prompt_len + max(st.done_step, 0))
 
     def replicate_prompt(self, state: MicrobatchState) -> None:
         """Ship the prompt part of ``state`` to the successor once (disaggregated mode)."""

@@ -14,6 +14,7 @@ import threading
 from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.swap import SwapManager
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
@@ -54,7 +55,14 @@ class TokenWorker(WorkerProcess):
         assert self.redis is not None and self.endpoint is not None
         m = self.settings.model
         stage = Stage(m.folder, assignment.layers, m.device, m.dtype)
-        self.runner = StageRunner(stage, self.redis, self.endpoint, self.settings.transport.deadline_s)
+        swap = None
+        if self.settings.swap.enabled:
+            # Device buffers sized for the largest microbatch this pipeline admits.
+            layout = stage.kv_layout(topology.token_microbatch, self.settings.engine.max_context)
+            swap = SwapManager(layout, len(topology.token_stages), m.device,
+                               deadline_s=self.settings.transport.deadline_s)
+            log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
+        self.runner = StageRunner(stage, self.redis, self.endpoint, self.settings.transport.deadline_s, swap)
         self.replica = None
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
@@ -229,7 +237,9 @@ class TokenWorker(WorkerProcess):
             else:
                 state.wait_complete(self.settings.transport.deadline_s)
                 self.runner.replicate_prompt(state)
-            self.runner.run(pos, state, msg.kind, msg.step, StageIO(hidden=msg.tensor))
+            hint = (msg.meta or {}).get("next")
+            self.runner.run(pos, state, msg.kind, msg.step, StageIO(hidden=msg.tensor),
+                            next_mb=int(hint) if hint is not None else None)
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
     def _receive_prompt_kv(self, stop: threading.Event) -> None:

@@ -45,8 +45,13 @@ class KVStream(enum.StrEnum):
 class RuntimeMetrics:
     """What the backend may record. Thread-safe (prometheus-client counters are)."""
 
-    def __init__(self, kv_bytes: Counter) -> None:
+    def __init__(self, kv_bytes: Counter, recovery: Histogram) -> None:
         self._kv_bytes = kv_bytes
+        self._recovery = recovery
+
+    def observe_recovery(self, phase: str, seconds: float) -> None:
+        """Record how long after a failure's detection a recovery phase ended."""
+        self._recovery.labels(phase=phase).observe(seconds)
 
     def add_kv_bytes(self, nbytes: int, purpose: KVStream = KVStream.PROMPT_TO_TOKEN) -> None:
         """Count ``nbytes`` of KV cache streamed for ``purpose``; ``nbytes`` must be >= 0."""
@@ -114,7 +119,14 @@ class GatewayMetrics:
             labelnames=["purpose"],
             registry=self.registry,
         )
-        self.runtime = RuntimeMetrics(kv_bytes)
+        recovery = Histogram(
+            "dejavu_recovery_phase_seconds",
+            "Seconds from a failure's detection to the end of each recovery phase (fed by the backend).",
+            labelnames=["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.runtime = RuntimeMetrics(kv_bytes, recovery)
         self._backend_collector = _BackendCollector()
         self.registry.register(self._backend_collector)
 
