@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from dejavu_worker.swap import SwapManager
 
 from dejavu_common.kv_budget import KVBudget
 from dejavu_common.settings import Settings
@@ -38,6 +37,7 @@ from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
+from dejavu_worker.swap import SwapManager
 
 RESULTS = Path(__file__).resolve().parent / "results" / "swapping.json"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from dejavu_common.kv_budget import KVBudgetError
 from dejavu_common.settings import Settings
 from dejavu_controller.kv_admission import admitted_microbatch, kv_bytes_per_token

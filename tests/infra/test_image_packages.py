@@ -74,6 +74,7 @@ def dependency_closure(roots: list[str]) -> set[str]:
 
 # Known gap, reported to the lead: remove the mark once libs/common/pyproject.toml declares them.
 
+
 @pytest.mark.parametrize(
     "image",
     list(IMAGES),

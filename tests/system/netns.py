@@ -60,7 +60,7 @@ class Network:
 
     def interface(self, name: str) -> str:
         """The host's interface inside its namespace."""
-        ns, address = self.hosts[name]
+        _ns, address = self.hosts[name]
         return f"dv{self.tag}{address.rsplit('.', 1)[1]}b"
 
     def cut(self, name: str) -> None:
@@ -74,7 +74,7 @@ class Network:
             return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def close(self) -> None:
-        for name, (ns, address) in self.hosts.items():
+        for ns, address in self.hosts.values():
             _ip("link", "del", f"dv{self.tag}{address.rsplit('.', 1)[1]}a", check=False)
             _ip("netns", "del", ns, check=False)
         _ip("link", "del", self.bridge, check=False)

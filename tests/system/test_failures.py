@@ -170,8 +170,9 @@ def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_ur
 def test_swapping_with_replication_and_disaggregation_recovers(redis_url, model, reference) -> None:
     """Token stages that swap microbatch caches to host memory and replicate them at once: outputs
     equal the engine's, before and after a stage crash."""
-    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=3, prompt_microbatch=2,
-                                token_microbatch=2, swap={"enabled": True})
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=3, prompt_microbatch=2, token_microbatch=2, swap={"enabled": True}
+    )
     with running(settings, spares=1) as launcher:
         r = Round(launcher, settings)
         _check(r.finish(), reference, launcher)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model
 
@@ -58,18 +59,45 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
     try:
         hosts = {name: net.add(name) for name in ("redis", "ctl", "p0", "t0", "t1", "spare0")}
         redis_url = f"redis://{hosts['redis']}:6379/0"
-        procs.append(net.popen("redis", [shutil.which("redis-server"), "--bind", hosts["redis"], "--port", "6379",
-                                         "--save", "", "--appendonly", "no", "--protected-mode", "no"],
-                               dict(os.environ), logs / "redis.log"))
+        procs.append(
+            net.popen(
+                "redis",
+                [
+                    shutil.which("redis-server"),
+                    "--bind",
+                    hosts["redis"],
+                    "--port",
+                    "6379",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--protected-mode",
+                    "no",
+                ],
+                dict(os.environ),
+                logs / "redis.log",
+            )
+        )
         base = Settings()
-        settings = base.model_copy(update={
-            "redis": base.redis.model_copy(update={"url": redis_url}),
-            "model": base.model.model_copy(update={"path": model}),
-            "engine": base.engine.model_copy(update={"torch_threads": 1}),
-            "controller": base.controller.model_copy(update={
-                "host": hosts["ctl"], "port": 8000, "token_depth": 2, "prompt_depth": 1,
-                "token_microbatch": 2, "prompt_microbatch": 2, "api_keys": [API_KEY]}),
-        })
+        settings = base.model_copy(
+            update={
+                "redis": base.redis.model_copy(update={"url": redis_url}),
+                "model": base.model.model_copy(update={"path": model}),
+                "engine": base.engine.model_copy(update={"torch_threads": 1}),
+                "controller": base.controller.model_copy(
+                    update={
+                        "host": hosts["ctl"],
+                        "port": 8000,
+                        "token_depth": 2,
+                        "prompt_depth": 1,
+                        "token_microbatch": 2,
+                        "prompt_microbatch": 2,
+                        "api_keys": [API_KEY],
+                    }
+                ),
+            }
+        )
 
         def env(host: str) -> dict[str, str]:
             e = {k: v for k, v in os.environ.items() if not k.startswith("DEJAVU_")}
@@ -82,8 +110,12 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
 
         time.sleep(0.3)
         procs.append(net.popen("ctl", [sys.executable, "-m", "dejavu_controller"], env("ctl"), logs / "ctl.log"))
-        workers = {"p0": ("dejavu_prompt_worker", []), "t0": ("dejavu_token_worker", []),
-                   "t1": ("dejavu_token_worker", []), "spare0": ("dejavu_token_worker", ["--spare"])}
+        workers = {
+            "p0": ("dejavu_prompt_worker", []),
+            "t0": ("dejavu_token_worker", []),
+            "t1": ("dejavu_token_worker", []),
+            "spare0": ("dejavu_token_worker", ["--spare"]),
+        }
         for name, (module, extra) in workers.items():
             argv = [sys.executable, "-m", module, "--worker-id", name, *extra]
             procs.append(net.popen(name, argv, env(name), logs / f"{name}.log"))

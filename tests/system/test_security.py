@@ -13,6 +13,8 @@ import base64
 import numpy as np
 import pytest
 import redis
+from openai import OpenAI
+
 from dejavu_common import keys
 from dejavu_common.admin import sign
 from dejavu_common.messages import AdminAction, Topology, WorkerInfo
@@ -21,7 +23,6 @@ from dejavu_engine.checkpoint import ensure_default_model
 from dejavulib.endpoint import Endpoint
 from dejavulib.header import Channel, Header
 from dejavulib.transport.ucx import UcxTransport
-from openai import OpenAI
 
 from .cluster import cluster_settings, logs, running
 from .reference import Reference
@@ -47,8 +48,9 @@ def _rogue_sends(settings: Settings, secret: str, epoch: int) -> None:
 def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> None:
     model = ensure_default_model(Settings())
     reference = Reference(model)
-    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2,
-                                token_microbatch=2)
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
+    )
     with running(settings) as launcher:
         client = redis.Redis.from_url(settings.redis.url)
         epoch = Topology.decode(client.get(keys.TOPOLOGY)).epoch

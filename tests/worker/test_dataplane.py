@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dejavu_worker.dataplane import Kind, KVChunk, StageMessage, TokenReturn, frame, unframe
 
 

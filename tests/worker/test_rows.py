@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dejavu_worker.rows import RowTracker
-
 from dejavu_common.messages import FinishReason, MicrobatchSpec, RowSpec, SamplingSpec
+from dejavu_worker.rows import RowTracker
 
 EOS = 2
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dejavu_worker.swap import SwapInError, SwapManager, SwapState, SwapStateError
 from engine.tiny_models import LAYERS, VOCAB, build_checkpoint
 
 from dejavu_common.errors import DeadlineExceeded
@@ -19,6 +18,7 @@ from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.stage_io import StageIO
+from dejavu_worker.swap import SwapInError, SwapManager, SwapState, SwapStateError
 from dejavulib.layout import KVLayout
 
 STEPS = 6

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 import redis
+
 from dejavu_common import keys
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
@@ -31,8 +32,12 @@ __all__ = ["Channel", "DataEndpoint"]
 log = logging.getLogger("dejavu.worker.endpoint")
 
 # The purposes of the controller's ``dejavu_kv_bytes_streamed`` counter, by channel.
-_KV_PURPOSE = {Channel.KV_PROMPT: "prompt_to_token", Channel.KV_REPLICA: "replication",
-               Channel.KV_RESTORE: "recovery", Channel.KV_SWAP: "swap"}
+_KV_PURPOSE = {
+    Channel.KV_PROMPT: "prompt_to_token",
+    Channel.KV_REPLICA: "replication",
+    Channel.KV_RESTORE: "recovery",
+    Channel.KV_SWAP: "swap",
+}
 
 
 def _transport(settings: TransportSettings, worker_id: str):

@@ -8,10 +8,9 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 
+from dejavu_common.kv_budget import KVBudgetError
 from dejavu_common.redis_client import async_client
 from dejavu_common.settings import Settings
-from dejavu_common.kv_budget import KVBudgetError
-
 from dejavu_controller.kv_admission import admitted_microbatch
 from dejavu_controller.model_info import count_layers
 

@@ -42,6 +42,11 @@ def admitted_microbatch(settings: Settings, n_layers: int) -> int:
     b = max_microbatch_size(budget, per_token, settings.engine.max_context, c.token_depth, settings.swap.enabled)
     log.info(
         "device KV budget %.1f MB, %d B per token per stage, context %d, D_t %d, swapping %s: microbatch %d",
-        budget / 1e6, per_token, settings.engine.max_context, c.token_depth, settings.swap.enabled, b,
+        budget / 1e6,
+        per_token,
+        settings.engine.max_context,
+        c.token_depth,
+        settings.swap.enabled,
+        b,
     )
     return b

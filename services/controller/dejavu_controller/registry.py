@@ -108,9 +108,8 @@ class Registry:
         if not worker_ids:
             return ()
         ranges = split_layers(self.n_layers, len(worker_ids))
-        return tuple(
-            StageAssignment(worker_id=w, stage=s, layers=r) for s, (w, r) in enumerate(zip(worker_ids, ranges, strict=True))
-        )
+        pairs = enumerate(zip(worker_ids, ranges, strict=True))
+        return tuple(StageAssignment(worker_id=w, stage=s, layers=r) for s, (w, r) in pairs)
 
     async def publish(self, topology: Topology, workers: dict[str, WorkerView]) -> Topology:
         """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from."""

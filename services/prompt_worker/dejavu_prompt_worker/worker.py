@@ -13,11 +13,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
-from dejavu_worker.endpoint import Channel, DataEndpoint
-from dejavu_worker.lifecycle import WorkerProcess
-from dejavu_worker.microbatch import fetch_spec
-from dejavu_worker.rows import RowTracker
 from pydantic import ValidationError
 
 from dejavu_common import keys
@@ -35,6 +30,11 @@ from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
+from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.microbatch import fetch_spec
+from dejavu_worker.rows import RowTracker
 
 log = logging.getLogger("dejavu.prompt_worker")
 

@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 import redis
 import torch
-from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
-from dejavu_worker.endpoint import Channel, DataEndpoint
 from pydantic import ValidationError
 
 from dejavu_common import keys
@@ -24,6 +22,8 @@ from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.runner import Position, StageRunner, history
+from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
+from dejavu_worker.endpoint import Channel, DataEndpoint
 
 log = logging.getLogger("dejavu.token_worker.driver")
 
@@ -145,8 +145,9 @@ class Driver:
         state.wait_complete(self.deadline_s)
         self.runner.replicate_prompt(state)
         ids = torch.tensor([[t] for t in self.inflight[mb_id]], dtype=torch.long)
-        self.runner.run(self.pos, state, Kind.DECODE, self.next_step[mb_id], StageIO(input_ids=ids),
-                        next_mb=self._guess_next(mb_id))
+        self.runner.run(
+            self.pos, state, Kind.DECODE, self.next_step[mb_id], StageIO(input_ids=ids), next_mb=self._guess_next(mb_id)
+        )
         if self.pos.depth == 1:
             self._local_return(mb_id)
 

@@ -7,12 +7,12 @@ import logging
 from dataclasses import dataclass
 
 import redis
-from dejavu_worker.microbatch import fetch_spec
 from pydantic import ValidationError
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptDone
+from dejavu_worker.microbatch import fetch_spec
 
 log = logging.getLogger("dejavu.token_worker.ready")
 

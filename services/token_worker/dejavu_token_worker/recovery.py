@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 
 import redis
-from dejavu_worker.dataplane import KVChunk, frame, unframe
-from dejavu_worker.endpoint import Channel, DataEndpoint
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress
+from dejavu_worker.dataplane import KVChunk, frame, unframe
+from dejavu_worker.endpoint import Channel, DataEndpoint
 
 log = logging.getLogger("dejavu.token_worker.recovery")
 
@@ -61,8 +61,9 @@ def expected_roles(stage: int, depth: int, replaced: set[int]) -> set[str]:
     return roles
 
 
-def receive_caches(endpoint: DataEndpoint, roles: set[str], deadline_s: float, abandon: Callable[[], bool]
-                   ) -> tuple[list[KVChunk], list[KVChunk]]:
+def receive_caches(
+    endpoint: DataEndpoint, roles: set[str], deadline_s: float, abandon: Callable[[], bool]
+) -> tuple[list[KVChunk], list[KVChunk]]:
     """Collect restore chunks until the sender of each of ``roles`` said it is done:
     (primary chunks, replica chunks). With a two-stage pipeline one peer sends both roles.
     Raises :class:`DeadlineExceeded` past the deadline or once ``abandon()`` is true."""

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import redis
 import torch
-from dejavu_worker.dataplane import KVChunk
-from dejavu_worker.endpoint import Channel, DataEndpoint
-from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.settings import Replication
 from dejavu_engine.kv_cache import KVCache
+from dejavu_worker.dataplane import KVChunk
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.layout import KVLayout
 
 log = logging.getLogger("dejavu.token_worker.replication")

@@ -15,20 +15,20 @@ from dataclasses import dataclass
 
 import redis
 import torch
+
+from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.messages import TokenStep
+from dejavu_engine.kv_cache import KVCache
+from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_token_worker.replication import ReplicaSender
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
-from dejavu_engine.kv_cache import KVCache
-
-from dejavu_common import keys
-from dejavu_common.errors import DeadlineExceeded
-from dejavu_common.messages import TokenStep
-from dejavu_engine.sampling import SamplingParams, sample
-from dejavu_engine.stage import Stage
-from dejavu_engine.stage_io import StageIO
-from dejavu_token_worker.replication import ReplicaSender
 
 log = logging.getLogger("dejavu.token_worker")
 
@@ -49,8 +49,14 @@ class Position:
 
 
 class StageRunner:
-    def __init__(self, stage: Stage, client: redis.Redis, endpoint: DataEndpoint, deadline_s: float,
-                 swap: SwapManager | None = None) -> None:
+    def __init__(
+        self,
+        stage: Stage,
+        client: redis.Redis,
+        endpoint: DataEndpoint,
+        deadline_s: float,
+        swap: SwapManager | None = None,
+    ) -> None:
         self.stage = stage
         self.swap = swap  # microbatch swapping: caches live in host memory, two device buffers
         self.redis = client
@@ -70,8 +76,11 @@ class StageRunner:
             if st is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
                 layout = self.stage.kv_layout(len(spec.rows), spec.max_len)
-                cache = self.swap.add(mb_id, layout) if self.swap is not None else self.stage.allocate_cache(
-                    len(spec.rows), spec.max_len)
+                cache = (
+                    self.swap.add(mb_id, layout)
+                    if self.swap is not None
+                    else self.stage.allocate_cache(len(spec.rows), spec.max_len)
+                )
                 st = MicrobatchState(spec, cache, expected_cells=self.stage.num_layers * len(spec.rows))
                 self.states[mb_id] = st
             return st
@@ -89,8 +98,9 @@ class StageRunner:
             return {mb: st.done_step if st.complete.is_set() else -1 for mb, st in self.states.items()}
 
     # -- one pass -----------------------------------------------------------------------------
-    def run(self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO,
-            next_mb: int | None = None) -> TokenStep | None:
+    def run(
+        self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO, next_mb: int | None = None
+    ) -> TokenStep | None:
         """Run this stage's layers for ``step`` of ``state`` and hand the result on.
 
         ``next_mb`` is the microbatch stage 0 expects to run next: with swapping, its cache is

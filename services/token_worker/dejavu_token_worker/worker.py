@@ -11,11 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
-from dejavu_worker.endpoint import Channel, DataEndpoint
-from dejavu_worker.lifecycle import WorkerProcess
-from dejavu_worker.swap import SwapManager
-
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import RecoveryOrder, StageAssignment, Topology, WorkerRole
@@ -28,6 +23,10 @@ from dejavu_token_worker.driver import Driver
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import Position, StageRunner
+from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
+from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.swap import SwapManager
 
 log = logging.getLogger("dejavu.token_worker")
 
@@ -59,8 +58,9 @@ class TokenWorker(WorkerProcess):
         if self.settings.swap.enabled:
             # Device buffers sized for the largest microbatch this pipeline admits.
             layout = stage.kv_layout(topology.token_microbatch, self.settings.engine.max_context)
-            swap = SwapManager(layout, len(topology.token_stages), m.device,
-                               deadline_s=self.settings.transport.deadline_s)
+            swap = SwapManager(
+                layout, len(topology.token_stages), m.device, deadline_s=self.settings.transport.deadline_s
+            )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
         self.runner = StageRunner(stage, self.redis, self.endpoint, self.settings.transport.deadline_s, swap)
         self.replica = None
@@ -238,8 +238,14 @@ class TokenWorker(WorkerProcess):
                 state.wait_complete(self.settings.transport.deadline_s)
                 self.runner.replicate_prompt(state)
             hint = (msg.meta or {}).get("next")
-            self.runner.run(pos, state, msg.kind, msg.step, StageIO(hidden=msg.tensor),
-                            next_mb=int(hint) if hint is not None else None)
+            self.runner.run(
+                pos,
+                state,
+                msg.kind,
+                msg.step,
+                StageIO(hidden=msg.tensor),
+                next_mb=int(hint) if hint is not None else None,
+            )
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
     def _receive_prompt_kv(self, stop: threading.Event) -> None:

@@ -18,6 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-microbatch", type=int, help="requests per prompt microbatch")
     p.add_argument("--token-microbatch", type=int, help="requests per token microbatch")
     p.add_argument("--colocated", action="store_true", help="the baseline: prompts and tokens on one pipeline")
+    p.add_argument("--planner", choices=("manual", "auto"), help="auto: split --workers by the planner")
+    p.add_argument("--workers", type=int, help="with --planner auto: machines to split into D_p + D_t")
+    p.add_argument("--profile", default="smollm2-135m-cpu-1thread", help="planner profile (file or shipped name)")
+    p.add_argument("--workload", default="1000,128,256", help="planner workload: prompt,mean new,max new tokens")
     p.add_argument("--spares", type=int, default=0, help="pre-started spare token workers")
     p.add_argument("--prompt-spares", type=int, default=0, help="pre-started spare prompt workers")
     p.add_argument("--model", help="checkpoint folder (default: the prepared SmolLM2-135M-Instruct)")
@@ -50,6 +54,8 @@ def _settings(args: argparse.Namespace):
     }
     if args.colocated:
         ctl["mode"] = Mode.COLOCATED
+    if args.planner == "auto" and not args.colocated:
+        ctl.update(_planned_depths(args))
     update: dict = {"controller": s.controller.model_copy(update=ctl)}
     if args.model:
         from pathlib import Path
@@ -58,6 +64,28 @@ def _settings(args: argparse.Namespace):
     if args.redis_url:
         update["redis"] = s.redis.model_copy(update={"url": args.redis_url})
     return s.model_copy(update=update)
+
+
+def _planned_depths(args: argparse.Namespace) -> dict[str, int]:
+    """``planner: auto``: the paper's planner splits ``--workers`` machines into prompt and token stages."""
+    from pathlib import Path
+
+    from dejavu_cli.main import CLIError
+    from dejavu_planner.planner import split_workers
+    from dejavu_planner.profile import Profile
+    from dejavu_planner.workload import Workload
+
+    if not args.workers:
+        raise CLIError("--planner auto needs --workers N")
+    prompt_len, mean_new, max_new = (int(x) for x in args.workload.split(","))
+    try:
+        d_p, d_t, why = split_workers(
+            args.workers, Profile.load(Path(args.profile)), Workload(prompt_len, mean_new, max_new)
+        )
+    except ValueError as exc:
+        raise CLIError(f"the planner found no configuration: {exc}") from exc
+    print(f"planner: {args.workers} workers -> {d_p} prompt + {d_t} token stages\n{why}", file=sys.stderr)
+    return {"prompt_depth": d_p, "token_depth": d_t, "planner": "auto"}
 
 
 def _up(args: argparse.Namespace) -> int:
