@@ -1,13 +1,13 @@
 """``dejavu bench serve``: DejaVu (1 prompt + 1 token worker) against the colocated 2-stage baseline.
 
-The paper's end-to-end experiment (section 5.1, Figure 6) on this host: fixed-length prompts
-(1,000 tokens by default), generated lengths drawn from a skewed LMSys-like distribution, and one
-open-loop client sending Poisson arrivals at several request rates. For each deployment the script
-starts the whole system (its own redis-server, controller and workers, one torch thread per
-worker), sends one warm-up request, runs every rate in turn (a rate's run ends when all its
-requests have), and stops the system. It prints a table and writes ``benchmarks/results/serve.json``
-(configuration, metrics and every request's record) and ``serve.png`` (median normalized latency,
-and p99 dashed, against the request rate).
+The paper's disaggregation experiment (section 5.2, "Performance without failures") on this host:
+fixed-length prompts (1,000 tokens by default), generated lengths drawn from a skewed LMSys-like
+distribution, and one open-loop client sending Poisson arrivals at several request rates. For each
+deployment the script starts the whole system (its own redis-server, controller and workers, one
+torch thread per worker), sends one warm-up request, runs every rate in turn (a rate's run ends when
+all its requests have), and stops the system. It prints a table and writes
+``benchmarks/results/serve.json`` (configuration, metrics and every request's record) and
+``serve.png`` (median normalized latency, and p99 dashed, against the request rate).
 
 The workload: ``new_tokens`` is log-normal with median ``--median-new`` and log-space sigma
 ``--sigma`` (``dejavu_planner.trace.lmsys_like_trace``), rounded and clipped to

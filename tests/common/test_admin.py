@@ -6,6 +6,7 @@ import json
 
 import pytest
 import redis
+
 from dejavu_cli.main import main as dejavu
 from dejavu_common import keys
 from dejavu_common.admin import sign, verify

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import redis
+
 from dejavu_common import keys
 from dejavu_common.admin import sign
 from dejavu_common.messages import AdminAction, Topology

@@ -47,6 +47,7 @@ class Launcher:
     spares: int = 0  # spare token workers
     prompt_spares: int = 0
     restart_workers: bool = True
+    pin_cpus: bool = False  # give each active worker its own core(s), round-robin, like separate machines
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dejavu-logs-")))
     children: list[Child] = field(default_factory=list)
     redis_proc: subprocess.Popen | None = None
@@ -79,15 +80,25 @@ class Launcher:
             self._spawn(child)
         self._write_state()
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, child: Child) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEJAVU_")}
         env.update(self.settings.to_env())
         env["PYTHONUNBUFFERED"] = "1"
+        if self.pin_cpus and child.name != "controller":
+            env["DEJAVU_ENGINE__CPU_AFFINITY"] = json.dumps(self._cores_of(child))
         return env
+
+    def _cores_of(self, child: Child) -> list[int]:
+        """Active workers take cores round-robin; spares (idle until they replace someone) keep them all."""
+        cores = sorted(os.sched_getaffinity(0))
+        workers = [c for c in self.children if c.name != "controller" and not c.name.startswith(("spare", "pspare"))]
+        if child not in workers:
+            return cores
+        return [cores[workers.index(child) % len(cores)]]
 
     def _spawn(self, child: Child) -> None:
         out = open(self.log_dir / f"{child.name}.log", "ab")  # noqa: SIM115 - owned by the child
-        child.proc = subprocess.Popen(child.argv, env=self._env(), stdout=out, stderr=subprocess.STDOUT)
+        child.proc = subprocess.Popen(child.argv, env=self._env(child), stdout=out, stderr=subprocess.STDOUT)
         out.close()
         log.info("started %s (pid %d), log %s", child.name, child.proc.pid, self.log_dir / f"{child.name}.log")
 

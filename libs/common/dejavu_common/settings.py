@@ -58,6 +58,10 @@ class EngineSettings(BaseModel):
     """Per-process execution knobs of the stage engine."""
 
     torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads; 0 = cores / local workers.")
+    cpu_affinity: list[int] | None = Field(
+        None,
+        description="CPU cores this process runs on (os.sched_setaffinity); None: all. The launcher can pin workers.",
+    )
     max_batch_size: int = Field(8, ge=1, le=1024, description="Largest microbatch a stage accepts.")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="Upper bound on prompt + generated tokens.")
 
@@ -89,7 +93,15 @@ class TransportSettings(BaseModel):
 
     kind: str = Field("ucx", pattern="^(ucx|local|disk|fake)$", description="Transport between workers.")
     ucx_require: str | None = Field(None, description="A UCX transport that must be selected (e.g. 'sm', 'tcp').")
-    ucx_progress: str = Field("polling", pattern="^(polling|thread)$", description="UCX progress mode.")
+    ucx_progress: str = Field(
+        "thread",
+        pattern="^(polling|thread)$",
+        description=(
+            "UCX progress: 'thread' sleeps in epoll between events (no idle CPU; the default, because several "
+            "workers often share a host's cores), 'polling' spins for microsecond latency (one worker per host "
+            "with cores to spare)."
+        ),
+    )
     deadline_s: float = Field(10.0, gt=0, le=3600, description="Deadline of one transfer.")
     max_inflight_bytes: int = Field(256 << 20, ge=1 << 16, description="Back-pressure bound of the streamer.")
     secret: SecretStr = Field(SecretStr("dejavu-dev-secret"), description="Per-deployment data-plane secret.")

@@ -38,6 +38,8 @@ def worker_main(role: str, worker_class: str, argv: list[str] | None = None) -> 
         level=settings.log_level,
         format=f"%(asctime)s {role}-worker {args.worker_id} %(name)s %(levelname)s %(message)s",
     )
+    if settings.engine.cpu_affinity:
+        os.sched_setaffinity(0, settings.engine.cpu_affinity)  # before torch starts its thread pool
     module, name = worker_class.split(":")
     factory = getattr(importlib.import_module(module), name)
     return factory(settings, args.worker_id, args.spare).run()

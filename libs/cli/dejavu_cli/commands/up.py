@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", default="1000,128,256", help="planner workload: prompt,mean new,max new tokens")
     p.add_argument("--spares", type=int, default=0, help="pre-started spare token workers")
     p.add_argument("--prompt-spares", type=int, default=0, help="pre-started spare prompt workers")
+    p.add_argument("--pin-cpus", action="store_true", help="give each worker its own core (round-robin)")
     p.add_argument("--model", help="checkpoint folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="API bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="API port (default 8000)")
@@ -100,7 +101,7 @@ def _up(args: argparse.Namespace) -> int:
         raise CLIError(f"model folder {settings.model.folder} does not exist (run `dejavu model prepare`)")
     if not settings.controller.api_keys:
         print("note: no API keys configured: the API on 127.0.0.1 is unauthenticated", file=sys.stderr)
-    launcher = Launcher(settings, spares=args.spares, prompt_spares=args.prompt_spares)
+    launcher = Launcher(settings, spares=args.spares, prompt_spares=args.prompt_spares, pin_cpus=args.pin_cpus)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
