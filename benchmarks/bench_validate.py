@@ -163,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['simulated_makespan_s']:12.1f} {r['error']:+7.1%}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    from dejavu_common.settings import Settings as _S
-
-    out = {"args": vars(args), "ucx_progress": _S().transport.ucx_progress, "rows": rows}
+    out = {"args": vars(args), "ucx_progress": Settings().transport.ucx_progress, "rows": rows}
     (RESULTS / "validate.json").write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {RESULTS / 'validate.json'}")
     return 0
