@@ -313,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     if args.trace is None and runs:
         png = args.out.with_suffix(".png")
-        plot(runs, png, f"{args.prompt_len}-token prompts, LMSys-like generated lengths, {args.requests} req/rate")
+        plot(
+            runs,
+            png,
+            f"{args.prompt_len}-token prompts, LMSys-like generated lengths, {args.requests} requests per rate",
+        )
         print(f"wrote {png}")
     return 1 if failed else 0
 

@@ -60,9 +60,7 @@ def run_real(model: Path, trace, colocated: bool, microbatch: int, prompts) -> t
     from dejavu_cli.launcher import Launcher
 
     settings = _settings(model, colocated, microbatch)
-    # Each worker on its own core, as on separate machines: the simulator models machines, not
-    # processes contending for 2 cores.
-    launcher = Launcher(settings, restart_workers=False, pin_cpus=True)
+    launcher = Launcher(settings, restart_workers=False)
     try:
         launcher.start()
         launcher.wait_ready(300)

@@ -9,8 +9,9 @@ import redis.asyncio as aioredis
 
 from dejavu_common import keys
 from dejavu_common.messages import WorkerInfo, WorkerRole
+from dejavu_common.partition import split_layers
 from dejavu_common.settings import ControllerSettings, Mode
-from dejavu_controller.registry import Registry, split_layers
+from dejavu_controller.registry import Registry
 
 
 def test_split_layers_is_contiguous_and_balanced() -> None:

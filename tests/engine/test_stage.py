@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dejavu_common.partition import split_layers
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.pipeline import Pipeline, split_layers
+from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from engine.tiny_models import FAMILIES, LAYERS

@@ -6,26 +6,13 @@ from pathlib import Path
 
 import torch
 
+from dejavu_common.partition import split_layers
 from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.stage import LayerHook, Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import load_config
-
-
-def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Balanced contiguous layer ranges; earlier stages take the remainder. Raises ValueError if
-    ``stages`` is not in ``[1, num_layers]``."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"stages must be in [1, {num_layers}] (the model's layers), got {stages}")
-    base, extra = divmod(num_layers, stages)
-    bounds, start = [], 0
-    for i in range(stages):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 class Pipeline:

@@ -11,6 +11,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from dejavu_common import partition
 from dejavu_planner.profile import Profile
 
 
@@ -22,11 +23,8 @@ class StageRole(enum.StrEnum):
 
 
 def split_layers(layers: int, depth: int) -> tuple[int, ...]:
-    """Layer counts of the ``depth`` stages, as even as possible, larger ones first."""
-    if not 1 <= depth <= layers:
-        raise ValueError(f"depth must be in [1, {layers}], got {depth}")
-    base, extra = divmod(layers, depth)
-    return tuple(base + 1 if i < extra else base for i in range(depth))
+    """Layer counts of the ``depth`` stages (the serving system's split, larger ones first)."""
+    return tuple(b - a for a, b in partition.split_layers(layers, depth))
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,10 @@ import redis.asyncio as aioredis
 
 from dejavu_common import keys
 from dejavu_common.messages import StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
+from dejavu_common.partition import split_layers
 from dejavu_common.settings import ControllerSettings, Mode
 
 log = logging.getLogger("dejavu.controller.registry")
-
-
-def split_layers(n_layers: int, depth: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal layer ranges for ``depth`` stages (earlier stages take the remainder)."""
-    if not 1 <= depth <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {depth} stages")
-    base, extra = divmod(n_layers, depth)
-    out, a = [], 0
-    for s in range(depth):
-        b = a + base + (1 if s < extra else 0)
-        out.append((a, b))
-        a = b
-    return out
 
 
 @dataclass(frozen=True)
