@@ -19,6 +19,7 @@ from dejavu_common import keys
 from dejavu_common.messages import StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
 from dejavu_common.redis_client import sync_client
 from dejavu_common.settings import Settings
+from dejavu_worker.endpoint import DataEndpoint
 from dejavu_worker.heartbeat import Heartbeat
 
 log = logging.getLogger("dejavu.worker")
@@ -36,11 +37,13 @@ class WorkerProcess(abc.ABC):
         self.heartbeat: Heartbeat | None = None
         self.stopping = threading.Event()
         self.assignment: StageAssignment | None = None
+        self.endpoint: DataEndpoint | None = None
 
     # -- hooks -------------------------------------------------------------------------------
-    @abc.abstractmethod
     def open_data_plane(self) -> bytes:
         """Create the DejaVuLib endpoint; return the address peers connect to."""
+        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id)
+        return self.endpoint.address
 
     @abc.abstractmethod
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
@@ -50,8 +53,10 @@ class WorkerProcess(abc.ABC):
     def serve(self, topology: Topology) -> None:
         """Serve until ``self.epoch_changed()`` or ``self.stopping``; must return promptly then."""
 
-    def close_data_plane(self) -> None:  # noqa: B027 - optional hook
+    def close_data_plane(self) -> None:
         """Release the data plane; safe when ``open_data_plane`` never ran."""
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -92,9 +97,8 @@ class WorkerProcess(abc.ABC):
         self.redis.hset(keys.worker(self.worker_id), mapping={"info": info.encode(), "state": "idle", "epoch": 0})
         self.redis.sadd(keys.WORKERS, self.worker_id)
         self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id)
-        endpoint = getattr(self, "endpoint", None)
-        if endpoint is not None:
-            endpoint.count_kv = self.heartbeat.add_kv_bytes
+        if self.endpoint is not None:
+            self.endpoint.count_kv = self.heartbeat.add_kv_bytes
         self.heartbeat.beat()  # the lease exists before anyone reads the registry
         self.heartbeat.start()
         log.info("registered as %s worker %s (spare=%s)", self.role.value, self.worker_id, self.spare)

@@ -31,7 +31,7 @@ from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
-from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
@@ -44,16 +44,7 @@ class PromptWorker(WorkerProcess):
 
     def __init__(self, settings, worker_id: str, spare: bool = False) -> None:
         super().__init__(settings, worker_id, spare, configure_torch_threads(settings.engine.torch_threads))
-        self.endpoint: DataEndpoint | None = None
         self.stage: Stage | None = None
-
-    def open_data_plane(self) -> bytes:
-        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id)
-        return self.endpoint.address
-
-    def close_data_plane(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
 
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         m = self.settings.model

@@ -24,7 +24,7 @@ from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import Position, StageRunner
 from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
-from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
 
@@ -36,20 +36,11 @@ class TokenWorker(WorkerProcess):
 
     def __init__(self, settings: Settings, worker_id: str, spare: bool = False) -> None:
         super().__init__(settings, worker_id, spare, configure_torch_threads(settings.engine.torch_threads))
-        self.endpoint: DataEndpoint | None = None
         self.runner: StageRunner | None = None
         self.replica: ReplicaStore | None = None
         self.ready: ReadyPrompts | None = None
 
     # -- lifecycle hooks ----------------------------------------------------------------------
-    def open_data_plane(self) -> bytes:
-        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id)
-        return self.endpoint.address
-
-    def close_data_plane(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
-
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         assert self.redis is not None and self.endpoint is not None
         m = self.settings.model
