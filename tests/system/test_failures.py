@@ -77,6 +77,12 @@ class Round:
         with self.cond:
             assert self.cond.wait_for(lambda: self.chunks >= n, timeout_s), "requests made no progress"
 
+    def finish_with_errors(self, timeout_s: float = 60) -> None:
+        """Wait for requests that are expected to fail (their server died); they must not hang."""
+        for t in self.threads:
+            t.join(timeout_s)
+            assert not t.is_alive(), "a request hung"
+
     def finish(self, timeout_s: float = 240) -> dict[str, str]:
         for t in self.threads:
             t.join(timeout_s)
@@ -181,3 +187,21 @@ def test_swapping_with_replication_and_disaggregation_recovers(redis_url, model,
         _kill(launcher, _holder(settings, 1))
         _check(r.finish(), reference, launcher)
         assert any("swapping on" in p.read_text() for p in launcher.log_dir.glob("t*.log"))
+
+
+def test_a_restarted_controller_clears_stale_work_and_serves_again(redis_url, model, reference) -> None:
+    """The controller dies (its clients with it) and a new one starts against the same Redis and the
+    same, still running, workers: the stale queues are dropped and new requests are served exactly."""
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
+    )
+    with running(settings) as launcher:
+        r = Round(launcher, settings)
+        r.wait_tokens(4)
+        controller = launcher.child("controller")
+        controller.proc.kill()
+        controller.proc.wait(10)
+        r.finish_with_errors()
+        launcher._spawn(controller)
+        launcher.wait_ready(120)
+        _check(Round(launcher, settings).finish(), reference, launcher)

@@ -33,6 +33,10 @@ TOPOLOGY = f"{PREFIX}:topology"  # JSON of messages.Topology
 TOPOLOGY_CHANNEL = f"{PREFIX}:ctl:topology"  # pub/sub: the epoch, whenever a new topology is published
 EPOCH = f"{PREFIX}:topology:epoch"  # integer counter
 
+# Work streams are trimmed (approximately) to this many entries: far beyond any admitted backlog
+# (the controller's queue bound), so nothing unread is ever trimmed, but the streams stay bounded.
+STREAM_MAXLEN = 10_000
+
 PROMPT_QUEUE = f"{PREFIX}:q:prompt"  # stream of messages.PromptTask (consumer group PROMPT_GROUP)
 PROMPT_GROUP = "prompt-stage0"
 COLOCATED_QUEUE = f"{PREFIX}:q:colocated"  # stream of messages.PromptTask for the colocated baseline

@@ -81,9 +81,20 @@ class PipelineBackend:
         self._kv_seen: dict[str, int] = {}
 
     async def __aenter__(self) -> PipelineBackend:
+        await self._clear_previous_work()
         for coro in (self._control_loop(), self._dispatch_loop(), self._relay_loop()):
             self._tasks.append(asyncio.create_task(coro))
         return self
+
+    async def _clear_previous_work(self) -> None:
+        """The controller owns request state: work queued by an earlier controller (its clients are
+        gone with it) is dropped, so workers never chase microbatches nobody waits for."""
+        stale = [keys.PROMPT_QUEUE, keys.COLOCATED_QUEUE, keys.READY_QUEUE, keys.RESUME, keys.RECOVERY]
+        async for key in self.redis.scan_iter(match=keys.microbatch(0).rsplit(":", 1)[0] + ":*"):
+            stale.append(key)
+        async for key in self.redis.scan_iter(match=keys.tokens(0).rsplit(":", 1)[0] + ":*"):
+            stale.append(key)
+        await self.redis.delete(*stale)
 
     async def __aexit__(self, *exc: object) -> None:
         for t in [*self._tasks, *([self._repair_task] if self._repair_task else [])]:
@@ -234,7 +245,7 @@ class PipelineBackend:
                 pipe.set(keys.microbatch(mb.spec.mb_id), mb.spec.encode())
                 self._stream_ids[mb.spec.mb_id] = b"0-0"
         for task in self.scheduler.pack_prompt_tasks(mbs):
-            pipe.xadd(self._queue, {"task": task.encode()})
+            pipe.xadd(self._queue, {"task": task.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
         await pipe.execute()
         log.info("dispatched microbatches %s", [(m.spec.mb_id, len(m.requests)) for m in mbs])
 

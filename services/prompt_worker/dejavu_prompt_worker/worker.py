@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 
+import redis
 import torch
 from pydantic import ValidationError
 
 from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import (
     MicrobatchSpec,
     PromptDone,
@@ -64,9 +66,17 @@ class PromptWorker(WorkerProcess):
         if me.stage == 0:
             _ensure_group(self.redis)
         while not self.epoch_changed():
-            claimed = self._claim() if me.stage == 0 else self._receive()
-            if claimed is not None:
-                self._process(*claimed)
+            try:
+                claimed = self._claim() if me.stage == 0 else self._receive()
+                if claimed is not None:
+                    self._process(*claimed)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
+                    raise
+                _ensure_group(self.redis)  # the controller restarted and cleared the queues
+            except DeadlineExceeded as exc:
+                # A task whose microbatch is gone (a stale queue entry): drop it, keep serving.
+                log.error("dropped a prompt task: %s", exc)
 
     # -- input --------------------------------------------------------------------------------
     def _claim(self) -> tuple[str, PromptTask, StageIO] | None:
@@ -76,11 +86,12 @@ class PromptWorker(WorkerProcess):
             for entry_id, fields in entries:
                 try:
                     task = PromptTask.decode(fields[b"task"])
-                except (KeyError, ValidationError) as exc:
-                    log.error("dropped malformed prompt task %s: %s", entry_id, exc)
+                    ids = self._input_ids(task)
+                except (KeyError, ValidationError, DeadlineExceeded) as exc:
+                    log.error("dropped prompt task %s: %s", entry_id, exc)
                     self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry_id)
                     continue
-                return entry_id.decode(), task, StageIO(input_ids=self._input_ids(task))
+                return entry_id.decode(), task, StageIO(input_ids=ids)
         return None
 
     def _receive(self) -> tuple[str, PromptTask, StageIO] | None:
@@ -182,7 +193,7 @@ class PromptWorker(WorkerProcess):
                 tokens=tuple(entry.tokens[r] for r in range(*piece.dst_rows)),
                 finished=tuple(entry.finished[r] for r in range(*piece.dst_rows)),
             )
-            pipe.xadd(keys.READY_QUEUE, {"done": done.encode()})
+            pipe.xadd(keys.READY_QUEUE, {"done": done.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
         pipe.execute()
 
 

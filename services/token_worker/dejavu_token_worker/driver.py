@@ -18,6 +18,7 @@ import torch
 from pydantic import ValidationError
 
 from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.ready import ReadyPrompts
@@ -126,7 +127,11 @@ class Driver:
             return True
         (piece,) = task.pieces  # a colocated task carries one whole token microbatch
         self.runner.release(piece.mb_id)  # a re-run prompt starts from a clean cache
-        state = self.runner.state(piece.mb_id)
+        try:
+            state = self.runner.state(piece.mb_id)
+        except DeadlineExceeded as exc:
+            log.error("dropped a colocated task: %s", exc)  # its microbatch is gone (a stale entry)
+            return True
         spec = state.spec
         ids = torch.zeros((len(spec.rows), spec.prompt_len), dtype=torch.long)
         for r, row in enumerate(spec.rows):
@@ -187,3 +192,12 @@ class Driver:
         self.runner.release(mb_id)
         if self.pos.next_peer is not None:
             self.endpoint.send(self.pos.next_peer, Channel.ACTIVATION, StageMessage(Kind.RELEASE, mb_id, 0).encode())
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
+    """Create ``group`` on ``stream`` (and the stream) unless it exists."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise

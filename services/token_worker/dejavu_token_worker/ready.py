@@ -70,6 +70,12 @@ class ReadyPrompts:
             self.ignored.add(done.mb_id)
             self._ready.append(ReadyMicrobatch(spec, tuple(max(t, 0) for t in first), tuple(finished)))
 
+    def reset(self) -> None:
+        """A fresh pipeline: microbatch ids start over, so nothing seen before counts."""
+        self.ignored.clear()
+        self._partial.clear()
+        self._ready.clear()
+
     def forget(self, mb_ids: set[int]) -> None:
         """Microbatches that re-run their prompts: accept their announcements again."""
         self.ignored -= mb_ids

@@ -19,7 +19,7 @@ from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
-from dejavu_token_worker.driver import Driver
+from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import Position, StageRunner
@@ -105,7 +105,7 @@ class TokenWorker(WorkerProcess):
                 return
             if pos.is_first:
                 if pos.colocated:
-                    _ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
+                    ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
                 driver = Driver(
                     self.runner,
                     self.endpoint,
@@ -131,6 +131,15 @@ class TokenWorker(WorkerProcess):
         assert self.redis is not None and self.runner is not None and self.endpoint is not None
         order = recovery.recovery_order(self.redis, topology.epoch)
         if order is None:
+            # A fresh pipeline (first start, or a restarted controller that cleared its work): nothing
+            # to resume, and microbatch ids start over, so no old cache may survive.
+            for mb in list(self.runner.states):
+                self.runner.release(mb)
+            if self.replica is not None:
+                for mb in list(self.replica.caches):
+                    self.replica.drop(mb)
+            if self.ready is not None:
+                self.ready.reset()
             return {}
         # The controller gives up waiting for reports after 3 deadlines and then still publishes a
         # resume point (re-running every prompt), so a worker waits longer than that.
@@ -256,11 +265,3 @@ class TokenWorker(WorkerProcess):
                 state.add_prompt_cells(chunk.layers, chunk.rows)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
                 log.error("dropped a prompt KV chunk: %s", exc)
-
-
-def _ensure_group(client, stream: str, group: str) -> None:
-    try:
-        client.xgroup_create(stream, group, id="0", mkstream=True)
-    except Exception as exc:  # BUSYGROUP: it exists already
-        if "BUSYGROUP" not in str(exc):
-            raise
