@@ -82,6 +82,8 @@ class PipelineBackend:
 
     async def __aenter__(self) -> PipelineBackend:
         await self._clear_previous_work()
+        incarnation = int(await self.redis.incr(keys.INCARNATION))
+        self.scheduler.start_ids_at(incarnation << 32)
         for coro in (self._control_loop(), self._dispatch_loop(), self._relay_loop()):
             self._tasks.append(asyncio.create_task(coro))
         return self

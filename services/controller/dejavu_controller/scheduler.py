@@ -54,8 +54,16 @@ class Scheduler:
         self.limits = limits
         self.waiting: deque[Request] = deque()
         self.active: dict[int, Microbatch] = {}
+        # Each controller incarnation numbers from its own range (start_ids_at), so late output of an
+        # earlier incarnation's workers can never land on a new microbatch.
         self._next_mb = 0
         self._next_task = 0
+
+    def start_ids_at(self, first_id: int) -> None:
+        """Number new microbatches and tasks from ``first_id`` on (before any was formed)."""
+        if self.active or self._next_mb not in (0, first_id):
+            raise RuntimeError("ids can only be moved before the first microbatch")
+        self._next_mb = self._next_task = first_id
 
     @property
     def queue_depth(self) -> int:
