@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,8 +61,12 @@ def running(
         launcher.start()
         launcher.wait_ready(ready_timeout_s)
         yield launcher
-    finally:
+    except BaseException:
         launcher.stop()
+        print(f"process logs kept in {launcher.log_dir}")
+        raise
+    launcher.stop()
+    shutil.rmtree(launcher.log_dir, ignore_errors=True)
 
 
 def logs(launcher: Launcher) -> str:
