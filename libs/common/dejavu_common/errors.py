@@ -29,7 +29,3 @@ class FatalError(DejaVuError):
 
 class DeadlineExceeded(RetryableError):
     """A wait on a peer or on Redis ran past its deadline."""
-
-
-class FencedError(FatalError):
-    """This worker belongs to an older topology epoch: it must not act any more."""

@@ -97,12 +97,6 @@ class DataEndpoint:
         except TransferTimeout:
             return None
 
-    def flush_sends(self, timeout_s: float) -> None:
-        """Wait until every queued send completed (or raise its error)."""
-        while self._inflight:
-            handle, _ = self._inflight.popleft()
-            handle.wait(timeout_s)
-
     def _reap(self) -> None:
         while self._inflight and self._inflight[0][0].done:
             handle, _ = self._inflight.popleft()

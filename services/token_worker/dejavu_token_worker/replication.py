@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 
 import redis
-import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
@@ -126,11 +125,3 @@ class ReplicaStore:
             self.steps.pop(mb_id, None)
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
         (self.replica_dir / f"stage{self.source_stage}-mb{mb_id}.kv").unlink(missing_ok=True)
-
-
-def copy_into(dst: KVCache, src_k: torch.Tensor, src_v: torch.Tensor) -> None:
-    """Copy whole caches (recovery restores), checking shapes."""
-    if dst.k.shape != src_k.shape:
-        raise ValueError(f"restore shape {tuple(src_k.shape)} != cache shape {tuple(dst.k.shape)}")
-    dst.k.copy_(src_k)
-    dst.v.copy_(src_v)
