@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
-from dejavu_controller.backend import Backend
+from dejavu_controller.backend import Backend, GenerationRequest
 
+from .generation import Generation
 from .metrics import GatewayMetrics, RuntimeMetrics
 
 # Builds the serving runtime for the app's lifetime: entered at startup, exited at shutdown. It gets
@@ -34,3 +35,9 @@ class Gateway:
     @property
     def max_context(self) -> int:
         return self.settings.engine.max_context
+
+    def generation(self, request: GenerationRequest) -> Generation:
+        """A :class:`Generation` of ``request`` on this gateway's backend, tokenizer and metrics."""
+        return Generation(
+            self.backend, self.tokenizer, self.metrics, request, self.settings.controller.request_timeout_s
+        )

@@ -13,7 +13,7 @@ from dejavu_controller.api import dispatch, sse
 from dejavu_controller.api.admission import admit, check_model, new_request_id
 from dejavu_controller.api.dependencies import GatewayDep
 from dejavu_controller.api.errors import InvalidRequestError
-from dejavu_controller.api.generation import Generation, TextDelta
+from dejavu_controller.api.generation import TextDelta
 from dejavu_controller.api.schemas.chat import (
     AssistantMessage,
     ChatChoice,
@@ -39,13 +39,7 @@ async def create_chat_completion(
     except TokenizerError as exc:  # e.g. the template rejects the order of roles
         raise InvalidRequestError(str(exc), param="messages") from exc
     generation_request = admit(gateway, new_request_id("chatcmpl"), prompt_ids, body, body.token_limit, "messages")
-    generation = Generation(
-        gateway.backend,
-        gateway.tokenizer,
-        gateway.metrics,
-        generation_request,
-        gateway.settings.controller.request_timeout_s,
-    )
+    generation = gateway.generation(generation_request)
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:

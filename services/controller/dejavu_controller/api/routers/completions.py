@@ -11,7 +11,7 @@ from starlette.background import BackgroundTask
 from dejavu_controller.api import dispatch, sse
 from dejavu_controller.api.admission import admit, check_model, check_token_ids, new_request_id
 from dejavu_controller.api.dependencies import GatewayDep
-from dejavu_controller.api.generation import Generation, TextDelta
+from dejavu_controller.api.generation import TextDelta
 from dejavu_controller.api.schemas.common import Usage
 from dejavu_controller.api.schemas.completion import (
     DEFAULT_MAX_TOKENS,
@@ -37,13 +37,7 @@ async def create_completion(
         check_token_ids(gateway, prompt_ids, "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     generation_request = admit(gateway, new_request_id("cmpl"), prompt_ids, body, max_tokens, "prompt")
-    generation = Generation(
-        gateway.backend,
-        gateway.tokenizer,
-        gateway.metrics,
-        generation_request,
-        gateway.settings.controller.request_timeout_s,
-    )
+    generation = gateway.generation(generation_request)
     created = int(time.time())
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionChunk:
