@@ -123,6 +123,16 @@ def fuse(w: Weights, roles: tuple[str, ...], fused_role: str) -> None:
     w[fused_role] = fused
 
 
+def module_names(prefix: str, modules: dict[str, str], bias: bool = True) -> dict[str, str]:
+    """Roles -> checkpoint names for modules with a ``weight`` (and a ``bias``, as role ``<role>_bias``)."""
+    names = {}
+    for role, module in modules.items():
+        names[role] = f"{prefix}{module}.weight"
+        if bias:
+            names[f"{role}_bias"] = f"{prefix}{module}.bias"
+    return names
+
+
 def eos_ids(config: dict[str, Any]) -> frozenset[int]:
     """``eos_token_id`` of a config: int, list or missing."""
     value = config.get("eos_token_id")

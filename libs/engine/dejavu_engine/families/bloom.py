@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import alibi_mask, attend, positions
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
+from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, module_names
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "transformer."
@@ -57,11 +57,7 @@ class Bloom(Family):
             "fc1": "mlp.dense_h_to_4h",
             "fc2": "mlp.dense_4h_to_h",
         }
-        names = {}
-        for role, module in roles.items():
-            names[role] = f"{p}{module}.weight"
-            names[f"{role}_bias"] = f"{p}{module}.bias"
-        return names
+        return module_names(p, roles)
 
     def head_names(self) -> dict[str, str]:
         lm_head = self.embedding_names()["embed"] if self.spec.tie_word_embeddings else "lm_head.weight"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
+from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, module_names
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "transformer."
@@ -57,11 +57,7 @@ class GPT2(Family):
             "fc": "mlp.c_fc",
             "fc_proj": "mlp.c_proj",
         }
-        names = {}
-        for role, module in roles.items():
-            names[role] = f"{p}{module}.weight"
-            names[f"{role}_bias"] = f"{p}{module}.bias"
-        return names
+        return module_names(p, roles)
 
     def head_names(self) -> dict[str, str]:
         lm_head = self.embedding_names()["wte"] if self.spec.tie_word_embeddings else "lm_head.weight"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
+from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, module_names
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model.decoder."
@@ -64,17 +64,8 @@ class OPT(Family):
             "fc1": "fc1",
             "fc2": "fc2",
         }
-        names = {
-            "ln_1": p + "self_attn_layer_norm.weight",
-            "ln_1_bias": p + "self_attn_layer_norm.bias",
-            "ln_2": p + "final_layer_norm.weight",
-            "ln_2_bias": p + "final_layer_norm.bias",
-        }
-        for role, module in linear.items():
-            names[role] = f"{p}{module}.weight"
-            if self.bias:
-                names[f"{role}_bias"] = f"{p}{module}.bias"
-        return names
+        norms = module_names(p, {"ln_1": "self_attn_layer_norm", "ln_2": "final_layer_norm"})
+        return norms | module_names(p, linear, bias=self.bias)
 
     def head_names(self) -> dict[str, str]:
         lm_head = self.embedding_names()["embed"] if self.spec.tie_word_embeddings else "lm_head.weight"
