@@ -6,20 +6,16 @@ sender may reuse its buffer as soon as a call returns, exactly like a real trans
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import numpy as np
 
 from dejavulib.buffers import Buffer, as_bytes
-from dejavulib.errors import ClosedError, IntegrityError, PeerError
+from dejavulib.errors import ClosedError, IntegrityError
 from dejavulib.handle import Handle
 from dejavulib.transport.base import MessageSink, MessageTransport, check_key
+from dejavulib.transport.directory import Directory
 from dejavulib.transport.slots import SlotStore
 
-_REGISTRY: dict[bytes, FakeTransport] = {}
-_REGISTRY_LOCK = threading.Lock()
-_NAMES = itertools.count()
+_DIRECTORY: Directory[FakeTransport] = Directory("fake")
 
 
 class FakeTransport(MessageTransport):
@@ -27,31 +23,24 @@ class FakeTransport(MessageTransport):
 
     def __init__(self, self_id: str) -> None:
         super().__init__(self_id)
-        self._address = f"fake:{next(_NAMES)}".encode()
         self._slots: SlotStore[bytes] = SlotStore()
         self._peers: dict[str, bytes] = {}
         self._sink: MessageSink | None = None
         self._closed = False
-        with _REGISTRY_LOCK:
-            _REGISTRY[self._address] = self
+        self._address = _DIRECTORY.register(self)
 
     @property
     def address(self) -> bytes:
         return self._address
 
     def connect(self, peer_id: str, address: bytes) -> None:
-        if not address.startswith(b"fake:"):
-            raise PeerError(f"not a fake transport address: {address!r}")
+        _DIRECTORY.check(address)
         self._peers[peer_id] = address
 
     def _peer(self, peer_id: str) -> FakeTransport:
         if self._closed:
             raise ClosedError("transport closed")
-        with _REGISTRY_LOCK:
-            peer = _REGISTRY.get(self._peers.get(peer_id, b""))
-        if peer is None:
-            raise PeerError(f"peer {peer_id!r} is not connected or has closed")
-        return peer
+        return _DIRECTORY.peer(self._peers, peer_id)
 
     def flush(self, peer_id: str, key: int, src: Buffer, deadline_s: float) -> None:
         check_key(key)
@@ -76,5 +65,4 @@ class FakeTransport(MessageTransport):
 
     def close(self) -> None:
         self._closed = True
-        with _REGISTRY_LOCK:
-            _REGISTRY.pop(self._address, None)
+        _DIRECTORY.unregister(self._address)

@@ -7,20 +7,16 @@ sit behind the ``_Copier`` seam and are chosen only when a tensor is on a CUDA d
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import numpy as np
 import torch
 
 from dejavulib.buffers import Buffer
-from dejavulib.errors import ClosedError, IntegrityError, PeerError
+from dejavulib.errors import ClosedError, IntegrityError
 from dejavulib.transport.base import Transport, check_key
+from dejavulib.transport.directory import Directory
 from dejavulib.transport.slots import SlotStore
 
-_REGISTRY: dict[bytes, LocalTransport] = {}
-_REGISTRY_LOCK = threading.Lock()
-_NAMES = itertools.count()
+_DIRECTORY: Directory[LocalTransport] = Directory("local")
 
 
 def _as_tensor(buf: Buffer) -> torch.Tensor:
@@ -64,21 +60,18 @@ class LocalTransport(Transport):
 
     def __init__(self, self_id: str) -> None:
         super().__init__(self_id)
-        self._address = f"local:{next(_NAMES)}".encode()
         self._slots: SlotStore[torch.Tensor] = SlotStore()
         self._peers: dict[str, bytes] = {}
         self._copiers: dict[str, _Copier] = {"cpu": _Copier()}
         self._closed = False
-        with _REGISTRY_LOCK:
-            _REGISTRY[self._address] = self
+        self._address = _DIRECTORY.register(self)
 
     @property
     def address(self) -> bytes:
         return self._address
 
     def connect(self, peer_id: str, address: bytes) -> None:
-        if not address.startswith(b"local:"):
-            raise PeerError(f"not a local transport address: {address!r}")
+        _DIRECTORY.check(address)
         self._peers[peer_id] = address
 
     def _copier(self, tensor: torch.Tensor) -> _Copier:
@@ -93,10 +86,7 @@ class LocalTransport(Transport):
         check_key(key)
         if self._closed:
             raise ClosedError("transport closed")
-        with _REGISTRY_LOCK:
-            peer = _REGISTRY.get(self._peers.get(peer_id, b""))
-        if peer is None:
-            raise PeerError(f"peer {peer_id!r} is not connected or has closed")
+        peer = _DIRECTORY.peer(self._peers, peer_id)
         data = _as_tensor(src)
         copier = self._copier(data)
         host = peer._slots.peek(self.self_id, key)
@@ -115,5 +105,4 @@ class LocalTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
-        with _REGISTRY_LOCK:
-            _REGISTRY.pop(self._address, None)
+        _DIRECTORY.unregister(self._address)
