@@ -1,16 +1,18 @@
 """`dejavu bench validate`: the simulator's predicted makespan against the real system, on one trace.
 
-In one run: profile the default model on this machine (one torch thread, as each worker gets when two
-share the 2 cores), build a trace, predict its makespan with the discrete-event simulator for the
-colocated 2-stage baseline and for DejaVu with 1 prompt + 1 token worker, then replay the same trace
-through the real system in both deployments and measure. Prints the comparison table and writes
-``benchmarks/results/validate.json``.
+Each of ``--rounds`` rounds profiles the default model on this host (one torch thread, as each worker
+gets when two share the 2 cores, and ``--co-runners`` other decoding processes, since the two workers
+compete for the same memory bandwidth), then replays the trace through the real system in two
+deployments — the colocated 2-stage baseline and DejaVu with 1 prompt + 1 token worker — and
+predicts each run's makespan with the discrete-event simulator from that round's profile. Profiling
+in every round keeps the profile and the real runs minutes apart on a host whose speed drifts.
+Prints the comparison table (every round, then medians) and writes
+``benchmarks/results/validate.json`` (and each round's profile next to it).
 
 The trace: ``--requests`` requests of ``--prompt-len`` tokens, all arriving at t = 0 (a backlog, so
 the makespan measures throughput), generated lengths drawn from the planner's LMSys-like log-normal
 distribution (median ``--median-new``, clipped to ``--max-new``, seeded). Requests cannot ignore EOS,
-so the trace's lengths are taken from what the real system actually generated in the first run, and
-the simulation uses those.
+so each simulation uses the lengths that its real run actually generated.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import sys
 from pathlib import Path
 
@@ -76,6 +79,25 @@ def run_real(model: Path, trace, colocated: bool, microbatch: int, prompts) -> t
     return max(r.end_s for r in records) - min(r.send_s for r in records), [r.generated for r in records]
 
 
+DEPLOYMENTS = (("colocated 2-stage baseline", True), ("DejaVu 1 prompt + 1 token", False))
+
+
+def measure(args: argparse.Namespace, settings) -> object:
+    """A fresh profile of the default model on this host, as the workers will run it."""
+    from dejavu_planner.profiler import ProfilerOptions, measure_profile
+
+    opts = ProfilerOptions(
+        batches=tuple(sorted({1, args.microbatch, 2 * args.microbatch})),
+        prompt_lens=(64, args.prompt_len),
+        # Token steps at the middle of a typical request's generation: attention grows with context.
+        decode_context=args.prompt_len + args.median_new // 2,
+        decode_steps=8,
+        repeats=3,
+        co_runners=args.co_runners,
+    )
+    return measure_profile(settings, opts, progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench validate", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -83,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--median-new", type=int, default=24)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=2)
-    parser.add_argument("--profile", help="use this profile instead of measuring one")
+    parser.add_argument("--rounds", type=int, default=3, help="profile + both deployments, this many times")
+    parser.add_argument(
+        "--co-runners",
+        type=int,
+        default=1,
+        help="profile with this many other processes decoding (default 1: the two workers share this host)",
+    )
+    parser.add_argument("--profile", help="use this profile in every round instead of measuring one")
     args = parser.parse_args(argv)
 
     from benchmarks.loadgen import PromptBuilder
@@ -97,71 +126,80 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_planner.trace import Request, Trace, lmsys_like_trace
 
     model = ensure_default_model(Settings())
-    if args.profile:
-        profile = Profile.load(Path(args.profile))
-    else:
-        from dejavu_planner.profiler import ProfilerOptions, measure_profile
-
-        print("profiling the default model (one thread) ...", file=sys.stderr, flush=True)
-        opts = ProfilerOptions(
-            batches=(1, 2, 4),
-            prompt_lens=(64, args.prompt_len),
-            decode_context=args.prompt_len,
-            decode_steps=8,
-            repeats=2,
-        )
-        profile = measure_profile(Settings(engine={"torch_threads": 1}), opts)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        profile.save(RESULTS / "validate-profile.json")
     trace = lmsys_like_trace(
         args.requests, args.prompt_len, median_new=args.median_new, sigma=0.7, max_new=args.max_new, seed=1
     )
     builder = PromptBuilder(Tokenizer.from_pretrained(model))
     prompts = {r.rid: builder.text(r.prompt_len, key=r.rid) for r in trace.requests}
+    RESULTS.mkdir(parents=True, exist_ok=True)
 
     rows = []
-    measured_lengths = None
-    for name, colocated in (("colocated 2-stage baseline", True), ("DejaVu 1 prompt + 1 token", False)):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        real, generated = run_real(model, trace, colocated, args.microbatch, prompts)
-        if measured_lengths is None:
-            measured_lengths = generated
-        # Simulate the trace with the lengths the model really produced (EOS can end a request early).
-        actual = Trace(
-            tuple(
-                Request(r.rid, r.arrival_s, r.prompt_len, max(1, g))
-                for r, g in zip(trace.requests, measured_lengths, strict=True)
+    for round_no in range(1, args.rounds + 1):
+        if args.profile:
+            profile = Profile.load(Path(args.profile))
+        else:
+            print(f"round {round_no}: profiling (one thread, {args.co_runners} co-runner(s)) ...", file=sys.stderr)
+            profile = measure(args, Settings(engine={"torch_threads": 1}))
+            profile.save(RESULTS / f"validate-profile-{round_no}.json")
+        for name, colocated in DEPLOYMENTS:
+            print(f"round {round_no}: running {name} ...", file=sys.stderr, flush=True)
+            real, generated = run_real(model, trace, colocated, args.microbatch, prompts)
+            # Simulate the trace with the lengths this run really produced (EOS can end a request early).
+            actual = Trace(
+                tuple(
+                    Request(r.rid, r.arrival_s, r.prompt_len, max(1, g))
+                    for r, g in zip(trace.requests, generated, strict=True)
+                )
             )
-        )
-        deployment = (
-            Deployment(Policy.BASELINE, 2, args.microbatch)
-            if colocated
-            else Deployment(Policy.DEJAVU, 1, args.microbatch, token_depth=1)
-        )
-        predicted = simulate(deployment, actual, CostModel(profile)).makespan_s
-        rows.append(
-            {
-                "deployment": name,
-                "notation": deployment.notation(),
-                "real_makespan_s": real,
-                "simulated_makespan_s": predicted,
-                "error": (predicted - real) / real,
-                "generated_tokens": sum(generated),
-            }
-        )
+            deployment = (
+                Deployment(Policy.BASELINE, 2, args.microbatch)
+                if colocated
+                else Deployment(Policy.DEJAVU, 1, args.microbatch, token_depth=1)
+            )
+            predicted = simulate(deployment, actual, CostModel(profile)).makespan_s
+            rows.append(
+                {
+                    "round": round_no,
+                    "deployment": name,
+                    "notation": deployment.notation(),
+                    "real_makespan_s": real,
+                    "simulated_makespan_s": predicted,
+                    "error": (predicted - real) / real,
+                    "generated_tokens": sum(generated),
+                }
+            )
+            print(f"  real {real:.1f} s, simulated {predicted:.1f} s ({rows[-1]['error']:+.1%})", file=sys.stderr)
 
     print(
         f"\nsimulator vs real system: {args.requests} requests x {args.prompt_len} prompt tokens, "
-        f"microbatch {args.microbatch}, backlog at t=0"
+        f"microbatch {args.microbatch}, backlog at t=0, {args.rounds} round(s)"
     )
-    print(f"{'deployment':30s} {'notation':26s} {'real s':>8s} {'simulated s':>12s} {'error':>7s}")
+    print(f"{'round':>5s} {'deployment':30s} {'notation':22s} {'real s':>8s} {'simulated s':>12s} {'error':>7s}")
     for r in rows:
         print(
-            f"{r['deployment']:30s} {r['notation']:26s} {r['real_makespan_s']:8.1f} "
+            f"{r['round']:5d} {r['deployment']:30s} {r['notation']:22s} {r['real_makespan_s']:8.1f} "
             f"{r['simulated_makespan_s']:12.1f} {r['error']:+7.1%}"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"args": vars(args), "ucx_progress": Settings().transport.ucx_progress, "rows": rows}
+    summary = []
+    for name, _ in DEPLOYMENTS:
+        mine = [r for r in rows if r["deployment"] == name]
+        real = statistics.median(r["real_makespan_s"] for r in mine)
+        predicted = statistics.median(r["simulated_makespan_s"] for r in mine)
+        errors = [r["error"] for r in mine]
+        summary.append(
+            {
+                "deployment": name,
+                "median_real_s": real,
+                "median_simulated_s": predicted,
+                "median_error": statistics.median(errors),
+                "max_abs_error": max(abs(e) for e in errors),
+            }
+        )
+        print(
+            f"{'med':>5s} {name:30s} {'':22s} {real:8.1f} {predicted:12.1f} {summary[-1]['median_error']:+7.1%}"
+            f"  (worst round {summary[-1]['max_abs_error']:.1%})"
+        )
+    out = {"args": vars(args), "ucx_progress": Settings().transport.ucx_progress, "rows": rows, "summary": summary}
     (RESULTS / "validate.json").write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {RESULTS / 'validate.json'}")
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -94,6 +96,26 @@ def test_thread_progress_mode_round_trip() -> None:
         peer.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
         peer.endpoint.send("peer", Header(Channel.ACTIVATION), data).wait()
         assert np.array_equal(peer.endpoint.recv(Channel.ACTIVATION, 10).array(), data)
+    finally:
+        peer.stop()
+
+
+def test_idle_thread_progress_sleeps_and_wakes_for_work() -> None:
+    """In thread mode an idle I/O loop sleeps in epoll (a few passes a second, not a spin), and work
+    enqueued meanwhile still goes out: the enqueue wakes it."""
+    peer = UcxPeer(progress="thread")
+    try:
+        transport = peer.transport
+        data = np.arange(1024, dtype=np.int32)
+        for _ in range(3):
+            time.sleep(0.3)  # longer than one epoll wait: the next send must wake the loop
+            peer.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
+            peer.endpoint.send("peer", Header(Channel.ACTIVATION), data).wait()
+            assert np.array_equal(peer.endpoint.recv(Channel.ACTIVATION, 10).array(), data)
+        time.sleep(0.3)
+        before = transport.loop_iterations
+        time.sleep(1.0)
+        assert transport.loop_iterations - before < 100  # a 1 ms poll would pass ~1000 times
     finally:
         peer.stop()
 

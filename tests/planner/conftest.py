@@ -19,8 +19,10 @@ def toy_profile(
     weight_bytes: int = 1,
     kv_bytes: int = 1,
     bandwidth: float | None = None,
+    head_s: float | None = None,
 ) -> Profile:
-    """Times independent of batch and prompt length: a stage of k layers takes k * per-layer time."""
+    """Times independent of batch and prompt length: a stage of k layers takes k * per-layer time
+    (plus ``head_s`` on a pipeline's last stage)."""
     return Profile(
         model="toy",
         hardware="toy",
@@ -33,6 +35,7 @@ def toy_profile(
         token_time=Curve((1.0,), (token_layer_s * layers,)),
         stream_overhead=m,
         host_device_bytes_per_s=bandwidth,
+        head_time=None if head_s is None else Curve((1.0,), (head_s,)),
         source="unit test",
     )
 

@@ -42,6 +42,10 @@ def test_profile_json_round_trip(tmp_path: Path, make_profile: Callable[..., Pro
     path = tmp_path / "p.json"
     profile.save(path)
     assert Profile.load(path) == profile
+    with_head = make_profile(head_s=0.25)
+    with_head.save(path)
+    assert Profile.load(path) == with_head
+    profile.save(path)
     data = json.loads(path.read_text())
     assert data["format_version"] == 1
     data["format_version"] = 2
@@ -89,3 +93,17 @@ def test_costmodel_times_and_memory(make_profile: Callable[..., Profile]) -> Non
     assert not small.fits(StageRole.TOKEN, 5, 2, 5, 5)  # 3*10 + 5*3*40 = 630: uneven splits cost memory
     assert small.fits(StageRole.PROMPT, 1, 2, 5, 5)  # 12*(10 + 2*5*2) = 360
     assert not small.fits(StageRole.TOKEN, 13, 1, 5, 5)  # deeper than the model
+
+
+def test_head_time_lands_on_the_last_stage(make_profile: Callable[..., Profile]) -> None:
+    cost = CostModel(make_profile(layers=12, head_s=0.25))
+    assert cost.token_stage_time(3, 1) == pytest.approx(1.5)
+    assert cost.token_stage_time(3, 1, last=True) == pytest.approx(1.75)
+    assert cost.prompt_stage_time(3, 1, 1, last=True) == pytest.approx(4.75)
+    # The formulas' Y and t are the bottleneck (last) stage's.
+    assert cost.prompt_time_at(4, 1, 1) == pytest.approx(4.5 + 0.25)
+    assert cost.token_time_at(3, 1) == pytest.approx(2.0 + 0.25)
+    # A profile measured without a separate head folds it into the layers (older profiles).
+    legacy = json.loads(json.dumps(make_profile(layers=12).to_json()))
+    del legacy["head_time_s"], legacy["co_runners"]
+    assert CostModel(Profile.from_json(legacy)).token_time_at(3, 1) == pytest.approx(2.0)

@@ -44,7 +44,23 @@ def test_profile_measures_the_default_model(tmp_path: Path, capsys: pytest.Captu
     assert all(v > 0 for row in measured.prompt_time.values for v in row)
     assert all(v > 0 for v in measured.token_time.values)
     assert measured.stream_overhead >= 1.0
+    assert measured.head_time is not None and measured.co_runners == 0
     assert measured.measured_depth == 1 and measured.machine_memory_bytes > 0
 
     assert run(["plan", "--profile", str(out), "-D", "4", "--prompt-len", "32", "--requests", "50"]) == 0
     assert "DejaVu" in capsys.readouterr().out
+
+
+def test_profile_with_a_co_runner_times_the_head_apart(tmp_path: Path) -> None:
+    """--co-runners starts a decoding process for the measurement and stops it afterwards; the head is
+    timed on the model's last stage even when only the first layers are profiled."""
+    import multiprocessing
+
+    out = tmp_path / "shared.json"
+    argv = ["profile", "--out", str(out), "--layers", "2", "--threads", "1", "--batches", "1,2"]
+    argv += ["--prompt-lens", "8", "--decode-context", "16", "--decode-steps", "2", "--repeats", "1"]
+    assert run([*argv, "--co-runners", "1"]) == 0
+    measured = Profile.load(out)
+    assert measured.co_runners == 1 and "1 other process" in measured.source
+    assert measured.head_time is not None and all(v > 0 for v in measured.head_time.values)
+    assert multiprocessing.active_children() == []  # the co-runner was joined

@@ -72,6 +72,27 @@ def test_dejavu_two_single_stage_pipelines(make_profile: ProfileFactory) -> None
     assert result.cost(price_per_machine_hour=3600.0) == pytest.approx(2 * 14.0)
 
 
+def test_dejavu_prompts_run_ahead_by_at_most_the_prompt_depth(make_profile: ProfileFactory) -> None:
+    # As the controller's bound D_p + D_t = 2: prompt 3 s, token step 1 s, 4 token steps per request.
+    # P0 [0,3]; P1 [3,6] (2 outstanding: mb0 tokens, mb1 prompt); mb0 tokens [3,7]; P2 may start only
+    # when mb0 retires at 7: [7,10]. mb1 tokens [7,11]; mb2 tokens [11,15].
+    cost = CostModel(make_profile())
+    deployment = Deployment(Policy.DEJAVU, 1, 1, token_depth=1)
+    result = simulate(deployment, Trace.of([(0, 10, 5)] * 3), cost, record_timeline=True)
+    prompts = [(s.start_s, s.end_s) for s in result.timeline if s.pipeline == "prompt"]
+    assert prompts == [(0, 3), (3, 6), (7, 10)]
+    assert [r.finish_s for r in result.requests] == [7.0, 11.0, 15.0]
+
+
+def test_head_runs_on_the_last_stage(make_profile: ProfileFactory) -> None:
+    # As test_one_microbatch_two_stages with a 0.25 s head on stage 1: prompt 1.5 + 1.75 = 3.25;
+    # token steps 0.5 + 0.75 = 1.25 each -> 3.25 + 2 * 1.25 = 5.75.
+    result = simulate(baseline(2), Trace.of([(0, 10, 3)]), CostModel(make_profile(head_s=0.25)), record_timeline=True)
+    assert result.makespan_s == pytest.approx(5.75)
+    stage1 = [(s.start_s, s.end_s) for s in result.timeline if s.stage == 1]
+    assert stage1 == [(1.5, 3.25), (3.75, 4.5), (5.0, 5.75)]
+
+
 def test_swapping_stretches_token_steps_to_the_transfer(make_profile: ProfileFactory) -> None:
     # 1 stage of 2 layers: prompt 3 s, token 1 s. Swap-in moves 2 layers * 1 B * context at 10 B/s:
     # token step 1 has context 21 -> 4.2 s, step 2 context 22 -> 4.4 s. Finish 3 + 4.2 + 4.4 = 11.6.

@@ -109,7 +109,15 @@ class Stage:
                 on_layer_done(self.layers[0] + index)
         if not self.is_last:
             return StageIO(hidden=hidden)
-        return StageIO(logits=self.family.head(self._head_w, hidden if all_logits else hidden[:, -1:]))
+        return StageIO(logits=self.logits(hidden if all_logits else hidden[:, -1:]))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's head (final norm and LM head) on ``hidden`` ``[batch, n, hidden]``: what a last
+        stage does after its layers. Raises ValueError on a stage that is not the last."""
+        if not self.is_last:
+            raise ValueError(f"stage {self.layers} is not the last stage: it holds no head")
+        return self.family.head(self._head_w, hidden)
 
     def prefill(
         self,

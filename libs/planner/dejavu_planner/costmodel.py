@@ -2,7 +2,8 @@
 
 A pipeline of depth ``D`` splits the ``L`` layers into contiguous stages whose sizes differ by
 at most one (the first stages take the extra layers). A stage's time is its layer count times
-the profile's per-layer time; its memory is its weights plus the KV caches resident on it.
+the profile's per-layer time, plus the head on the last stage when the profile times it apart;
+its memory is its weights plus the KV caches resident on it.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ class CostModel:
     def layers(self) -> int:
         return self.profile.layers
 
-    def prompt_stage_time(self, stage_layers: int, batch: int, prompt_len: int) -> float:
-        """Compute time of one prompt microbatch on a stage of ``stage_layers`` layers (no streaming)."""
-        return stage_layers * self.profile.prompt_layer_time(batch, prompt_len)
+    def prompt_stage_time(self, stage_layers: int, batch: int, prompt_len: int, last: bool = False) -> float:
+        """Compute time of one prompt microbatch on a stage of ``stage_layers`` layers (no streaming);
+        ``last``: the pipeline's last stage, which also runs the head."""
+        head = self.profile.head_step_time(batch) if last else 0.0
+        return stage_layers * self.profile.prompt_layer_time(batch, prompt_len) + head
 
-    def token_stage_time(self, stage_layers: int, batch: int) -> float:
+    def token_stage_time(self, stage_layers: int, batch: int, last: bool = False) -> float:
         """Compute time of one token step of a microbatch on a stage of ``stage_layers`` layers."""
-        return stage_layers * self.profile.token_layer_time(batch)
+        head = self.profile.head_step_time(batch) if last else 0.0
+        return stage_layers * self.profile.token_layer_time(batch) + head
 
     def swap_in_time(self, stage_layers: int, batch: int, context: int) -> float:
         """Time to bring a microbatch's KV (``context`` positions) for the stage's layers back from the host.
@@ -56,12 +60,14 @@ class CostModel:
         return stage_layers * batch * context * self.profile.kv_bytes_per_token_per_layer / bandwidth
 
     def prompt_time_at(self, depth: int, batch: int, prompt_len: int) -> float:
-        """The paper's ``Y`` at depth ``D``: prompt time of one stage holding ``L / D`` layers."""
-        return self.layers / depth * self.profile.prompt_layer_time(batch, prompt_len)
+        """The paper's ``Y`` at depth ``D``: prompt time of one stage holding ``L / D`` layers (plus the
+        head, which makes the last stage the bottleneck, when the profile times it apart)."""
+        layers = self.layers / depth * self.profile.prompt_layer_time(batch, prompt_len)
+        return layers + self.profile.head_step_time(batch)
 
     def token_time_at(self, depth: int, batch: int) -> float:
-        """The paper's ``t`` at depth ``D``: token-step time of one stage holding ``L / D`` layers."""
-        return self.layers / depth * self.profile.token_layer_time(batch)
+        """The paper's ``t`` at depth ``D``: token-step time of one stage holding ``L / D`` layers (and the head)."""
+        return self.layers / depth * self.profile.token_layer_time(batch) + self.profile.head_step_time(batch)
 
     def swapped_token_time_at(self, depth: int, batch: int, context: int) -> float:
         """``t`` with swapping: ``max(t, transfer)`` of a stage of ``L / D`` layers at ``context`` positions."""

@@ -28,6 +28,14 @@ class Profile:
     ``stream_overhead`` is the paper's ``m``: how much slower prompts run while their KV cache
     is streamed to the token machines. ``host_device_bytes_per_s`` is the swap bandwidth (PCIe
     on a GPU machine); ``None`` when unknown, which rules swapping out.
+
+    ``head_time(b)``, when given, is what the LAST stage of any pipeline spends after its layers
+    on one step of a microbatch of ``b`` (final norm, LM head on the last position, sampling);
+    ``prompt_time`` and ``token_time`` then exclude it. Without it the head is folded into the
+    per-layer times, as the paper's equations do. For a small model the head is worth a few
+    layers (SmolLM2-135M: its 49k-word head costs about as much as 5 of its 30 layers), so a
+    pipeline's last stage is its slowest. ``co_runners`` records how many other processes loaded
+    the same host while it was measured (0: a machine of its own).
     """
 
     model: str
@@ -41,6 +49,8 @@ class Profile:
     token_time: Curve
     stream_overhead: float = 1.0
     host_device_bytes_per_s: float | None = None
+    head_time: Curve | None = None
+    co_runners: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -53,6 +63,8 @@ class Profile:
             raise ValueError("Profile.stream_overhead (m) must be positive")
         if self.host_device_bytes_per_s is not None and self.host_device_bytes_per_s <= 0:
             raise ValueError("Profile.host_device_bytes_per_s must be positive or null")
+        if self.co_runners < 0:
+            raise ValueError("Profile.co_runners must be >= 0")
 
     def prompt_layer_time(self, batch: int, prompt_len: int) -> float:
         """Seconds one layer spends on one prompt microbatch."""
@@ -61,6 +73,10 @@ class Profile:
     def token_layer_time(self, batch: int) -> float:
         """Seconds one layer spends on one token step of a microbatch."""
         return self.token_time(batch) * self.measured_depth / self.layers
+
+    def head_step_time(self, batch: int) -> float:
+        """Seconds the last stage spends after its layers on one step of ``batch`` rows (0 if folded in)."""
+        return 0.0 if self.head_time is None else self.head_time(batch)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +96,10 @@ class Profile:
             "token_time_s": {"batch": list(self.token_time.x), "values": list(self.token_time.values)},
             "stream_overhead": self.stream_overhead,
             "host_device_bytes_per_s": self.host_device_bytes_per_s,
+            "head_time_s": None
+            if self.head_time is None
+            else {"batch": list(self.head_time.x), "values": list(self.head_time.values)},
+            "co_runners": self.co_runners,
             "source": self.source,
         }
 
@@ -92,6 +112,7 @@ class Profile:
         try:
             prompt, token = data["prompt_time_s"], data["token_time_s"]
             bandwidth = data.get("host_device_bytes_per_s")
+            head = data.get("head_time_s")
             return cls(
                 model=str(data["model"]),
                 hardware=str(data["hardware"]),
@@ -106,6 +127,8 @@ class Profile:
                 token_time=Curve.from_json({"x": token["batch"], "values": token["values"]}),
                 stream_overhead=float(data.get("stream_overhead", 1.0)),
                 host_device_bytes_per_s=None if bandwidth is None else float(bandwidth),
+                head_time=None if head is None else Curve.from_json({"x": head["batch"], "values": head["values"]}),
+                co_runners=int(data.get("co_runners", 0)),
                 source=str(data.get("source", "")),
             )
         except KeyError as exc:

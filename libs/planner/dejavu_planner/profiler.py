@@ -3,17 +3,26 @@
 The only module of the package that imports torch and the engine; the planner and the simulator
 never import it. It times one :class:`dejavu_engine.stage.Stage` holding the first ``k`` layers of
 the checkpoint (all of them by default) and scales its per-layer times to the whole model, so the
-profile reads as measured on one stage holding every layer (``measured_depth = 1``).
+profile reads as measured on one stage holding every layer (``measured_depth = 1``). The head
+(final norm, LM head, sampling) is timed on its own and recorded apart, because only a pipeline's
+last stage runs it.
+
+``co_runners`` starts that many other processes that decode continuously on the same model while
+the times are taken: the condition of a host that several workers share (this project's 2-core
+test machines), where they compete for memory bandwidth and caches. 0 measures a machine alone.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,6 +31,7 @@ from dejavu_engine.checkpoint import ensure_default_model, model_path
 from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache
+from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
@@ -44,12 +54,15 @@ class ProfilerOptions:
     layers: int | None = None  # time a stage of the first `layers` layers; None: all
     machine_memory_bytes: int | None = None  # None: the device's total memory
     host_device_bytes_per_s: float | None = None  # swap bandwidth, if known
+    co_runners: int = 0  # processes decoding on the same host while timing (a shared host)
 
     def __post_init__(self) -> None:
         if not self.batches or not self.prompt_lens or min(*self.batches, *self.prompt_lens) < 1:
             raise ValueError("batches and prompt_lens need positive entries")
         if self.repeats < 1 or self.decode_steps < 1 or self.decode_context < 1:
             raise ValueError("repeats, decode_steps and decode_context must be >= 1")
+        if self.co_runners < 0:
+            raise ValueError("co_runners must be >= 0")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -87,6 +100,17 @@ class Profiler:
         self.stage = Stage(folder, (0, k), device=settings.model.device, dtype=settings.model.dtype)
         self.scale = spec.num_layers / k  # stage time -> whole-model time on one stage
         self.name = settings.model.name
+        self.folder = folder
+        self.threads = settings.engine.torch_threads
+        self.hidden_size = spec.hidden_size
+        self.device, self.dtype = settings.model.device, settings.model.dtype
+        self._head_cache: dict[int, float] = {}
+        # The head lives on the model's last stage: time it there (one extra layer when k < L).
+        self.last = (
+            self.stage
+            if self.stage.is_last
+            else Stage(folder, (spec.num_layers - 1, spec.num_layers), settings.model.device, settings.model.dtype)
+        )
 
     def _timed(self, run: Callable[[], object]) -> float:
         """Median seconds of ``repeats`` runs after one warm-up run."""
@@ -107,13 +131,36 @@ class Profiler:
         ids = torch.randint(0, self.vocab, (batch, prompt_len), device=self.stage.device)
         return cache, geometry, ids
 
+    def _layers_only(self, stage_seconds: float, batch: int) -> float:
+        """Whole-model seconds of the layers alone, from a timed run of ``self.stage``."""
+        if self.stage.is_last:  # the timed run included the head
+            stage_seconds = max(stage_seconds - self.head_time(batch), 0.0)
+        return stage_seconds * self.scale
+
+    def head_time(self, batch: int) -> float:
+        """Seconds of what a last stage does after its layers for one step: norm, LM head on the last
+        position, greedy sampling (as the token worker does)."""
+        cached = self._head_cache.get(batch)
+        if cached is not None:
+            return cached
+        hidden = torch.randn(batch, 1, self.hidden_size, device=self.last.device)
+        params = [SamplingParams()] * batch
+
+        def head() -> None:
+            sample(self.last.logits(hidden)[:, -1], params, [0] * batch)
+
+        seconds = statistics.median(self._timed(head) for _ in range(3))  # short: a few repeats more
+        self._head_cache[batch] = seconds
+        return seconds
+
     def prompt_time(self, batch: int, prompt_len: int) -> float:
-        """Whole-model prefill seconds of one microbatch."""
+        """Whole-model prefill seconds of one microbatch, the head excluded."""
         cache, geometry, ids = self._inputs(batch, prompt_len, 1)
-        return self._timed(lambda: self.stage.prefill(StageIO(input_ids=ids), cache, geometry)) * self.scale
+        seconds = self._timed(lambda: self.stage.prefill(StageIO(input_ids=ids), cache, geometry))
+        return self._layers_only(seconds, batch)
 
     def token_time(self, batch: int) -> float:
-        """Whole-model seconds of one decode step at ``decode_context`` filled positions."""
+        """Whole-model seconds of one decode step at ``decode_context`` filled positions, the head excluded."""
         o = self.options
         total_steps = o.decode_steps * (o.repeats + 1)  # warm-up run included
         cache, geometry, prompt = self._inputs(batch, o.decode_context, total_steps + 1)
@@ -125,7 +172,7 @@ class Profiler:
             for _ in range(o.decode_steps):
                 self.stage.decode(StageIO(input_ids=ids), cache, geometry.advance(next(steps)))
 
-        return self._timed(decode_steps) / o.decode_steps * self.scale
+        return self._layers_only(self._timed(decode_steps) / o.decode_steps, batch)
 
     def stream_overhead(self, batch: int, prompt_len: int) -> float:
         """``m``: prefill slowdown when each layer's new KV is copied out as soon as it is written.
@@ -158,6 +205,11 @@ class Profiler:
         return round(layer_bytes / stage.num_layers + other_bytes / self.model_layers)
 
     def measure(self) -> Profile:
+        """Take every measurement (with the co-runners decoding alongside, if any) into a profile."""
+        with _co_running(self, self.options.co_runners):
+            return self._measure()
+
+    def _measure(self) -> Profile:
         o = self.options
         rows = []
         for b in o.batches:
@@ -169,6 +221,8 @@ class Profiler:
         for b in o.batches:
             tokens.append(self.token_time(b))
             self.progress(f"token b={b}: {tokens[-1] * 1000:.1f} ms per step")
+        heads = [self.head_time(b) for b in o.batches]
+        self.progress("head: " + ", ".join(f"b={b} {h * 1000:.1f} ms" for b, h in zip(o.batches, heads, strict=True)))
         m_raw = self.stream_overhead(o.batches[len(o.batches) // 2], o.prompt_lens[-1])
         self.progress(f"stream overhead m = {m_raw:.3f}")
         device = self.stage.device
@@ -186,13 +240,74 @@ class Profiler:
             # Below 1 is timing noise: copying out cannot speed prefill up.
             stream_overhead=max(1.0, m_raw),
             host_device_bytes_per_s=o.host_device_bytes_per_s,
+            head_time=Curve(tuple(map(float, o.batches)), tuple(heads)),
+            co_runners=o.co_runners,
             source=(
                 f"measured by `dejavu profile` on {device.type} with {torch.get_num_threads()} torch threads, "
                 f"stage of layers [0, {measured_layers}) of {self.model_layers} scaled to the whole model; "
                 f"median of {o.repeats} runs; token steps at {o.decode_context} cached positions; "
-                f"m = {m_raw:.3f} measured (KV copied out per layer); embeddings folded into the weights per layer"
+                f"m = {m_raw:.3f} measured (KV copied out per layer); head (norm, LM head, sampling) timed apart; "
+                f"embeddings folded into the weights per layer; "
+                + (f"{o.co_runners} other process(es) decoding on the host meanwhile" if o.co_runners else "host alone")
             ),
         )
+
+
+def _co_run(folder: str, layers: tuple[int, int], device: str, dtype: str, threads: int, batch: int, context: int,
+            ready, stop) -> None:  # fmt: skip
+    """A co-runner process: decode steps of one microbatch, round and round, until ``stop`` is set."""
+    configure_torch_threads(threads)
+    stage = Stage(Path(folder), layers, device=device, dtype=dtype)
+    laps = 64
+    cache = stage.allocate_cache(batch, context + laps)
+    geometry = BatchGeometry.for_prompts([context] * batch)
+    vocab = stage.spec.vocab_size
+    stage.prefill(StageIO(input_ids=torch.randint(0, vocab, (batch, context))), cache, geometry)
+    ids = StageIO(input_ids=torch.randint(0, vocab, (batch, 1)))
+    step = 0
+    while not stop.is_set():
+        step = step % laps + 1  # rewrite the same positions: the cost of a step at about ``context``
+        out = stage.decode(ids, cache, geometry.advance(step))
+        if stage.is_last:
+            sample(out.logits[:, -1], [SamplingParams()] * batch, [step] * batch)
+        ready.set()
+
+
+@contextmanager
+def _co_running(profiler: Profiler, count: int) -> Iterator[None]:
+    """Run ``count`` co-runner processes (the profiled stage's layers, decoding) around the block.
+
+    Every process is stopped and joined on the way out, killed if it does not stop in time.
+    """
+    if count == 0:
+        yield
+        return
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state or threads inherited
+    stop = ctx.Event()
+    o = profiler.options
+    procs: list = []
+    try:
+        for _ in range(count):
+            ready = ctx.Event()
+            args = (str(profiler.folder), profiler.stage.layers, profiler.device, profiler.dtype, profiler.threads,
+                    o.batches[len(o.batches) // 2], o.decode_context, ready, stop)  # fmt: skip
+            proc = ctx.Process(target=_co_run, args=args, daemon=True, name="dejavu-profile-co-runner")
+            proc.start()
+            procs.append((proc, ready))
+        for proc, ready in procs:
+            deadline = time.monotonic() + 300
+            while not ready.wait(0.5):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"a profiling co-runner did not start (exit code {proc.exitcode})")
+        profiler.progress(f"{count} co-runner process(es) decoding alongside")
+        yield
+    finally:
+        stop.set()
+        for proc, _ in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
 
 
 def measure_profile(settings: Settings, options: ProfilerOptions, progress: Progress | None = None) -> Profile:

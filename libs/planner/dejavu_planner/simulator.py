@@ -14,7 +14,10 @@ Model (see docs/planner.md for the assumptions):
 * FasterTransformer: a batch of ``depth`` microbatches runs to the batch's longest request and
   every request returns when the whole batch has left the last stage.
 * DejaVu: a prompt pipeline (stage times × ``m``, the streaming overhead) feeds a queue of
-  prompt-done microbatches that a token pipeline admits as its slots free up.
+  prompt-done microbatches that a token pipeline admits as its slots free up. As the serving
+  controller does, at most ``D_p + D_t`` microbatches exist at once (the prompt pipeline runs
+  ahead of the token pipeline by at most its own depth), so prompts wait for token slots.
+* The last stage of a pipeline also runs the head when the profile times it apart.
 * Swapping: a token step on a stage lasts ``max(compute, swap-in of the microbatch's KV)``.
 
 Pure Python (heapq); deterministic for a given input.
@@ -162,11 +165,12 @@ class Simulator:
         self._push(end, _StageDone(pipeline, stage, mb))
 
     def _duration(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> float:
+        last = stage.index == len(pipeline.stages) - 1
         if mb.step == 0:
-            compute = self.cost.prompt_stage_time(stage.layers, mb.batch, mb.prompt_len)
+            compute = self.cost.prompt_stage_time(stage.layers, mb.batch, mb.prompt_len, last)
             m = self.cost.profile.stream_overhead if pipeline.role is Role.PROMPT else 1.0
             return m * compute
-        compute = self.cost.token_stage_time(stage.layers, mb.batch)
+        compute = self.cost.token_stage_time(stage.layers, mb.batch, last)
         if not self.deployment.swap:
             return compute
         context = mb.prompt_len + mb.step
@@ -225,9 +229,17 @@ class Simulator:
         size = min(self.deployment.microbatch, len(self._waiting))
         return tuple(self._waiting.popleft() for _ in range(size))
 
+    def _outstanding_room(self, pipeline: _Pipeline) -> bool:
+        """DejaVu: whether another microbatch may be formed (the controller's ``D_p + D_t`` bound on
+        microbatches in the prompt pipeline, awaiting a token slot, or in the token pipeline)."""
+        if pipeline.role is not Role.PROMPT:
+            return True
+        outstanding = sum(p.in_flight for p in self.pipelines) + len(self._prompted)
+        return outstanding < sum(p.slots for p in self.pipelines)
+
     def _admit_new(self, pipeline: _Pipeline) -> None:
         """Fill free slots with new microbatches from the waiting requests (their prompt first)."""
-        while pipeline.in_flight < pipeline.slots and self._waiting:
+        while pipeline.in_flight < pipeline.slots and self._waiting and self._outstanding_room(pipeline):
             requests = self._take_microbatch()
             mb = _Microbatch(next(self._mids), requests, max(r.new_tokens for r in requests) - 1)
             pipeline.in_flight += 1

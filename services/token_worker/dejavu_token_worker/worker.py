@@ -92,9 +92,13 @@ class TokenWorker(WorkerProcess):
                 self.settings.transport.deadline_s,
             )
         stop = threading.Event()
+        # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
+        # first layers can arrive before the resume point is read, and releasing the re-run microbatch's
+        # stale cache then would throw those fresh cells away with it.
+        recovered = threading.Event()
         threads = []
         if not pos.colocated:
-            threads.append(threading.Thread(target=self._receive_prompt_kv, args=(stop,), daemon=True))
+            threads.append(threading.Thread(target=self._receive_prompt_kv, args=(stop, recovered), daemon=True))
         if self.replica is not None:
             threads.append(threading.Thread(target=self.replica.run, args=(stop,), daemon=True))
         for t in threads:
@@ -103,6 +107,7 @@ class TokenWorker(WorkerProcess):
             resume = self._recover(topology, pos)
             if resume is None:
                 return
+            recovered.set()
             if pos.is_first:
                 if pos.colocated:
                     ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
@@ -248,8 +253,11 @@ class TokenWorker(WorkerProcess):
             )
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
-    def _receive_prompt_kv(self, stop: threading.Event) -> None:
+    def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event) -> None:
         assert self.endpoint is not None and self.runner is not None
+        while not recovered.wait(0.1):
+            if stop.is_set():
+                return
         while not stop.is_set():
             payload = self.endpoint.recv(Channel.KV_PROMPT, timeout_s=0.1)
             if payload is None:

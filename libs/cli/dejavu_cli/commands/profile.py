@@ -27,6 +27,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: engine.torch_threads)")
     parser.add_argument("--memory-gib", type=float, help="machine memory M to record (default: the device's)")
     parser.add_argument("--host-device-gbps", type=float, help="swap bandwidth in GB/s to record (default: none)")
+    parser.add_argument(
+        "--co-runners",
+        type=int,
+        default=0,
+        help="other processes decoding on this host while timing: measure a machine shared by that many "
+        "more workers (default 0: the machine alone)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -50,9 +57,10 @@ def run(args: argparse.Namespace) -> int:
             layers=args.layers,
             machine_memory_bytes=None if args.memory_gib is None else int(args.memory_gib * 2**30),
             host_device_bytes_per_s=None if args.host_device_gbps is None else args.host_device_gbps * 1e9,
+            co_runners=args.co_runners,
         )
         profile = measure_profile(settings, options, progress=lambda line: print(line, file=sys.stderr))
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError, RuntimeError) as exc:
         raise CLIError(str(exc)) from exc
     profile.save(args.out)
     print(f"wrote {args.out}: {profile.model} on {profile.hardware}, m = {profile.stream_overhead:.3f}")

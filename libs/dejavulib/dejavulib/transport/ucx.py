@@ -8,7 +8,10 @@ blocking call has a deadline and raises ``TransferTimeout`` when it passes.
 
 Progress modes: ``polling`` spins on ``worker.progress()`` while there is traffic (microsecond
 latency) and backs off to short sleeps when idle; ``thread`` sleeps in ``epoll`` on the worker's event
-fd between events (less CPU, higher latency).
+fd between events (less CPU, higher latency). In ``thread`` mode an eventfd of ours sits in the same
+epoll set, so an operation enqueued by another thread wakes the I/O thread at once: the idle wait can
+then be long, and an idle transport costs next to no CPU — which matters where workers share cores
+with the model's compute.
 
 Tags (64 bits): kind (4) | sender id hash (28) | key or sequence number (32).
 """
@@ -16,8 +19,11 @@ Tags (64 bits): kind (4) | sender id hash (28) | key or sequence number (32).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import os
 import re
+import select
 import threading
 import time
 import zlib
@@ -40,6 +46,7 @@ _IDLE_SPIN_S = 0.0002  # keep spinning this long after the last event: replies u
 _IDLE_SLEEP_MIN_S = 0.00005
 _IDLE_SLEEP_MAX_S = 0.0005  # bounds the extra latency of the first message after a quiet spell
 _FRESH_S = 0.5  # requests younger than this keep the loop spinning; older ones (a dead peer's) do not
+_EVENT_WAIT_MS = 100  # thread mode: longest epoll sleep (incoming traffic and our own ops wake it earlier)
 SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
 _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
 
@@ -90,8 +97,14 @@ class UcxTransport(MessageTransport):
             {"PROTO_INFO": "y"}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
         )
         self._worker = ucx_api.UCXWorker(self._context)
+        self._wake_fd: int | None = None
         if progress == "thread":
             self._worker.init_blocking_progress_mode()
+            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            # A duplicate descriptor of the worker's epoll instance: registering through it adds our
+            # eventfd to the set the worker's progress_worker_event() waits on. Closing it keeps the set.
+            with select.epoll.fromfd(os.dup(self._worker.epoll_file_descriptor)) as worker_epoll:
+                worker_epoll.register(self._wake_fd, select.EPOLLIN)
         self._address = self._worker.address.tobytes()
         self._endpoints: dict[str, Any] = {}
         self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
@@ -102,6 +115,7 @@ class UcxTransport(MessageTransport):
         self._seq_lock = threading.Lock()
         self.selected: dict[str, frozenset[str]] = {}
         self._running = True
+        self.loop_iterations = 0  # I/O loop passes, for tests and diagnostics (an idle loop should sleep)
         self._thread = threading.Thread(target=self._loop, name=f"ucx-io-{self_id}", daemon=True)
         self._thread.start()
 
@@ -202,7 +216,11 @@ class UcxTransport(MessageTransport):
         if not self._running:
             return
         self._running = False
+        self._wake()
         self._thread.join(5)
+        if self._wake_fd is not None and not self._thread.is_alive():
+            os.close(self._wake_fd)
+            self._wake_fd = None
         for pending in self._pending:
             pending.on_done(ClosedError("transport closed"))
         self._worker.cancel_inflight_requests()
@@ -226,6 +244,13 @@ class UcxTransport(MessageTransport):
         if not self._running:
             raise ClosedError("transport closed")
         self._ops.append((op, handle))
+        self._wake()
+
+    def _wake(self) -> None:
+        """Interrupt the I/O thread's epoll sleep (thread mode; polling mode never sleeps long)."""
+        if self._wake_fd is not None:
+            with contextlib.suppress(OSError):  # closed concurrently: the thread is gone anyway
+                os.eventfd_write(self._wake_fd, 1)
 
     def _call(self, fn: Callable[[], Any], deadline_s: float) -> Any:
         """Run ``fn`` on the I/O thread and return its result."""
@@ -243,6 +268,7 @@ class UcxTransport(MessageTransport):
     def _loop(self) -> None:
         last_activity, idle_sleep = time.monotonic(), _IDLE_SLEEP_MIN_S
         while self._running:
+            self.loop_iterations += 1
             busy = self._run_ops()
             self._worker.progress()
             busy |= self._reap()
@@ -252,8 +278,10 @@ class UcxTransport(MessageTransport):
                 last_activity, idle_sleep = now, _IDLE_SLEEP_MIN_S
                 time.sleep(0)
             elif now - last_activity > _IDLE_SPIN_S and not self._ops:
-                if self.progress_mode == "thread":
-                    self._worker.progress_worker_event(1)
+                if self._wake_fd is not None:
+                    self._worker.progress_worker_event(_EVENT_WAIT_MS)
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._wake_fd)  # level-triggered: drain it, or epoll returns at once
                 else:  # idle: back off so a quiet transport costs little CPU on a busy host
                     time.sleep(idle_sleep)
                     idle_sleep = min(2 * idle_sleep, _IDLE_SLEEP_MAX_S)
