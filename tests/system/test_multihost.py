@@ -26,6 +26,7 @@ from .reference import Reference
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 
 API_KEY = "multihost-test-key"
+LONG = 96  # tokens per request while t1's link is cut
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,"]
 
 
@@ -124,8 +125,8 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
         headers = {"Authorization": f"Bearer {API_KEY}"}
         assert httpx.post(api + "/v1/completions", json={"model": "x", "prompt": "x"}, timeout=10).status_code == 401
 
-        def complete(prompt: str, out: dict) -> None:
-            body = {"model": settings.model.name, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        def complete(prompt: str, out: dict, tokens: int = 16) -> None:
+            body = {"model": settings.model.name, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
             r = httpx.post(api + "/v1/completions", json=body, headers=headers, timeout=240)
             out[prompt] = (r.status_code, r.json())
 
@@ -137,8 +138,9 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
             assert status == 200 and body["choices"][0]["text"] == reference.text(p, 16), _logs(logs)
 
         # Cut t1's link while requests are in flight: its lease expires, the spare takes its stage.
+        # Longer answers keep the requests in flight well past the cut.
         results.clear()
-        threads = [threading.Thread(target=complete, args=(p, results)) for p in PROMPTS]
+        threads = [threading.Thread(target=complete, args=(p, results, LONG)) for p in PROMPTS]
         for t in threads:
             t.start()
         time.sleep(2.0)
@@ -148,8 +150,8 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
             assert not t.is_alive(), "a request hung"
         for p in PROMPTS:
             status, body = results[p]
-            assert status == 200 and body["choices"][0]["text"] == reference.text(p, 16), _logs(logs)
-        assert "lost ['t1']" in (logs / "ctl.log").read_text()
+            assert status == 200 and body["choices"][0]["text"] == reference.text(p, LONG), _logs(logs)
+        assert "lost ['t1']" in (logs / "ctl.log").read_text(), _logs(logs)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
