@@ -23,6 +23,11 @@ import socket
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dejavu_common.settings import Settings
+    from dejavu_planner.profile import Profile
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -82,7 +87,7 @@ def run_real(model: Path, trace, colocated: bool, microbatch: int, prompts) -> t
 DEPLOYMENTS = (("colocated 2-stage baseline", True), ("DejaVu 1 prompt + 1 token", False))
 
 
-def measure(args: argparse.Namespace, settings) -> object:
+def measure(args: argparse.Namespace, settings: Settings) -> Profile:
     """A fresh profile of the default model on this host, as the workers will run it."""
     from dejavu_planner.profiler import ProfilerOptions, measure_profile
 

@@ -70,3 +70,13 @@ def test_topology_rejects_gaps(ranges) -> None:
 def test_layer_count_mismatch_rejected() -> None:
     with pytest.raises(ValueError):
         plan_transfers(Topology.even(4, 1, 4), Topology.even(6, 2, 4), [3])
+
+
+def test_even_split_is_the_serving_systems_stage_split() -> None:
+    """The library cannot import the serving packages, so the rule exists twice: they must agree, or a
+    streaming plan built with ``Topology.even`` would not line up with the stages the controller places."""
+    from dejavu_common.partition import split_layers
+
+    for layers in range(1, 40):
+        for depth in range(1, layers + 1):
+            assert list(Topology.even(layers, depth, 1).stage_layer_ranges) == split_layers(layers, depth)

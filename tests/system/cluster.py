@@ -46,8 +46,8 @@ def cluster_settings(
             }
         ),
     }
-    for name, update in overrides.items():
-        parts[name] = getattr(base, name).model_copy(update=update)
+    for name, update in overrides.items():  # merged onto the parts above (e.g. controller={"host": ...})
+        parts[name] = parts.get(name, getattr(base, name)).model_copy(update=update)
     return base.model_copy(update=parts)
 
 

@@ -21,6 +21,7 @@ from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model
 
 from . import netns
+from .cluster import cluster_settings
 from .reference import Reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
@@ -80,24 +81,14 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
                 logs / "redis.log",
             )
         )
-        base = Settings()
-        settings = base.model_copy(
-            update={
-                "redis": base.redis.model_copy(update={"url": redis_url}),
-                "model": base.model.model_copy(update={"path": model}),
-                "engine": base.engine.model_copy(update={"torch_threads": 1}),
-                "controller": base.controller.model_copy(
-                    update={
-                        "host": hosts["ctl"],
-                        "port": 8000,
-                        "token_depth": 2,
-                        "prompt_depth": 1,
-                        "token_microbatch": 2,
-                        "prompt_microbatch": 2,
-                        "api_keys": [API_KEY],
-                    }
-                ),
-            }
+        settings = cluster_settings(
+            redis_url,
+            model,
+            prompt_depth=1,
+            token_depth=2,
+            prompt_microbatch=2,
+            token_microbatch=2,
+            controller={"host": hosts["ctl"], "port": 8000, "api_keys": [API_KEY]},
         )
 
         def env(host: str) -> dict[str, str]:

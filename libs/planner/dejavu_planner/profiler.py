@@ -163,14 +163,12 @@ class Profiler:
         """Whole-model seconds of one decode step at ``decode_context`` filled positions, the head excluded."""
         o = self.options
         total_steps = o.decode_steps * (o.repeats + 1)  # warm-up run included
-        cache, geometry, prompt = self._inputs(batch, o.decode_context, total_steps + 1)
-        self.stage.prefill(StageIO(input_ids=prompt), cache, geometry)
-        ids = torch.randint(0, self.vocab, (batch, 1), device=self.stage.device)
+        cache, geometry, ids = _ready_to_decode(self.stage, batch, o.decode_context, total_steps + 1)
         steps = iter(range(1, total_steps + 1))
 
         def decode_steps() -> None:
             for _ in range(o.decode_steps):
-                self.stage.decode(StageIO(input_ids=ids), cache, geometry.advance(next(steps)))
+                self.stage.decode(ids, cache, geometry.advance(next(steps)))
 
         return self._layers_only(self._timed(decode_steps) / o.decode_steps, batch)
 
@@ -253,17 +251,23 @@ class Profiler:
         )
 
 
+def _ready_to_decode(stage: Stage, batch: int, context: int, steps: int) -> tuple[KVCache, BatchGeometry, StageIO]:
+    """A cache of ``batch`` random prompts of ``context`` tokens, prefilled, with room for ``steps`` more
+    positions; their geometry; and random input ids for a decode step."""
+    vocab = stage.spec.vocab_size
+    cache = stage.allocate_cache(batch, context + steps)
+    geometry = BatchGeometry.for_prompts([context] * batch)
+    stage.prefill(StageIO(input_ids=torch.randint(0, vocab, (batch, context), device=stage.device)), cache, geometry)
+    return cache, geometry, StageIO(input_ids=torch.randint(0, vocab, (batch, 1), device=stage.device))
+
+
 def _co_run(folder: str, layers: tuple[int, int], device: str, dtype: str, threads: int, batch: int, context: int,
             ready, stop) -> None:  # fmt: skip
     """A co-runner process: decode steps of one microbatch, round and round, until ``stop`` is set."""
     configure_torch_threads(threads)
     stage = Stage(Path(folder), layers, device=device, dtype=dtype)
     laps = 64
-    cache = stage.allocate_cache(batch, context + laps)
-    geometry = BatchGeometry.for_prompts([context] * batch)
-    vocab = stage.spec.vocab_size
-    stage.prefill(StageIO(input_ids=torch.randint(0, vocab, (batch, context))), cache, geometry)
-    ids = StageIO(input_ids=torch.randint(0, vocab, (batch, 1)))
+    cache, geometry, ids = _ready_to_decode(stage, batch, context, laps)
     step = 0
     while not stop.is_set():
         step = step % laps + 1  # rewrite the same positions: the cost of a step at about ``context``
