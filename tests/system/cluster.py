@@ -69,6 +69,11 @@ def running(
     shutil.rmtree(launcher.log_dir, ignore_errors=True)
 
 
-def logs(launcher: Launcher) -> str:
-    """Every process log, for assertion messages."""
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(launcher.log_dir.glob("*.log")))
+def logs(launcher: Launcher, tail: int | None = 3000) -> str:
+    """Every process log: the last ``tail`` characters of each for assertion messages, whole with ``tail=None``.
+
+    Search the whole text (``tail=None``): UCX's protocol tables alone can fill a worker log's tail.
+    """
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-tail if tail else 0 :]}" for p in sorted(launcher.log_dir.glob("*.log"))
+    )
