@@ -110,6 +110,40 @@ def test_arrivals_and_latency(make_profile: ProfileFactory) -> None:
     assert (r.latency_s, r.normalized_latency_s) == (pytest.approx(4.0), pytest.approx(2.0))
 
 
+@pytest.mark.parametrize(
+    ("batch_wait_s", "finishes"),
+    [
+        # No wait: r0 forms alone at 0: prompt [0, 3], token [3, 4]; r1 takes the slot at 4: [4, 7], [7, 8].
+        (0.0, [4.0, 8.0]),
+        # r0's wait runs out at 0.2, before r1 arrives: r0 alone [0.2, 3.2], [3.2, 4.2]; r1 [4.2, 8.2].
+        (0.2, [4.2, 8.2]),
+        # r1 arrives at 0.3, inside r0's wait: the microbatch is full then, and both run [0.3, 4.3].
+        (0.5, [4.3, 4.3]),
+    ],
+)
+def test_partial_microbatch_waits_for_batch_wait(
+    make_profile: ProfileFactory, batch_wait_s: float, finishes: list[float]
+) -> None:
+    # One stage of 2 layers (prompt 3 s, token 1 s), microbatch 2, one slot; r0 at 0, r1 at 0.3, 2 tokens each.
+    trace = Trace.of([(0.0, 10, 2), (0.3, 10, 2)])
+    result = simulate(baseline(1, b=2), trace, CostModel(make_profile()), batch_wait_s=batch_wait_s)
+    assert [r.finish_s for r in result.requests] == [pytest.approx(f) for f in finishes]
+
+
+def test_a_lone_request_forms_a_microbatch_after_the_wait(make_profile: ProfileFactory) -> None:
+    # Microbatch 4 never fills: the lone request starts when its wait ends, for every policy.
+    cost = CostModel(make_profile())
+    for deployment in (
+        baseline(1, b=4),
+        Deployment(Policy.FASTER_TRANSFORMER, 1, 4),
+        Deployment(Policy.DEJAVU, 1, 4, token_depth=1),
+    ):
+        (r,) = simulate(deployment, Trace.of([(1.0, 10, 1)]), cost, batch_wait_s=0.25).requests
+        assert r.first_token_s == pytest.approx(1.25 + 3.0)
+    with pytest.raises(ValueError, match="batch_wait_s"):
+        simulate(baseline(1), Trace.of([(0.0, 10, 1)]), cost, batch_wait_s=-1.0)
+
+
 def _period(deployment: Deployment, cost: CostModel, per_wave: int, waves: tuple[int, int], new: int) -> float:
     """Seconds per microbatch in steady state: makespan growth between two backlog sizes."""
     spans = [simulate(deployment, uniform_trace(per_wave * w, 100, new), cost).makespan_s for w in waves]

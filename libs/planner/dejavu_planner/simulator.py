@@ -6,7 +6,9 @@ Model (see docs/planner.md for the assumptions):
   the stages in order; each stage serves waiting steps first-come first-served, one at a time,
   for the cost model's time of its layers.
 * A pipeline holds at most ``depth`` microbatches in flight (the KV caches it preallocates).
-  A microbatch takes up to ``microbatch`` waiting requests, first come first served.
+  A microbatch takes up to ``microbatch`` waiting requests, first come first served. As the
+  serving controller's scheduler does, a microbatch forms when ``microbatch`` requests wait or
+  when the oldest has waited ``batch_wait_s`` (0 by default: at once).
 * A microbatch runs until its longest request ends; shorter ones finish early (their latency
   ends at their own last token) but keep their rows: an early stop frees no capacity.
 * Baseline: a finished microbatch is replaced at once by a new one whose prompt then shares
@@ -89,14 +91,29 @@ class _StageDone:
     mb: _Microbatch
 
 
-Event = Request | _StageDone
+@dataclass(frozen=True)
+class _Wake:
+    """Event: the oldest waiting request has waited ``batch_wait_s``; a partial microbatch may form."""
+
+
+Event = Request | _StageDone | _Wake
 
 
 class Simulator:
     """Runs one deployment over one trace; call :meth:`run` once."""
 
-    def __init__(self, deployment: Deployment, trace: Trace, cost: CostModel, record_timeline: bool = False) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        trace: Trace,
+        cost: CostModel,
+        record_timeline: bool = False,
+        batch_wait_s: float = 0.0,
+    ) -> None:
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.deployment = deployment
+        self.batch_wait_s = batch_wait_s
         self.trace = trace
         self.cost = cost
         self.record_timeline = record_timeline
@@ -109,6 +126,7 @@ class Simulator:
         self._first_token: dict[int, float] = {}
         self._records: list[RequestRecord] = []
         self._timeline: list[Segment] = []
+        self._wakes: set[float] = set()  # times of pending _Wake events
         self.pipelines = self._build_pipelines()
 
     def _build_pipelines(self) -> list[_Pipeline]:
@@ -130,6 +148,10 @@ class Simulator:
             self.now, _, payload = heapq.heappop(self._events)
             if isinstance(payload, _StageDone):
                 self._stage_done(payload.pipeline, payload.stage, payload.mb)
+                continue
+            if isinstance(payload, _Wake):
+                self._wakes.discard(self.now)
+                self._admit_all()
                 continue
             self._waiting.append(payload)
             # Requests arriving at the same instant form microbatches together.
@@ -225,6 +247,23 @@ class Simulator:
             else:
                 self._admit_new(pipeline)
 
+    def _may_form(self) -> bool:
+        """Whether a microbatch may form now: enough requests wait, or the oldest has waited long enough.
+
+        When it may not, a wake-up is scheduled for the moment the oldest request's wait runs out.
+        """
+        if not self._waiting:
+            return False
+        if len(self._waiting) >= self.deployment.microbatch:
+            return True
+        due = self._waiting[0].arrival_s + self.batch_wait_s
+        if self.now >= due - 1e-9:  # the tolerance absorbs the rounding of arrival + wait
+            return True
+        if due not in self._wakes:
+            self._wakes.add(due)
+            self._push(due, _Wake())
+        return False
+
     def _take_microbatch(self) -> tuple[Request, ...]:
         size = min(self.deployment.microbatch, len(self._waiting))
         return tuple(self._waiting.popleft() for _ in range(size))
@@ -239,7 +278,7 @@ class Simulator:
 
     def _admit_new(self, pipeline: _Pipeline) -> None:
         """Fill free slots with new microbatches from the waiting requests (their prompt first)."""
-        while pipeline.in_flight < pipeline.slots and self._waiting and self._outstanding_room(pipeline):
+        while pipeline.in_flight < pipeline.slots and self._outstanding_room(pipeline) and self._may_form():
             requests = self._take_microbatch()
             mb = _Microbatch(next(self._mids), requests, max(r.new_tokens for r in requests) - 1)
             pipeline.in_flight += 1
@@ -253,7 +292,7 @@ class Simulator:
 
     def _admit_batch(self, pipeline: _Pipeline) -> None:
         """FasterTransformer: only an empty pipeline takes a new batch of up to ``depth`` microbatches."""
-        if pipeline.in_flight > 0 or not self._waiting:
+        if pipeline.in_flight > 0 or not self._may_form():
             return
         groups = [self._take_microbatch() for _ in range(pipeline.slots) if self._waiting]
         steps = max(r.new_tokens for group in groups for r in group) - 1
@@ -264,6 +303,13 @@ class Simulator:
             self._enqueue(pipeline, pipeline.stages[0], mb)
 
 
-def simulate(deployment: Deployment, trace: Trace, cost: CostModel, record_timeline: bool = False) -> SimResult:
-    """Simulate ``deployment`` serving ``trace`` with stage times from ``cost``."""
-    return Simulator(deployment, trace, cost, record_timeline).run()
+def simulate(
+    deployment: Deployment,
+    trace: Trace,
+    cost: CostModel,
+    record_timeline: bool = False,
+    batch_wait_s: float = 0.0,
+) -> SimResult:
+    """Simulate ``deployment`` serving ``trace`` with stage times from ``cost``; a partial microbatch
+    forms once its oldest request has waited ``batch_wait_s`` (the controller's ``batch_wait_ms``)."""
+    return Simulator(deployment, trace, cost, record_timeline, batch_wait_s).run()

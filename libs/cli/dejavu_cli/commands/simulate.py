@@ -30,6 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="baseline: data-parallel pipelines")
     parser.add_argument("--microbatch", "-b", type=int, default=8, help="requests per microbatch")
     parser.add_argument("--swap", action="store_true", help="microbatch swapping on token steps")
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=0.0,
+        help="a partial microbatch forms once its oldest request waited this long (the controller's batch_wait_ms)",
+    )
     parser.add_argument("--sweep", type=int_list, help="instead: best config per policy for these machine counts")
     parser.add_argument("--microbatches", type=int_list, default=(1, 2, 4, 8, 16, 32), help="sweep: sizes to try")
     parser.add_argument("--price", type=float, default=1.0, help="price of one machine-hour (1: machine-hours)")
@@ -70,7 +76,9 @@ def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
         planner = Planner(profile, Workload.from_trace(trace), (args.microbatch,))
         if not planner.fits(deployment):
             print(f"warning: {deployment.notation()} does not fit {profile.hardware} memory", file=sys.stderr)
-        result = simulate(deployment, trace, CostModel(profile), record_timeline=args.timeline)
+        result = simulate(
+            deployment, trace, CostModel(profile), record_timeline=args.timeline, batch_wait_s=args.batch_wait_ms / 1000
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     latencies = sorted(r.latency_s for r in result.requests)
