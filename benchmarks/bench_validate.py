@@ -246,14 +246,14 @@ def main(argv: list[str] | None = None) -> int:
                 if colocated
                 else Deployment(Policy.DEJAVU, 1, args.microbatch, token_depth=1)
             )
-            cost = CostModel(profile)
-            in_trace_order = simulate(deployment, actual, cost, batch_wait_s=BATCH_WAIT_MS / 1000)
+            cost, wait_s = CostModel(profile), BATCH_WAIT_MS / 1000
+            in_trace_order = simulate(deployment, actual, cost, batch_wait_s=wait_s)
             # Requests only milliseconds apart can still reach the controller out of order (its event loop
             # stalls now and then on 2 busy cores). Which requests share a microbatch is an input, not a
             # prediction: replay the trace in the order the controller admitted it, and say whether it had to.
             # (A request whose every chunk was held back has no first chunk: its end stands in.)
             real_groups = microbatches({r.request.rid: (r.chunk_times_s or (r.end_s,))[0] for r in records})
-            sim = simulate(deployment, in_admitted_order(actual, real_groups), cost, batch_wait_s=BATCH_WAIT_MS / 1000)
+            sim = simulate(deployment, in_admitted_order(actual, real_groups), cost, batch_wait_s=wait_s)
             predicted = sim.makespan_s
             simulated_groups = set(microbatches({s.rid: s.first_token_s for s in sim.requests}))
             trace_groups = set(microbatches({s.rid: s.first_token_s for s in in_trace_order.requests}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from benchmarks.bench_validate import in_admitted_order, microbatches
@@ -9,23 +11,9 @@ from dejavu_planner.costmodel import CostModel
 from dejavu_planner.deployment import Deployment, Policy
 from dejavu_planner.profile import Profile
 from dejavu_planner.simulator import simulate
-from dejavu_planner.table import Curve, Grid
 from dejavu_planner.trace import Request, Trace
 
-# Two layers; a prompt takes 3 s and a token step 1 s on one stage, whatever the batch.
-COST = CostModel(
-    Profile(
-        model="toy",
-        hardware="toy",
-        layers=2,
-        weight_bytes_per_layer=1,
-        kv_bytes_per_token_per_layer=1,
-        machine_memory_bytes=10**12,
-        measured_depth=1,
-        prompt_time=Grid((1.0,), (1.0,), ((3.0,),)),
-        token_time=Curve((1.0,), (1.0,)),
-    )
-)
+ProfileFactory = Callable[..., Profile]
 
 
 def test_requests_with_one_first_token_time_share_a_microbatch() -> None:
@@ -36,7 +24,9 @@ def test_requests_with_one_first_token_time_share_a_microbatch() -> None:
     assert microbatches({0: 1.0, 1: 1.3}) == [frozenset({0}), frozenset({1})]
 
 
-def test_the_replay_forms_the_microbatches_the_controller_formed() -> None:
+def test_the_replay_forms_the_microbatches_the_controller_formed(make_profile: ProfileFactory) -> None:
+    # The toy profile: 2 layers, each 1.5 s per prompt and 0.5 s per token step, whatever the batch.
+    cost = CostModel(make_profile())
     trace = Trace(tuple(Request(i, i * 0.01, 16, 2 + 3 * i) for i in range(8)))
     admitted = [frozenset({0, 2, 5, 7}), frozenset({1, 3, 4, 6})]
     replay = in_admitted_order(trace, admitted)
@@ -44,8 +34,8 @@ def test_the_replay_forms_the_microbatches_the_controller_formed() -> None:
     assert [r.arrival_s for r in replay.requests] == [r.arrival_s for r in trace.requests]
     assert {r.rid: r.new_tokens for r in replay.requests} == {r.rid: r.new_tokens for r in trace.requests}
     deployment = Deployment(Policy.BASELINE, 2, 4)
-    result = simulate(deployment, replay, COST, batch_wait_s=0.05)
+    result = simulate(deployment, replay, cost, batch_wait_s=0.05)
     assert microbatches({r.rid: r.first_token_s for r in result.requests}) == admitted
     # The grouping alone changes the makespan: the trace's own order pairs the long requests differently.
-    in_order = simulate(deployment, trace, COST, batch_wait_s=0.05)
+    in_order = simulate(deployment, trace, cost, batch_wait_s=0.05)
     assert in_order.makespan_s != pytest.approx(result.makespan_s)
