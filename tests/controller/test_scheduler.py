@@ -114,3 +114,27 @@ def test_microbatch_span_stays_within_the_context() -> None:
     assert [r.request_id for r in a.requests] == ["r0"]
     assert [r.request_id for r in b.requests] == ["r1", "r2"]
     assert b.spec.max_len <= 20
+
+
+def test_a_microbatch_is_counted_out_only_after_repairs_without_progress() -> None:
+    s = _sched(tb=2)
+    s.admit(_req(0))
+    s.admit(_req(1))
+    (mb,) = s.form(now=1.0)
+    # In flight for three repairs in a row with nothing delivered: still within a limit of 3.
+    assert [mb.note_repair(limit=3) for _ in range(3)] == [False, False, False]
+    # A token delivered between repairs starts the count over: failures that interrupt a progressing
+    # microbatch (random crashes) never count it out.
+    mb.requests[0].deliver(0, 42, None)
+    mb.started_rows.add(0)
+    assert mb.note_repair(limit=3) is False and mb.stalled_repairs == 1
+    assert [mb.note_repair(limit=3) for _ in range(3)] == [False, False, True]
+
+
+def test_an_error_finish_fails_the_request() -> None:
+    r = _req(0)
+    r.transition(RequestStatus.SCHEDULED)
+    assert r.deliver(0, -1, FinishReason.ERROR)
+    assert r.status is RequestStatus.FAILED and r.done
+    assert r.events.get_nowait().finish_reason is FinishReason.ERROR
+    assert not r.deliver(1, 5, None)  # nothing after the failure reaches the client

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dejavulib.topology import Topology, plan_transfers, token_padded_lengths
+from dejavulib.topology import Topology, plan_transfers, right_aligned, token_padded_lengths
 
 CASES = [
     # (src depth, src microbatch, dst depth, dst microbatch, padded lengths of the prompt microbatches)
@@ -80,3 +80,24 @@ def test_even_split_is_the_serving_systems_stage_split() -> None:
     for layers in range(1, 40):
         for depth in range(1, layers + 1):
             assert list(Topology.even(layers, depth, 1).stage_layer_ranges) == split_layers(layers, depth)
+
+
+@pytest.mark.parametrize(
+    ("src_padded", "length", "dst_padded", "src", "dst"),
+    [
+        (66, 66, 66, (0, 66), (0, 66)),
+        (66, 20, 20, (46, 66), (0, 20)),  # the piece's microbatch is shorter than the task (issue 14's crash)
+        (20, 20, 66, (0, 20), (46, 66)),  # longer: the piece lands right-aligned
+        (66, 12, 30, (54, 66), (18, 30)),  # only the positions holding the piece's prompts move
+    ],
+)
+def test_right_aligned_moves_only_positions_holding_prompts(src_padded, length, dst_padded, src, dst) -> None:
+    got_src, got_dst = right_aligned(src_padded, length, dst_padded)
+    assert (got_src, got_dst) == (src, dst)
+    assert got_src[1] - got_src[0] == got_dst[1] - got_dst[0] == length
+
+
+@pytest.mark.parametrize(("src_padded", "length", "dst_padded"), [(10, 11, 20), (20, 11, 10), (10, 0, 10)])
+def test_right_aligned_refuses_prompts_that_do_not_fit(src_padded, length, dst_padded) -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        right_aligned(src_padded, length, dst_padded)

@@ -74,3 +74,14 @@ def test_stop_criteria() -> None:
     assert StopCriteria(max_tokens=3, eos_token_ids=frozenset({2}), ignore_eos=True).check(2, 1) is None
     with pytest.raises(ValueError):
         StopCriteria(max_tokens=0)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-30])
+def test_a_vanishing_temperature_samples_the_best_token_instead_of_failing(temperature) -> None:
+    # Scaling by 1/temperature overflows to inf (and softmax to NaN) unless the scores are shifted first.
+    logits = logits_at(0) * 30
+    params = SamplingParams(temperature=temperature, seed=7)
+    probs = filtered_probs(logits, params)
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+    for s in range(5):
+        assert sample_token(logits_at(s) * 30, params, s) == int(torch.argmax(logits_at(s) * 30))

@@ -112,3 +112,29 @@ def test_split_merge_and_colocated_deployments(deployment, redis_url, model, ref
     settings = cluster_settings(redis_url, model, **deployment)
     with running(settings) as launcher:
         _check_outputs(launcher, settings, reference, 6)
+
+
+def _mixed_jobs(n: int) -> list[tuple[str, int]]:
+    """``n`` requests whose prompt lengths differ a lot (2 to ~60 tokens) and whose budgets differ too."""
+    return [(PROMPTS[i % len(PROMPTS)] + " and" * ((7 * i) % 23), 2 + (i * 5) % 11) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "deployment",
+    [
+        # A prompt task of 4 rows feeds two token microbatches of 2, each padded to its own longest prompt.
+        pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=4, token_microbatch=2), id="1P+2T"),
+        # Tasks of 3 rows straddle token microbatches of 2: pieces of one task land in different microbatches.
+        pytest.param(dict(prompt_depth=2, token_depth=3, prompt_microbatch=3, token_microbatch=2), id="2P+3T"),
+    ],
+)
+def test_prompt_tasks_feeding_token_microbatches_of_different_prompt_lengths(
+    deployment, redis_url, model, reference
+) -> None:
+    settings = cluster_settings(redis_url, model, **deployment)
+    with running(settings) as launcher:
+        jobs = _mixed_jobs(12)
+        got = _complete_all(_client(launcher), settings.model.name, jobs)
+        for (prompt, n), (text, _usage, _finish) in zip(jobs, got, strict=True):
+            assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
+        assert "dropped a prompt KV chunk" not in logs(launcher, tail=None)

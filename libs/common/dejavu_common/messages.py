@@ -129,9 +129,12 @@ class PromptTask(Message):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
+    """Why a request (a row) stopped; the controller's gateway and the workers share this one enum."""
+
+    STOP = "stop"  # EOS token, stop token or stop string
+    LENGTH = "length"  # max_tokens reached (or the context is full)
+    CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"  # the serving runtime failed this request (the others go on)
 
 
 class TokenStep(Message):
@@ -178,11 +181,13 @@ class RecoveryOrder(Message):
 
 class ResumePoint(Message):
     """Where the token pipeline resumes after recovery: microbatch -> step to re-execute first; the
-    microbatches in ``rerun`` lost their KV and re-run their prompts."""
+    microbatches in ``rerun`` lost their KV and re-run their prompts; those in ``dropped`` were failed
+    to their clients (work that kept failing), and every worker frees what it holds of them."""
 
     epoch: int
     resume: dict[int, int]
     rerun: tuple[int, ...] = ()
+    dropped: tuple[int, ...] = ()
 
 
 class AdminAction(str, enum.Enum):

@@ -85,6 +85,13 @@ class ControllerSettings(BaseModel):
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="How long a partial microbatch waits for more.")
     queue_bound: int = Field(256, ge=1, le=1_000_000, description="Waiting requests before the API answers 503.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    max_stalled_repairs: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="A microbatch in flight for more repairs than this in a row, delivering no token in "
+        "between, is failed to its clients (with an error) and dropped: deterministic failures cannot loop.",
+    )
     planner: str = Field("manual", pattern="^(manual|auto)$", description="'auto' splits workers by the planner.")
 
 

@@ -84,6 +84,19 @@ class Transfer:
         return self.src_rows[1] - self.src_rows[0]
 
 
+def right_aligned(src_padded: int, length: int, dst_padded: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Source and destination positions of rows whose prompts are at most ``length`` long.
+
+    Prompts are LEFT padded, so such rows hold data only in the last ``length`` positions of a batch
+    padded to ``src_padded``; moved into a batch padded to ``dst_padded`` they land right-aligned there.
+    Both batches may be longer than ``length`` (and either may be the longer one): only the positions
+    that carry a prompt move. Raises ``ValueError`` when ``length`` fits in neither.
+    """
+    if not 0 < length <= min(src_padded, dst_padded):
+        raise ValueError(f"prompts of {length} positions do not fit padded lengths {src_padded} -> {dst_padded}")
+    return (src_padded - length, src_padded), (dst_padded - length, dst_padded)
+
+
 def token_padded_lengths(src: Topology, dst: Topology, padded_lengths: Sequence[int]) -> list[int]:
     """Padded prompt length of each destination microbatch: the longest of the prompt microbatches it merges."""
     n_requests = len(padded_lengths) * src.microbatch_size

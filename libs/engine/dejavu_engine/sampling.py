@@ -60,6 +60,12 @@ def step_seed(seed: int, step: int) -> int:
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities ``[vocab]`` (float32) after temperature, top-k and top-p, as HF applies them."""
     scores = logits.float() / params.temperature
+    if not bool(torch.isfinite(scores).all()):
+        # A tiny temperature overflows the scaled scores to +-inf (or rounds to 0 in float32), and softmax
+        # over inf gives NaN. Shifting by the maximum first leaves softmax unchanged, and dividing in float64
+        # keeps the best tokens at exactly 0 while the rest go to -inf: sampling becomes greedy, as it should.
+        shifted = logits.double() - logits.double().max()
+        scores = (shifted / params.temperature).float().nan_to_num(nan=float("-inf"))
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -7,17 +7,22 @@ Redis; tests may use an in-process one. Nothing here imports torch.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dejavu_common.messages import FinishReason
 
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS token or a stop string
-    LENGTH = "length"  # max_tokens reached (or the context is full)
-    CANCELLED = "cancelled"  # the client went away
-    ERROR = "error"
+__all__ = [
+    "Backend",
+    "BackendStats",
+    "FinishReason",
+    "GenerationRequest",
+    "NotReadyError",
+    "QueueFullError",
+    "SamplingParams",
+    "TokenEvent",
+]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from dejavu_common import keys
-from dejavu_common.messages import FinishReason as WireFinish
 from dejavu_common.messages import SamplingSpec, TokenStep, Topology
 from dejavu_common.settings import Mode, Settings
 from dejavu_controller.api.metrics import KVStream, RuntimeMetrics
@@ -39,12 +38,6 @@ from dejavu_controller.request import Request, RequestStatus
 from dejavu_controller.scheduler import Microbatch, Scheduler, SchedulerLimits
 
 log = logging.getLogger("dejavu.controller")
-
-_FINISH = {
-    WireFinish.STOP: FinishReason.STOP,
-    WireFinish.LENGTH: FinishReason.LENGTH,
-    WireFinish.CANCELLED: FinishReason.CANCELLED,
-}
 
 
 class PipelineBackend:
@@ -79,6 +72,7 @@ class PipelineBackend:
         self._repair_task: asyncio.Task | None = None
         self._repairing: set[int] = set()  # token stages the current repair restores
         self._kv_seen: dict[str, int] = {}
+        self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
 
     async def __aenter__(self) -> PipelineBackend:
         await self._clear_previous_work()
@@ -170,6 +164,9 @@ class PipelineBackend:
             await asyncio.sleep(interval)
 
     async def _control_once(self) -> None:
+        if self._dropped_keys:
+            await self.redis.delete(*self._dropped_keys)
+            self._dropped_keys.clear()
         self._workers = await self.registry.workers()
         await self._collect_kv_bytes()
         old = self.registry.topology
@@ -211,11 +208,35 @@ class PipelineBackend:
             holders = {a.stage: a.worker_id for a in new.token_stages}
             replaced = {**{s: holders[s] for s in self._repairing if s in holders}, **replaced}
         self._repairing = set(replaced)
+        limit = self.settings.controller.max_stalled_repairs
+        dropped = [mb for mb in list(self.scheduler.active.values()) if mb.note_repair(limit)]
+        for mb in dropped:
+            self._drop(mb, f"in flight for {mb.stalled_repairs} repairs in a row without progress")
         active = self.scheduler.active.values()
         resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
         not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
         self._repair_task = asyncio.create_task(
-            self.repair.run(new, replaced, resumable, not_started, self._redispatch, time.monotonic(), self.metrics)
+            self.repair.run(
+                new,
+                replaced,
+                resumable,
+                not_started,
+                self._redispatch,
+                time.monotonic(),
+                self.metrics,
+                dropped=[mb.spec.mb_id for mb in dropped],
+            )
+        )
+
+    def _drop(self, mb: Microbatch, why: str) -> None:
+        """Fail ``mb``'s requests to their clients and forget it (its keys go with the repair's clean-up)."""
+        log.error("failing microbatch %d (requests %s): %s", mb.spec.mb_id, [r.request_id for r in mb.requests], why)
+        for req in mb.requests:
+            req.fail()
+        self.scheduler.complete(mb.spec.mb_id)
+        self._stream_ids.pop(mb.spec.mb_id, None)
+        self._dropped_keys.extend(
+            (keys.tokens(mb.spec.mb_id), keys.microbatch_cancel(mb.spec.mb_id), keys.microbatch(mb.spec.mb_id))
         )
 
     async def _redispatch(self, mb_ids: list[int]) -> None:
@@ -289,7 +310,8 @@ class PipelineBackend:
                 mb.started_rows.add(row)
             if fin is not None:
                 mb.finished_rows.add(row)
-            req.deliver(step.step, step.tokens[row], _FINISH[fin] if fin is not None else None)
+            if req.deliver(step.step, step.tokens[row], fin) and fin is FinishReason.ERROR:
+                log.error("request %s failed in the workers (microbatch %d, step %d)", req.request_id, mb_id, step.step)
 
     async def _maybe_complete(self, mb_id: int) -> None:
         mb = self.scheduler.active.get(mb_id)

@@ -59,11 +59,13 @@ class Repair:
         redispatch: Callable[[list[int]], asyncio.Future | None],
         detected_at: float,
         metrics: RuntimeMetrics | None = None,
+        dropped: list[int] | None = None,
     ) -> ResumePoint:
         """Drive recovery at ``topology.epoch``; returns the published resume point.
 
         ``resumable``: microbatches the token pipeline had admitted (their first tokens exist);
-        ``not_started``: active microbatches still in the prompt phase, which re-run their prompts.
+        ``not_started``: active microbatches still in the prompt phase, which re-run their prompts;
+        ``dropped``: microbatches the controller failed, which every worker frees.
         """
         timings = RepairTimings(detected_at)
         epoch = topology.epoch
@@ -105,7 +107,9 @@ class Repair:
             watermarks[s] = {int(k): int(v) for k, v in raw.items()}
         replication = self.settings.recovery.replication is not Replication.OFF
         plan = plan_resume(epoch, depth, resumable, set(replaced), progress, watermarks, replication)
-        plan = plan.model_copy(update={"rerun": tuple(sorted({*plan.rerun, *not_started}))})
+        plan = plan.model_copy(
+            update={"rerun": tuple(sorted({*plan.rerun, *not_started})), "dropped": tuple(sorted(dropped or ()))}
+        )
         await self.redis.set(keys.RESUME, plan.encode())
         if plan.rerun:
             await redispatch(list(plan.rerun))

@@ -77,7 +77,7 @@ class Request:
             self.output_ids.append(token)
             ids = (token,)
         if finish is not None:
-            self.transition(RequestStatus.FINISHED)
+            self.transition(RequestStatus.FAILED if finish is FinishReason.ERROR else RequestStatus.FINISHED)
         self.events.put_nowait(TokenEvent(token_ids=ids, finish_reason=finish))
         return True
 

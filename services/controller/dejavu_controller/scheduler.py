@@ -37,6 +37,23 @@ class Microbatch:
     requests: list[Request]
     finished_rows: set[int] = field(default_factory=set)  # rows the workers reported finished
     started_rows: set[int] = field(default_factory=set)  # rows whose first token (step 0) was seen
+    stalled_repairs: int = 0  # consecutive repairs this microbatch was in flight for without progress
+    _progress_at_repair: int = -1
+
+    @property
+    def progress(self) -> int:
+        """Tokens delivered to its requests so far (first tokens and finishes included)."""
+        return len(self.started_rows) + sum(len(r.output_ids) for r in self.requests)
+
+    def note_repair(self, limit: int) -> bool:
+        """Count a repair this microbatch was in flight for; True once it has been in flight for more
+        than ``limit`` repairs in a row without delivering a token in between. Work that keeps killing
+        the workers that take it (a deterministic failure) stops there instead of looping forever;
+        a microbatch that progresses between failures is never counted out."""
+        progress = self.progress
+        self.stalled_repairs = 1 if progress > self._progress_at_repair else self.stalled_repairs + 1
+        self._progress_at_repair = progress
+        return self.stalled_repairs > limit
 
     @property
     def first_complete(self) -> bool:

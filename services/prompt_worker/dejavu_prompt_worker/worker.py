@@ -19,10 +19,12 @@ from pydantic import ValidationError
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import (
+    FinishReason,
     MicrobatchSpec,
     PromptDone,
     PromptTask,
     StageAssignment,
+    TokenStep,
     Topology,
     WorkerRole,
 )
@@ -37,8 +39,13 @@ from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
+from dejavulib.topology import right_aligned
 
 log = logging.getLogger("dejavu.prompt_worker")
+
+# What one prompt task can raise that concerns its requests alone (values that break the computation,
+# a spec that is gone): the task's rows are failed to their clients and the stage serves the next task.
+TASK_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, IndexError, RuntimeError)
 
 
 class PromptWorker(WorkerProcess):
@@ -69,7 +76,10 @@ class PromptWorker(WorkerProcess):
             try:
                 claimed = self._claim() if me.stage == 0 else self._receive()
                 if claimed is not None:
-                    self._process(*claimed)
+                    try:
+                        self._process(*claimed)
+                    except TASK_FAILURES as exc:
+                        self._fail_task(claimed[0], claimed[1], exc)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                     raise
@@ -157,18 +167,49 @@ class PromptWorker(WorkerProcess):
         src = 0
         for piece in task.pieces:
             n = piece.dst_rows[1] - piece.dst_rows[0]
-            target_len = specs[piece.mb_id].prompt_len
-            # Left padding: this microbatch's positions [0, padded) land at [target_len - padded, target_len).
+            spec = specs[piece.mb_id]
+            # A task can carry pieces of several token microbatches, each padded to its own longest
+            # prompt, which may be shorter or longer than this task's: only the positions holding the
+            # piece's prompts move, right-aligned in both.
+            longest = max(len(spec.rows[r].prompt_ids) for r in range(*piece.dst_rows))
+            (s0, s1), positions = right_aligned(padded, longest, spec.prompt_len)
             chunk = KVChunk(
                 mb_id=piece.mb_id,
                 layers=(layer, layer + 1),
                 rows=piece.dst_rows,
-                positions=(target_len - padded, target_len),
-                k=cache.k[local : local + 1, src : src + n],
-                v=cache.v[local : local + 1, src : src + n],
+                positions=positions,
+                k=cache.k[local : local + 1, src : src + n, :, s0:s1],
+                v=cache.v[local : local + 1, src : src + n, :, s0:s1],
             )
             self.endpoint.send(dest.worker_id, Channel.KV_PROMPT, chunk.encode())
             src += n
+
+    def _fail_task(self, entry: str, task: PromptTask, error: Exception) -> None:
+        """Fail every row of ``task``: an ERROR finish at step 0 on each token stream (the controller
+        fails those requests) and in the ready announcement (token stage 0 frees a microbatch whose rows
+        all failed, and a partly failed one stops waiting for the failed rows' KV at its deadline);
+        the task is acknowledged, so it is never claimed again."""
+        assert self.redis is not None
+        log.error("prompt task %d failed, failing its requests: %r", task.task_id, error)
+        pipe = self.redis.pipeline(transaction=False)
+        for piece in task.pieces:
+            try:
+                spec = fetch_spec(self.redis, piece.mb_id, 0.0)
+            except DeadlineExceeded:
+                continue  # the controller has already forgotten this microbatch
+            rows = range(*piece.dst_rows)
+            failed = tuple(FinishReason.ERROR if r in rows else None for r in range(len(spec.rows)))
+            step = TokenStep(mb_id=piece.mb_id, step=0, tokens=(-1,) * len(spec.rows), finished=failed)
+            pipe.xadd(keys.tokens(piece.mb_id), {"step": step.encode()})
+            done = PromptDone(
+                mb_id=piece.mb_id,
+                dst_rows=piece.dst_rows,
+                tokens=(-1,) * len(rows),
+                finished=(FinishReason.ERROR,) * len(rows),
+            )
+            pipe.xadd(keys.READY_QUEUE, {"done": done.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
+        pipe.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
+        pipe.execute()
 
     def _first_tokens(self, task: PromptTask, specs: dict[int, MicrobatchSpec], logits: torch.Tensor) -> None:
         """Sample step 0 for every row, publish it, and announce the rows to token stage 0."""

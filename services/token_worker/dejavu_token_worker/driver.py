@@ -22,7 +22,7 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.ready import ReadyPrompts
-from dejavu_token_worker.runner import Position, StageRunner, history
+from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner, history
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 
@@ -80,7 +80,11 @@ class Driver:
         while not stop():
             self._admit()
             if self.runnable:
-                self._step(self.runnable.popleft())
+                mb_id = self.runnable.popleft()
+                try:
+                    self._step(mb_id)
+                except STEP_FAILURES as exc:
+                    self._fail(mb_id, exc)
                 continue
             if self.pos.depth == 1:
                 if not self.inflight and self.ready is not None:
@@ -138,7 +142,11 @@ class Driver:
             ids[r, spec.prompt_len - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
         state.mark_complete(0)
         self.inflight[spec.mb_id], self.next_step[spec.mb_id] = (), 0
-        self.runner.run(self.pos, state, Kind.PREFILL, 0, StageIO(input_ids=ids))
+        try:
+            self.runner.run(self.pos, state, Kind.PREFILL, 0, StageIO(input_ids=ids))
+        except STEP_FAILURES as exc:
+            self._fail(spec.mb_id, exc)
+            return True
         if self.pos.depth == 1:
             self._local_return(spec.mb_id)
         return True
@@ -182,6 +190,11 @@ class Driver:
         self.inflight[ret.mb_id] = ret.tokens
         self.next_step[ret.mb_id] = ret.step + 1
         self.runnable.append(ret.mb_id)
+
+    def _fail(self, mb_id: int, error: Exception) -> None:
+        """One microbatch's step failed: fail its requests, free it everywhere, serve the others."""
+        self.runner.fail(mb_id, self.next_step.get(mb_id, 0), error)
+        self._finish(mb_id)
 
     def _finish(self, mb_id: int) -> None:
         self.inflight.pop(mb_id, None)

@@ -18,7 +18,7 @@ import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
-from dejavu_common.messages import TokenStep
+from dejavu_common.messages import FinishReason, TokenStep
 from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
@@ -31,6 +31,11 @@ from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
 
 log = logging.getLogger("dejavu.token_worker")
+
+# What one microbatch's step can raise that concerns that microbatch alone (its prompt KV never came,
+# its spec is gone, its values break the computation): the microbatch is failed to its clients and the
+# stage goes on serving the others. Transport errors (``DejaVuLibError``) are not among them.
+STEP_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, IndexError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,21 @@ class StageRunner:
                 self.swap.drop(mb_id)
         self.trackers.pop(mb_id, None)
         self.last_tokens.pop(mb_id, None)
+
+    def fail(self, mb_id: int, step: int, error: Exception) -> None:
+        """Fail ``mb_id`` to its clients: publish an ERROR finish of every row at ``step`` on its token
+        stream (the controller fails those requests and frees the microbatch; rows already finished
+        ignore it). The caller releases the microbatch along the pipeline."""
+        log.error("microbatch %d failed at step %d, failing its requests: %r", mb_id, step, error)
+        with self._lock:
+            st = self.states.get(mb_id)
+        try:
+            spec = st.spec if st is not None else fetch_spec(self.redis, mb_id, 0.0)
+        except DeadlineExceeded:
+            return  # the controller has already forgotten it
+        n = len(spec.rows)
+        entry = TokenStep(mb_id=mb_id, step=step, tokens=(-1,) * n, finished=(FinishReason.ERROR,) * n)
+        self.redis.xadd(keys.tokens(mb_id), {"step": entry.encode()})
 
     def progress(self) -> dict[int, int]:
         """Per microbatch, the last step whose KV this stage holds (-1: prompt KV incomplete)."""

@@ -22,8 +22,8 @@ from dejavu_token_worker import recovery
 from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
-from dejavu_token_worker.runner import Position, StageRunner
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
+from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner
+from dejavu_worker.dataplane import Kind, KVChunk, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
@@ -164,12 +164,13 @@ class TokenWorker(WorkerProcess):
             for mb in list(self.runner.states):
                 self.runner.release(mb)
             return {}
-        for mb in point.rerun:
+        for mb in (*point.rerun, *point.dropped):
             self.runner.release(mb)
             if self.replica is not None:
                 self.replica.drop(mb)
         if self.ready is not None:
             self.ready.forget(set(point.rerun))
+            self.ready.ignored |= set(point.dropped)  # a late announcement of a failed microbatch is stale
         self.runner.trackers.clear()  # rebuilt from the token streams at the resumed steps
         return dict(point.resume) if pos.is_first else {}
 
@@ -236,21 +237,32 @@ class TokenWorker(WorkerProcess):
                 if pos.next_peer is not None:
                     self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
                 continue
-            state = self.runner.state(msg.mb_id)
-            if msg.kind is Kind.PREFILL:
-                state.mark_complete(0)
-            else:
-                state.wait_complete(self.settings.transport.deadline_s)
-                self.runner.replicate_prompt(state)
-            hint = (msg.meta or {}).get("next")
-            self.runner.run(
-                pos,
-                state,
-                msg.kind,
-                msg.step,
-                StageIO(hidden=msg.tensor),
-                next_mb=int(hint) if hint is not None else None,
-            )
+            try:
+                self._follow_step(pos, msg)
+            except STEP_FAILURES as exc:
+                # This microbatch alone failed here: its clients get an error, stage 0 frees it
+                # along the pipeline, and this stage keeps serving the others.
+                self.runner.fail(msg.mb_id, msg.step, exc)
+                done = TokenReturn(msg.mb_id, msg.step, (), True)
+                self.endpoint.send(pos.first_peer, Channel.TOKENS, done.encode())
+
+    def _follow_step(self, pos: Position, msg: StageMessage) -> None:
+        assert self.runner is not None
+        state = self.runner.state(msg.mb_id)
+        if msg.kind is Kind.PREFILL:
+            state.mark_complete(0)
+        else:
+            state.wait_complete(self.settings.transport.deadline_s)
+            self.runner.replicate_prompt(state)
+        hint = (msg.meta or {}).get("next")
+        self.runner.run(
+            pos,
+            state,
+            msg.kind,
+            msg.step,
+            StageIO(hidden=msg.tensor),
+            next_mb=int(hint) if hint is not None else None,
+        )
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
     def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event) -> None:
