@@ -84,6 +84,14 @@ class ControllerSettings(BaseModel):
     token_microbatch: int = Field(4, ge=1, le=1024, description="Requests per token microbatch.")
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="How long a partial microbatch waits for more.")
     queue_bound: int = Field(256, ge=1, le=1_000_000, description="Waiting requests before the API answers 503.")
+    max_running: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="Requests the token pipeline decodes at once, all its D_t cohorts together (each cohort "
+        "takes up to max_running / D_t); the controller dispatches that many plus what the prompt pipeline "
+        "may run ahead (D_p prompt microbatches).",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
     max_stalled_repairs: int = Field(
         3,

@@ -56,7 +56,7 @@ class PipelineBackend:
             SchedulerLimits(
                 token_microbatch=c.token_microbatch,
                 prompt_microbatch=c.token_microbatch if colocated else c.prompt_microbatch,
-                max_outstanding=c.token_depth + (0 if colocated else c.prompt_depth),
+                max_outstanding_rows=_outstanding_rows(settings),
                 queue_bound=c.queue_bound,
                 batch_wait_s=c.batch_wait_ms / 1000.0,
                 max_len=settings.engine.max_context,
@@ -321,3 +321,13 @@ class PipelineBackend:
         self._stream_ids.pop(mb_id, None)
         await self.redis.delete(keys.tokens(mb_id), keys.microbatch_cancel(mb_id), keys.microbatch(mb_id))
         self._wake.set()
+
+
+def _outstanding_rows(settings: Settings) -> int:
+    """Requests dispatched at once: what the token pipeline decodes plus what the prompt pipeline may run
+    ahead. With swapping, a cohort holds one microbatch, so D_t + D_p microbatches, as in the paper."""
+    c = settings.controller
+    ahead = 0 if c.mode is Mode.COLOCATED else c.prompt_depth * c.prompt_microbatch
+    if settings.swap.enabled:
+        return (c.token_depth + (0 if c.mode is Mode.COLOCATED else c.prompt_depth)) * c.token_microbatch
+    return c.max_running + ahead

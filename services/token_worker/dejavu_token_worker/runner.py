@@ -24,7 +24,7 @@ from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.replication import ReplicaSender
-from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
+from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
@@ -69,7 +69,6 @@ class StageRunner:
         self.deadline_s = deadline_s
         self.states: dict[int, MicrobatchState] = {}
         self.trackers: dict[int, RowTracker] = {}  # last stage only: per-row progress
-        self.last_tokens: dict[int, tuple[int, ...]] = {}  # single-stage pipelines: the step's tokens
         self.replicas: ReplicaSender | None = None
         self._lock = threading.Lock()
 
@@ -95,7 +94,6 @@ class StageRunner:
             if self.states.pop(mb_id, None) is not None and self.swap is not None:
                 self.swap.drop(mb_id)
         self.trackers.pop(mb_id, None)
-        self.last_tokens.pop(mb_id, None)
 
     def fail(self, mb_id: int, step: int, error: Exception) -> None:
         """Fail ``mb_id`` to its clients: publish an ERROR finish of every row at ``step`` on its token
@@ -119,44 +117,61 @@ class StageRunner:
 
     # -- one pass -----------------------------------------------------------------------------
     def run(
-        self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO, next_mb: int | None = None
-    ) -> TokenStep | None:
-        """Run this stage's layers for ``step`` of ``state`` and hand the result on.
+        self,
+        pos: Position,
+        members: list[tuple[MicrobatchState, int]],
+        kind: Kind,
+        io: StageIO,
+        cohort: int = -1,
+        next_mb: int | None = None,
+    ) -> TokenReturn | None:
+        """Run this stage's layers for one pass of ``members`` (each microbatch at its own step; rows of
+        ``io`` are the members' rows in order) and hand the result on.
 
-        ``next_mb`` is the microbatch stage 0 expects to run next: with swapping, its cache is
-        prefetched into the free device buffer while this step computes. Returns the step's token
-        entry on the last stage, None elsewhere.
+        A DECODE pass batches every member (iteration-level batching: each attends over its own cache
+        and length); a PREFILL pass has one member. ``next_mb`` is the microbatch stage 0 expects to run
+        next: with swapping, its cache is prefetched while this pass computes. Returns the pass's
+        :class:`TokenReturn` on the last stage (also sent to stage 0 when this is not stage 0).
         """
-        geometry = state.geometry(step)
-        cache = self._acquire(state, geometry.cur_len - (geometry.cur_len if kind is Kind.PREFILL else 1))
+        if kind is Kind.PREFILL and len(members) != 1:
+            raise ValueError("a prefill pass runs one microbatch")
+        geometries = [state.geometry(step) for state, step in members]
+        caches = [
+            self._acquire(state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1))
+            for (state, _), g in zip(members, geometries, strict=True)
+        ]
         if next_mb is not None:
             self.prefetch(next_mb)
         if kind is Kind.PREFILL:
-            out = self.stage.prefill(io, cache, geometry)
-            written = (0, geometry.cur_len)
+            out = self.stage.prefill(io, caches[0], geometries[0])
         else:
-            out = self.stage.decode(io, cache, geometry)
-            written = (geometry.cur_len - 1, geometry.cur_len)
-        if self.swap is not None:
-            self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
-        state.done_step = step
-        if self.replicas is not None:
-            self.replicas.send(state, step, written)
+            out = self.stage.decode_groups(io, list(zip(caches, geometries, strict=True)))
+        for (state, step), g in zip(members, geometries, strict=True):
+            written = (0, g.cur_len) if kind is Kind.PREFILL else (g.cur_len - 1, g.cur_len)
+            if self.swap is not None:
+                self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
+            state.done_step = step
+            if self.replicas is not None:
+                self.replicas.send(state, step, written)
+        steps = tuple((state.mb_id, step, len(state.spec.rows)) for state, step in members)
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
-            self.endpoint.send(
-                pos.next_peer, Channel.ACTIVATION, StageMessage(kind, state.mb_id, step, out.hidden).encode()
-            )
+            hint = {"next": next_mb} if next_mb is not None else None
+            msg = StageMessage(kind, cohort, 0, out.hidden, hint, members=steps)
+            self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
-        entry = self._sample(state, step, out.logits[:, -1])
-        feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
-        done = self.trackers[state.mb_id].done
-        if pos.is_first:
-            self.last_tokens[state.mb_id] = feed
-        else:
-            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(state.mb_id, step, feed, done).encode())
-        return entry
+        returned, row = [], 0
+        for state, step in members:
+            n = len(state.spec.rows)
+            entry = self._sample(state, step, out.logits[row : row + n, -1])
+            row += n
+            feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
+            returned.append(Returned(state.mb_id, step, feed, self.trackers[state.mb_id].done))
+        ret = TokenReturn(cohort, tuple(returned))
+        if not pos.is_first:
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
+        return ret
 
     def _acquire(self, state: MicrobatchState, filled: int) -> KVCache:
         """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import RecoveryOrder, StageAssignment, Topology, WorkerRole
@@ -23,7 +25,7 @@ from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage, TokenReturn
+from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
@@ -119,6 +121,7 @@ class TokenWorker(WorkerProcess):
                     pos,
                     self.ready,
                     self.settings.transport.deadline_s,
+                    self.settings.controller.max_running,
                 )
                 driver.resume(resume)
                 driver.run(self.epoch_changed)
@@ -238,30 +241,44 @@ class TokenWorker(WorkerProcess):
                     self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
                 continue
             try:
-                self._follow_step(pos, msg)
+                self._follow_pass(pos, msg)
             except STEP_FAILURES as exc:
-                # This microbatch alone failed here: its clients get an error, stage 0 frees it
-                # along the pipeline, and this stage keeps serving the others.
-                self.runner.fail(msg.mb_id, msg.step, exc)
-                done = TokenReturn(msg.mb_id, msg.step, (), True)
-                self.endpoint.send(pos.first_peer, Channel.TOKENS, done.encode())
+                # The pass's values broke the computation here: its members' clients get errors, stage 0
+                # frees them along the pipeline, and this stage keeps serving the others.
+                for mb, step, _rows in msg.members:
+                    self.runner.fail(mb, step, exc)
+                failed = tuple(Returned(mb, step, (), True) for mb, step, _rows in msg.members)
+                self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
 
-    def _follow_step(self, pos: Position, msg: StageMessage) -> None:
-        assert self.runner is not None
-        state = self.runner.state(msg.mb_id)
-        if msg.kind is Kind.PREFILL:
-            state.mark_complete(0)
-        else:
-            state.wait_complete(self.settings.transport.deadline_s)
-            self.runner.replicate_prompt(state)
+    def _follow_pass(self, pos: Position, msg: StageMessage) -> None:
+        """Run one pass of a cohort here. A member whose prompt KV never completes (or whose spec is
+        gone) is failed on its own and leaves the pass; the others run."""
+        assert self.runner is not None and self.endpoint is not None and msg.tensor is not None
+        members, failed, kept, row = [], [], [], 0
+        for mb, step, rows in msg.members:
+            try:
+                state = self.runner.state(mb)
+                if msg.kind is Kind.PREFILL:
+                    state.mark_complete(0)
+                else:
+                    state.wait_complete(self.settings.transport.deadline_s)
+                    self.runner.replicate_prompt(state)
+                members.append((state, step))
+                kept.append(msg.tensor[row : row + rows])
+            except STEP_FAILURES as exc:
+                self.runner.fail(mb, step, exc)
+                failed.append(Returned(mb, step, (), True))
+            row += rows
+        if failed:
+            # With members left, stage 0 learns of these apart (cohort -1); else this ends the pass.
+            ret = TokenReturn(-1 if members else msg.mb_id, tuple(failed))
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
+        if not members:
+            return
         hint = (msg.meta or {}).get("next")
+        hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
         self.runner.run(
-            pos,
-            state,
-            msg.kind,
-            msg.step,
-            StageIO(hidden=msg.tensor),
-            next_mb=int(hint) if hint is not None else None,
+            pos, members, msg.kind, StageIO(hidden=hidden), msg.mb_id, next_mb=int(hint) if hint is not None else None
         )
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
