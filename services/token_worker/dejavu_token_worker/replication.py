@@ -77,6 +77,7 @@ class ReplicaStore:
         self.kv_heads, self.head_dim, self.dtype = head_geometry
         self.caches: dict[int, KVCache] = {}
         self.steps: dict[int, int] = {}
+        self.spans: dict[int, int] = {}  # each microbatch's whole span (its spec's max_len)
         self.lock = threading.Lock()
 
     def run(self, stop: threading.Event) -> None:
@@ -93,7 +94,7 @@ class ReplicaStore:
     def store(self, chunk: KVChunk) -> None:
         if tuple(chunk.layers) != self.source_layers:
             raise ValueError(f"replica chunk layers {chunk.layers} are not stage {self.source_stage}'s")
-        cache = self._cache(chunk.mb_id)
+        cache = self._cache(chunk.mb_id, chunk.positions[1])
         sl = (slice(None), slice(*chunk.rows), slice(None), slice(*chunk.positions))
         cache.k[sl].copy_(chunk.k)
         cache.v[sl].copy_(chunk.v)
@@ -103,14 +104,21 @@ class ReplicaStore:
             self.steps[chunk.mb_id] = max(self.steps.get(chunk.mb_id, -1), chunk.step)
         self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, chunk.step)
 
-    def _cache(self, mb_id: int) -> KVCache:
+    def _cache(self, mb_id: int, positions: int) -> KVCache:
+        """The replica of ``mb_id``, holding at least ``positions`` positions: like the primary, it starts
+        small and doubles up to the microbatch's span."""
         with self.lock:
             cache = self.caches.get(mb_id)
             if cache is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
                 a, b = self.source_layers
-                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, spec.max_len, self.head_dim, self.dtype, a)
+                size = min(spec.max_len, max(positions, spec.prompt_len + 64))
+                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
                 cache = self.caches[mb_id] = KVCache.allocate(layout, "cpu")
+                self.spans[mb_id] = spec.max_len
+            elif positions > cache.layout.max_len:
+                cache = cache.grown(min(self.spans[mb_id], max(positions, 2 * cache.layout.max_len)))
+                self.caches[mb_id] = cache
             return cache
 
     def _append_to_disk(self, chunk: KVChunk) -> None:
@@ -123,5 +131,6 @@ class ReplicaStore:
         with self.lock:
             self.caches.pop(mb_id, None)
             self.steps.pop(mb_id, None)
+            self.spans.pop(mb_id, None)
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
         (self.replica_dir / f"stage{self.source_stage}-mb{mb_id}.kv").unlink(missing_ok=True)

@@ -37,6 +37,9 @@ log = logging.getLogger("dejavu.token_worker")
 # stage goes on serving the others. Transport errors (``DejaVuLibError``) are not among them.
 STEP_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, IndexError, RuntimeError)
 
+# Positions a new cache holds beyond the prompt; it doubles when decoding reaches its end.
+_INITIAL_ROOM = 64
+
 
 @dataclass(frozen=True)
 class Position:
@@ -79,12 +82,11 @@ class StageRunner:
             st = self.states.get(mb_id)
             if st is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
-                layout = self.stage.kv_layout(len(spec.rows), spec.max_len)
-                cache = (
-                    self.swap.add(mb_id, layout)
-                    if self.swap is not None
-                    else self.stage.allocate_cache(len(spec.rows), spec.max_len)
-                )
+                if self.swap is not None:  # swapped caches keep their whole span (fixed device buffers)
+                    cache = self.swap.add(mb_id, self.stage.kv_layout(len(spec.rows), spec.max_len))
+                else:  # grows as tokens are written (MicrobatchState.ensure_capacity)
+                    initial = min(spec.max_len, spec.prompt_len + _INITIAL_ROOM)
+                    cache = self.stage.allocate_cache(len(spec.rows), initial)
                 st = MicrobatchState(spec, cache, expected_cells=self.stage.num_layers * len(spec.rows))
                 self.states[mb_id] = st
             return st
@@ -176,6 +178,7 @@ class StageRunner:
     def _acquire(self, state: MicrobatchState, filled: int) -> KVCache:
         """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache."""
         if self.swap is None:
+            state.ensure_capacity(filled + 1)
             return state.cache
         if self.swap.state(state.mb_id) is SwapState.HOST:  # not prefetched (a missed hint)
             self.swap.make_room(keep=state.mb_id)

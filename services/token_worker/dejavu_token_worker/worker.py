@@ -213,8 +213,7 @@ class TokenWorker(WorkerProcess):
         )
         for chunk in primary:
             state = self.runner.state(chunk.mb_id)
-            state.cache.k.copy_(chunk.k)
-            state.cache.v.copy_(chunk.v)
+            state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
             state.mark_complete(chunk.step)
             state.prompt_replicated = True
         if self.replica is not None:
@@ -294,11 +293,7 @@ class TokenWorker(WorkerProcess):
             try:
                 chunk = KVChunk.decode(payload)
                 state = self.runner.state(chunk.mb_id)
-                local = state.cache.local(chunk.layers[0])
-                n = chunk.layers[1] - chunk.layers[0]
-                sl = (slice(local, local + n), slice(*chunk.rows), slice(None), slice(*chunk.positions))
-                state.cache.k[sl].copy_(chunk.k)
-                state.cache.v[sl].copy_(chunk.v)
+                state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
                 state.add_prompt_cells(chunk.layers, chunk.rows)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
                 log.error("dropped a prompt KV chunk: %s", exc)
