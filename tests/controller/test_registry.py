@@ -82,3 +82,19 @@ def test_colocated_mode_needs_no_prompt_workers(redis_url: str) -> None:
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_context_is_capped_at_the_models_own_position_limit(tmp_path) -> None:
+    import json
+
+    from dejavu_controller.model_info import context_limit
+
+    for name, config, expected in [
+        ("llama", {"max_position_embeddings": 8192}, 2048),
+        ("gpt2", {"n_positions": 1024}, 1024),
+        ("bloom", {}, 2048),  # ALiBi: no position limit of its own
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        assert context_limit(folder, 2048) == expected

@@ -32,6 +32,7 @@ from dejavu_controller.backend import (
     NotReadyError,
     TokenEvent,
 )
+from dejavu_controller.model_info import context_limit
 from dejavu_controller.registry import Registry, WorkerView
 from dejavu_controller.repair import Repair
 from dejavu_controller.request import Request, RequestStatus
@@ -59,7 +60,7 @@ class PipelineBackend:
                 max_outstanding_rows=_outstanding_rows(settings),
                 queue_bound=c.queue_bound,
                 batch_wait_s=c.batch_wait_ms / 1000.0,
-                max_len=settings.engine.max_context,
+                max_len=context_limit(settings.model.folder, settings.engine.max_context),
             )
         )
         self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE
