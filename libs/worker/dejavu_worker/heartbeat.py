@@ -7,11 +7,13 @@ thread never touches torch or the data plane; it only updates fields the serving
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 from pydantic import ValidationError
@@ -38,6 +40,7 @@ class Heartbeat(threading.Thread):
         self._admin_cursor = "$"
         self._kv_bytes: dict[str, int] = {}
         self._kv_lock = threading.Lock()
+        self.kv_held: Callable[[], tuple[int, int]] | None = None  # (bytes, microbatches) this worker holds
 
     def add_kv_bytes(self, purpose: str, nbytes: int) -> None:
         """Count KV bytes this worker streamed; flushed to Redis with the next beat."""
@@ -67,6 +70,10 @@ class Heartbeat(threading.Thread):
             counts, self._kv_bytes = self._kv_bytes, {}
         for purpose, n in counts.items():
             pipe.hincrby(keys.KV_BYTES, purpose, n)
+        if self.kv_held is not None:
+            held_bytes, held_mbs = self.kv_held()
+            held = json.dumps({"bytes": held_bytes, "microbatches": held_mbs})
+            pipe.set(keys.worker_kv(self.worker_id), held, px=4 * ttl_ms)
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
         results = pipe.execute()

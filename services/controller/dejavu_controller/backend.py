@@ -57,6 +57,7 @@ class TokenEvent:
 class BackendStats:
     queue_depth: int = 0
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> state
+    kv_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker id -> (KV bytes, microbatches)
 
 
 class QueueFullError(Exception):

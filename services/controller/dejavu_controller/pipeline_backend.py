@@ -108,6 +108,7 @@ class PipelineBackend:
         return BackendStats(
             queue_depth=self.scheduler.queue_depth,
             workers={w: ("alive:" if v.alive else "dead:") + v.state.value for w, v in self._workers.items()},
+            kv_held={w: (v.kv_bytes, v.kv_microbatches) for w, v in self._workers.items()},
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:

@@ -71,8 +71,10 @@ class Driver:
         ready: ReadyPrompts | None,
         deadline_s: float,
         max_running: int = 64,
+        release: Callable[[int], None] | None = None,
     ) -> None:
         self.runner = runner
+        self.release = release or runner.release  # frees a microbatch's cache (and replica) on this stage
         self.endpoint = endpoint
         self.redis = client
         self.worker_id = worker_id
@@ -298,7 +300,7 @@ class Driver:
         self._release_everywhere(mb_id)
 
     def _release_everywhere(self, mb_id: int) -> None:
-        self.runner.release(mb_id)
+        self.release(mb_id)
         if self.pos.next_peer is not None:
             self.endpoint.send(self.pos.next_peer, Channel.ACTIVATION, StageMessage(Kind.RELEASE, mb_id, 0).encode())
 

@@ -60,6 +60,8 @@ class TokenWorker(WorkerProcess):
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
             self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s)
+        if self.heartbeat is not None:
+            self.heartbeat.kv_held = self.kv_held
         log.info("loaded layers %s (%.1f MB)", assignment.layers, stage.param_bytes / 1e6)
 
     def serve(self, topology: Topology) -> None:
@@ -122,6 +124,7 @@ class TokenWorker(WorkerProcess):
                     self.ready,
                     self.settings.transport.deadline_s,
                     self.settings.controller.max_running,
+                    self.release,
                 )
                 driver.resume(resume)
                 driver.run(self.epoch_changed)
@@ -132,6 +135,26 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
+    def release(self, mb_id: int) -> None:
+        """Free everything this stage holds of ``mb_id``: its cache and the replica kept of it."""
+        assert self.runner is not None
+        self.runner.release(mb_id)
+        if self.replica is not None:
+            self.replica.drop(mb_id)
+
+    def _release_all_but(self, keep: set[int]) -> None:
+        assert self.runner is not None
+        held = set(self.runner.states) | (set(self.replica.caches) if self.replica is not None else set())
+        for mb in held - keep:
+            self.release(mb)
+
+    def kv_held(self) -> tuple[int, int]:
+        """(bytes, microbatches) of KV this stage holds: caches and replicas (what memory accounting checks)."""
+        caches = [st.cache for st in list(self.runner.states.values())] if self.runner is not None else []
+        if self.replica is not None:
+            caches += list(self.replica.caches.values())
+        return sum(c.k.nbytes + c.v.nbytes for c in caches), len(caches)
+
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
         """Take part in the repair of this epoch, if it follows failures; the microbatches stage 0
@@ -141,11 +164,7 @@ class TokenWorker(WorkerProcess):
         if order is None:
             # A fresh pipeline (first start, or a restarted controller that cleared its work): nothing
             # to resume, and microbatch ids start over, so no old cache may survive.
-            for mb in list(self.runner.states):
-                self.runner.release(mb)
-            if self.replica is not None:
-                for mb in list(self.replica.caches):
-                    self.replica.drop(mb)
+            self._release_all_but(set())
             if self.ready is not None:
                 self.ready.reset()
             return {}
@@ -164,13 +183,11 @@ class TokenWorker(WorkerProcess):
             if self.epoch_changed():
                 return None  # a newer epoch: its own recovery takes over
             log.error("recovery at epoch %d failed (%s): dropping every in-flight microbatch", topology.epoch, exc)
-            for mb in list(self.runner.states):
-                self.runner.release(mb)
+            self._release_all_but(set())
             return {}
-        for mb in (*point.rerun, *point.dropped):
-            self.runner.release(mb)
-            if self.replica is not None:
-                self.replica.drop(mb)
+        # Only what resumes survives: re-run prompts start from clean caches, dropped microbatches are
+        # gone, and anything else held here (a release lost with the failed worker) would leak.
+        self._release_all_but(set(point.resume))
         if self.ready is not None:
             self.ready.forget(set(point.rerun))
             self.ready.ignored |= set(point.dropped)  # a late announcement of a failed microbatch is stale
@@ -233,9 +250,7 @@ class TokenWorker(WorkerProcess):
                 log.error("dropped a malformed stage message: %s", exc)
                 continue
             if msg.kind is Kind.RELEASE:
-                self.runner.release(msg.mb_id)
-                if self.replica is not None:
-                    self.replica.drop(msg.mb_id)
+                self.release(msg.mb_id)
                 if pos.next_peer is not None:
                     self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
                 continue
