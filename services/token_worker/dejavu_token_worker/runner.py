@@ -163,13 +163,23 @@ class StageRunner:
             self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
-        returned, row = [], 0
-        for state, step in members:
+        # Two Redis round trips per pass, whatever the number of members: cancellations, then tokens.
+        pipe = self.redis.pipeline(transaction=False)
+        for state, _ in members:
+            pipe.smembers(keys.microbatch_cancel(state.mb_id))
+        cancels = pipe.execute()
+        returned, entries, row = [], [], 0
+        for (state, step), cancelled in zip(members, cancels, strict=True):
             n = len(state.spec.rows)
-            entry = self._sample(state, step, out.logits[row : row + n, -1])
+            entry = self._sample(state, step, out.logits[row : row + n, -1], {int(x) for x in cancelled})
+            entries.append(entry)
             row += n
             feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
             returned.append(Returned(state.mb_id, step, feed, self.trackers[state.mb_id].done))
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.xadd(keys.tokens(entry.mb_id), {"step": entry.encode()})
+        pipe.execute()
         ret = TokenReturn(cohort, tuple(returned))
         if not pos.is_first:
             self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
@@ -209,8 +219,9 @@ class StageRunner:
             self.replicas.send(state, 0, (0, state.spec.prompt_len))
             state.prompt_replicated = True
 
-    def _sample(self, state: MicrobatchState, step: int, logits: torch.Tensor) -> TokenStep:
-        """Sample ``step``'s tokens, publish them on the token stream, and track finishes."""
+    def _sample(self, state: MicrobatchState, step: int, logits: torch.Tensor, cancelled: set[int]) -> TokenStep:
+        """Sample ``step``'s tokens and track finishes (``cancelled``: rows the controller cancelled);
+        the caller publishes the returned entry on the token stream."""
         spec = state.spec
         tracker = self.trackers.get(spec.mb_id)
         if tracker is None:
@@ -221,10 +232,7 @@ class StageRunner:
             for r in spec.rows
         ]
         sampled = sample(logits, params, [step] * len(spec.rows))
-        cancelled = {int(x) for x in self.redis.smembers(keys.microbatch_cancel(spec.mb_id))}
-        entry = tracker.step(step, sampled, cancelled)
-        self.redis.xadd(keys.tokens(spec.mb_id), {"step": entry.encode()})
-        return entry
+        return tracker.step(step, sampled, cancelled)
 
 
 def history(client: redis.Redis, mb_id: int, before_step: int) -> list[TokenStep]:
