@@ -114,17 +114,17 @@ class Driver:
         return out
 
     def _place(self, cohort: Cohort) -> None:
-        """Let waiting and newly ready microbatches join ``cohort`` (at its boundary) while it has room."""
-        while len(cohort.members) < self.max_members:
-            if not self._waiting and not self._poll_ready():
-                return
+        """Let waiting and newly ready microbatches join ``cohort`` (at its boundary), in order, up to its
+        fair share of every row in the pipeline (balanced cohorts keep every stage equally busy) and at
+        most ``cohort_rows``. An empty cohort always takes the next one."""
+        while self._poll_ready():
+            pass
+        total = sum(c.rows for c in self.cohorts) + sum(m.rows for _, m in self._waiting)
+        share = min(self.cohort_rows, math.ceil(total / len(self.cohorts)))
+        while self._waiting and len(cohort.members) < self.max_members:
             mb, member = self._waiting[0]
-            if cohort.members and cohort.rows + member.rows > self.cohort_rows:
+            if cohort.members and cohort.rows + member.rows > share:
                 return
-            if cohort.rows > min(c.rows for c in self.cohorts) and any(
-                not c.in_flight and c is not cohort for c in self.cohorts
-            ):
-                return  # a lighter cohort at its boundary takes it (balance)
             self._waiting.popleft()
             cohort.members[mb] = member
             cohort.rows += member.rows
