@@ -37,3 +37,21 @@ def test_token_return_and_kv_chunk_round_trip() -> None:
 def test_malformed_payloads_raise_value_error(payload) -> None:
     with pytest.raises(ValueError):
         unframe(payload)
+
+
+def test_a_pass_of_kv_chunks_travels_as_one_message() -> None:
+    from dejavu_worker.dataplane import decode_chunks, encode_chunks
+
+    chunks = [
+        KVChunk(3, (4, 6), (0, 2), (9, 10), torch.randn(2, 2, 3, 1, 8), torch.randn(2, 2, 3, 1, 8), step=5),
+        KVChunk(7, (4, 6), (0, 1), (0, 4), torch.randn(2, 1, 3, 4, 8), torch.randn(2, 1, 3, 4, 8), step=0),
+    ]
+    back = decode_chunks(encode_chunks(chunks))
+    assert [(c.mb_id, c.layers, c.rows, c.positions, c.step) for c in back] == [
+        (3, (4, 6), (0, 2), (9, 10), 5),
+        (7, (4, 6), (0, 1), (0, 4), 0),
+    ]
+    for a, b in zip(chunks, back, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    (single,) = decode_chunks(chunks[0].encode())  # a lone chunk still decodes
+    assert single.mb_id == 3 and torch.equal(single.k, chunks[0].k)

@@ -177,3 +177,53 @@ class KVChunk:
             int(meta.get("step", 0)),
             str(meta.get("role", "")),
         )
+
+
+def encode_chunks(chunks: list[KVChunk]) -> bytes:
+    """Several KV chunks as one message (one buffered copy): a pass's replication of every member."""
+    metas, parts = [], []
+    for c in chunks:
+        both = torch.stack((c.k, c.v))
+        metas.append(
+            {
+                "mb": c.mb_id,
+                "layers": list(c.layers),
+                "rows": list(c.rows),
+                "positions": list(c.positions),
+                "step": c.step,
+                "shape": list(both.shape),
+            }
+        )
+        parts.append(both.reshape(-1))
+    return frame({"chunks": metas}, torch.cat(parts))
+
+
+def decode_chunks(payload: memoryview | bytes) -> list[KVChunk]:
+    """Inverse of :func:`encode_chunks`; a single :class:`KVChunk` message decodes as a list of one."""
+    meta, flat = unframe(payload)
+    if "chunks" not in meta:
+        return [KVChunk.decode(payload)]
+    if flat is None or flat.dim() != 1:
+        raise ValueError("a chunk batch carries one flat tensor")
+    out, offset = [], 0
+    for m in meta["chunks"]:
+        shape = [int(d) for d in m["shape"]]
+        n = int(np.prod(shape))
+        if len(shape) != 6 or shape[0] != 2 or offset + n > flat.numel():
+            raise ValueError(f"chunk shape {shape} does not fit the batch")
+        both = flat[offset : offset + n].view(shape)
+        offset += n
+        out.append(
+            KVChunk(
+                int(m["mb"]),
+                tuple(m["layers"]),
+                tuple(m["rows"]),
+                tuple(m["positions"]),
+                both[0],
+                both[1],
+                int(m["step"]),
+            )
+        )
+    if offset != flat.numel():
+        raise ValueError("bytes left over after the last chunk")
+    return out

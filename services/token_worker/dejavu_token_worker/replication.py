@@ -20,7 +20,7 @@ from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.settings import Replication
 from dejavu_engine.kv_cache import KVCache
-from dejavu_worker.dataplane import KVChunk
+from dejavu_worker.dataplane import KVChunk, decode_chunks, encode_chunks
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.layout import KVLayout
@@ -37,20 +37,27 @@ class ReplicaSender:
 
     def send(self, state: MicrobatchState, step: int, positions: tuple[int, int]) -> None:
         """Replicate positions [positions) of ``state``'s cache, as of ``step``."""
-        if self.peer is None:
+        self.send_pass([(state, step, positions)])
+
+    def send_pass(self, written: list[tuple[MicrobatchState, int, tuple[int, int]]]) -> None:
+        """Replicate what one pass wrote, every member at once: one buffered copy, one message."""
+        if self.peer is None or not written:
             return
-        cache = state.cache
-        p0, p1 = positions
-        chunk = KVChunk(
-            mb_id=state.mb_id,
-            layers=cache.layout.layer_range,
-            rows=(0, cache.layout.batch),
-            positions=positions,
-            k=cache.k[:, :, :, p0:p1],
-            v=cache.v[:, :, :, p0:p1],
-            step=step,
-        )
-        self.endpoint.send(self.peer, Channel.KV_REPLICA, chunk.encode())
+        chunks = []
+        for state, step, (p0, p1) in written:
+            cache = state.cache
+            chunks.append(
+                KVChunk(
+                    mb_id=state.mb_id,
+                    layers=cache.layout.layer_range,
+                    rows=(0, cache.layout.batch),
+                    positions=(p0, p1),
+                    k=cache.k[:, :, :, p0:p1],
+                    v=cache.v[:, :, :, p0:p1],
+                    step=step,
+                )
+            )
+        self.endpoint.send(self.peer, Channel.KV_REPLICA, encode_chunks(chunks))
 
 
 class ReplicaStore:
@@ -87,7 +94,8 @@ class ReplicaStore:
             if payload is None:
                 continue
             try:
-                self.store(KVChunk.decode(payload))
+                for chunk in decode_chunks(payload):
+                    self.store(chunk)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
                 log.error("dropped a replica chunk: %s", exc)
 

@@ -148,13 +148,15 @@ class StageRunner:
             out = self.stage.prefill(io, caches[0], geometries[0])
         else:
             out = self.stage.decode_groups(io, list(zip(caches, geometries, strict=True)))
+        replicated = []
         for (state, step), g in zip(members, geometries, strict=True):
             written = (0, g.cur_len) if kind is Kind.PREFILL else (g.cur_len - 1, g.cur_len)
             if self.swap is not None:
                 self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
             state.done_step = step
-            if self.replicas is not None:
-                self.replicas.send(state, step, written)
+            replicated.append((state, step, written))
+        if self.replicas is not None:
+            self.replicas.send_pass(replicated)
         steps = tuple((state.mb_id, step, len(state.spec.rows)) for state, step in members)
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
