@@ -77,7 +77,7 @@ class TargetRun:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="dejavu bench serve --base-url URL",
+        prog="dejavu bench serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -118,6 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--output-dist",
         type=OutputDist,
         choices=list(OutputDist),
+        metavar="{uniform,lmsys}",
         default=OutputDist.UNIFORM,
         help="uniform (vLLM's random dataset; the default) or lmsys (log-normal, LMSys-Chat-like skew).",
     )
