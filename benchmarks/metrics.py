@@ -181,6 +181,7 @@ def report(metrics: RunMetrics, title: str, slo: SLO | None = None) -> str:
 
     m = metrics
     lines = [
+        *([f"Goodput SLOs (ms): {slo}"] if slo is not None else []),
         f"{f' {title} ':=^{width}}",
         row("Successful requests:", m.completed),
         row("Failed requests:", m.failed),
@@ -192,7 +193,7 @@ def report(metrics: RunMetrics, title: str, slo: SLO | None = None) -> str:
         row("Total Token throughput (tok/s):", m.total_token_throughput),
     ]
     if m.request_goodput is not None:
-        lines.append(row(f"Request goodput (req/s) [{slo or 'SLO'}]:", m.request_goodput))
+        lines.append(row("Request goodput (req/s):", m.request_goodput))
     headings = {
         "ttft": ("Time to First Token", "TTFT"),
         "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,15 +62,20 @@ class Load:
 
 @dataclass(frozen=True)
 class TargetRun:
+    """One run's outcome; ``loadavg`` is the host's 1/5/15-minute load average at its end (a noisy,
+    shared host shows there)."""
+
     load: Load
     metrics: RunMetrics
     records: tuple[RequestRecord, ...]
+    loadavg: tuple[float, float, float]
 
     def to_json(self) -> dict:
         return {
             "request_rate": self.load.rate_json,
             "burstiness": self.load.burstiness,
             "max_concurrency": self.load.max_concurrency,
+            "host_loadavg": self.loadavg,
             **self.metrics.to_json(),
             "records": [r.to_json() for r in self.records],
         }
@@ -215,9 +221,12 @@ def loads(args: argparse.Namespace) -> list[Load]:
     return [Load(rate, args.burstiness, conc) for rate, conc in itertools.product(rates, args.max_concurrency)]
 
 
-def measure(args: argparse.Namespace, config: ClientConfig, prompts: TokenPrompts) -> list[TargetRun]:
-    """Warm up, then one run per load, each on the same requests; prints each run's result block.
-    Raises ``RuntimeError`` if a warm-up request fails (the server is not serving)."""
+def measure(
+    args: argparse.Namespace, config: ClientConfig, prompts: TokenPrompts, save: Callable[[list[TargetRun]], None]
+) -> list[TargetRun]:
+    """Warm up, then one run per load, each on the same requests; prints each run's result block and
+    calls ``save`` with the runs so far after each. Raises ``RuntimeError`` if a warm-up request fails
+    (the server is not serving)."""
     if args.num_warmups:
         warm = Trace.of([(0.0, 16, 4)] * args.num_warmups)
         for record in LoadGenerator(config, lambda r: prompts.ids(16, -1 - r.rid)).run_sync(warm):
@@ -229,15 +238,17 @@ def measure(args: argparse.Namespace, config: ClientConfig, prompts: TokenPrompt
         trace = replayed or args.dataset.trace(load.request_rate, load.burstiness)
         generator = LoadGenerator(replace(config, max_concurrency=load.max_concurrency), _prompt_of(prompts))
         records = generator.run_sync(trace)
-        run = TargetRun(load, RunMetrics.of(records, args.slo), tuple(records))
+        run = TargetRun(load, RunMetrics.of(records, args.slo), tuple(records), os.getloadavg())
         print(f"Traffic request rate: {load.rate_json or 'trace'}")
         print(f"Burstiness factor: {load.burstiness:g}")
         print(f"Maximum request concurrency: {load.max_concurrency}")
-        print(report(run.metrics, "Serving Benchmark Result", args.slo), flush=True)
+        print(report(run.metrics, "Serving Benchmark Result", args.slo))
+        print("Host load average (1/5/15 min): {:.1f} / {:.1f} / {:.1f}".format(*run.loadavg), flush=True)
         failures = [r for r in records if not r.ok]
         if failures:
             print(f"{len(failures)} requests failed, e.g. {failures[0].status.value}: {failures[0].error}")
         runs.append(run)
+        save(runs)
     return runs
 
 
@@ -258,12 +269,12 @@ def plot(runs: list[TargetRun], path: Path, title: str) -> None:
     bars.bar(range(len(runs)), [r.metrics.output_throughput for r in runs], color="tab:blue")
     bars.set_xticks(range(len(runs)), labels, rotation=20, fontsize=8)
     bars.set_ylabel("output tokens/s")
-    for ax, name, values in (
-        (ttft, "TTFT (ms)", lambda r: [x.ttft_s for x in r.records if x.ok and x.ttft_s is not None]),
-        (itl, "ITL (ms)", lambda r: [gap for x in r.records if x.ok for gap in x.itl_s]),
+    for ax, name, scale, values in (
+        (ttft, "TTFT (s)", 1, lambda r: [x.ttft_s for x in r.records if x.ok and x.ttft_s is not None]),
+        (itl, "ITL (ms)", 1000, lambda r: [gap for x in r.records if x.ok for gap in x.itl_s]),
     ):
         for run, label in zip(runs, labels, strict=True):
-            ordered = sorted(v * 1000 for v in values(run))
+            ordered = sorted(v * scale for v in values(run))
             if ordered:
                 ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
         ax.set_xlabel(name)
@@ -300,6 +311,12 @@ def result_json(args: argparse.Namespace, model: str, runs: list[TargetRun]) -> 
     }
 
 
+def save(args: argparse.Namespace, model: str, runs: list[TargetRun]) -> None:
+    """Write the JSON of the runs so far (after each run: a later failure loses nothing)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result_json(args, model, runs), indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tokenizer is None:
@@ -321,12 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             endpoint=args.endpoint,
         )
-        runs = measure(args, config, prompts)
+        runs = measure(args, config, prompts, lambda runs: save(args, model, runs))
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"error: {exc}")
         return 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result_json(args, model, runs), indent=1) + "\n")
     print(f"wrote {args.out}")
     png = args.out.with_suffix(".png")
     what = f"trace {args.trace.name}" if args.trace else f"{args.num_prompts} x {args.input_len} -> {args.output_len}"

@@ -79,7 +79,7 @@ def test_json_and_report_use_vllms_names() -> None:
     text = report(m, "Serving Benchmark Result", slo)
     for line in ("Successful requests:", "Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 ITL (ms):"):
         assert line in text
-    assert "Request goodput (req/s) [ttft:600 tpot:180]:" in text
+    assert "Goodput SLOs (ms): ttft:600 tpot:180" in text and "Request goodput (req/s):" in text
     assert "Median TTFT (ms):                        500.00" in text
 
 
@@ -195,6 +195,7 @@ def test_bench_serve_against_a_url(fake: FakeServer, tmp_path: Path, capsys: pyt
         assert (run["total_input_tokens"], run["total_output_tokens"]) == (48, 12)
         assert run["request_goodput"] == pytest.approx(run["request_throughput"])  # every TTFT under 60 s
         assert run["mean_ttft_ms"] >= 300 * 0.9 and len(run["records"]) == 4
+        assert len(run["host_loadavg"]) == 3
     assert out.with_suffix(".png").stat().st_size > 0
     warmup, *measured = fake.bodies
     assert len(warmup["prompt"]) == 16 and len(measured) == 8
