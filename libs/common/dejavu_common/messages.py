@@ -91,6 +91,7 @@ class SamplingSpec(Message):
     top_k: int = Field(0, ge=0)
     seed: int
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # EOS ids do not stop the row (stop_token_ids still do); old messages lack it
 
 
 class RowSpec(Message):

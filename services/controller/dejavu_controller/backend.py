@@ -36,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids
+    ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
 
 
 @dataclass(frozen=True)

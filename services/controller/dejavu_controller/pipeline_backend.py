@@ -126,6 +126,7 @@ class PipelineBackend:
                 top_k=p.top_k,
                 seed=seed,
                 stop_token_ids=p.stop_token_ids,
+                ignore_eos=p.ignore_eos,
             ),
         )
         self.scheduler.admit(req)  # QueueFullError propagates before the first event

@@ -64,5 +64,6 @@ def admit(
         top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "off"
         seed=body.seed,
         stop=body.stop_strings,
+        ignore_eos=body.ignore_eos,
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=params)

@@ -68,6 +68,9 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    ignore_eos: bool = Field(
+        False, description="Extension (vLLM's): keep generating past the model's EOS tokens; `stop` still applies."
+    )
 
     @field_validator("n")
     @classmethod
