@@ -22,6 +22,7 @@ from dejavu_common.tokenizer import Tokenizer
 from .auth import ApiKeyVerifier
 from .dependencies import require_api_key
 from .errors import install_error_handler
+from .guard import RequestGuard
 from .metrics import GatewayMetrics
 from .routers import chat, completions, health, metrics, models
 from .state import BackendFactory, Gateway
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: Tokenizer | None = None) -> FastAPI:
     """Build the gateway app; nothing starts until the ASGI server runs its lifespan.
+
+    Every request passes :class:`~.guard.RequestGuard` first (API key on every path but the probes,
+    JSON content type, body-size cap), before its body is read.
 
     ``tokenizer`` overrides loading one from ``settings.model.folder`` at startup. Raises
     :class:`~.auth.InsecureExposureError` if ``settings.controller.host`` is not loopback and no
@@ -61,7 +65,11 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
         description="OpenAI-compatible gateway of a DejaVu deployment (KV-cache streaming LLM serving).",
         version="0.1.0",
         lifespan=lifespan,
-        strict_content_type=False,  # a body sent with no Content-Type header at all is still read as JSON
+        strict_content_type=True,  # RequestGuard already refuses a body that is not declared JSON (415)
+    )
+    # Outermost: the key, content type and body size are checked before any other middleware or route.
+    app.add_middleware(
+        RequestGuard, verifier=verifier, metrics=gateway_metrics, max_body_bytes=settings.controller.max_body_bytes
     )
     app.state.metrics = gateway_metrics
     app.state.verifier = verifier

@@ -1,9 +1,9 @@
-"""Bearer API keys: who may call the ``/v1`` endpoints, and whether the API may be exposed at all.
+"""Bearer API keys: who may call the API, and whether the API may be exposed at all.
 
-``/health``, ``/ready`` and ``/metrics`` stay open (orchestrators and Prometheus probe them); every
-``/v1`` route requires ``Authorization: Bearer <key>`` with one of ``controller.api_keys``. Keys are
-compared in constant time, against every configured key, so timing reveals neither a key's prefix
-nor which key matched.
+Only ``/health`` and ``/ready`` stay open (orchestrators probe them); every other path requires
+``Authorization: Bearer <key>`` with one of ``controller.api_keys`` (:mod:`.guard` applies it before
+the body is read). Keys are compared in constant time, against every configured key, so timing
+reveals neither a key's prefix nor which key matched.
 """
 
 from __future__ import annotations
