@@ -24,12 +24,21 @@ token() {
 
 umask 077
 tmp="$file.tmp"
+# The admin key pair (Ed25519, each key as base64 of its raw 32 bytes): the admin tool signs commands
+# with the private key, workers get only the public key. A PKCS#8 DER Ed25519 key ends with its
+# 32-byte seed, an SPKI DER public key with its 32 raw bytes.
+der="$file.ed25519.tmp"
+trap 'rm -f "$der" "$tmp"' EXIT
+openssl genpkey -algorithm ed25519 -outform DER -out "$der"
+admin_signing_key=$(tail -c 32 "$der" | base64)
+admin_verify_key=$(openssl pkey -inform DER -in "$der" -pubout -outform DER | tail -c 32 | base64)
 cat >"$tmp" <<END
 REDIS_PASSWORD_CONTROLLER=$(token)
 REDIS_PASSWORD_WORKER=$(token)
 REDIS_PASSWORD_ADMIN=$(token)
 DATA_PLANE_SECRET=$(token)
-ADMIN_CREDENTIAL=$(token)
+ADMIN_SIGNING_KEY=$admin_signing_key
+ADMIN_VERIFY_KEY=$admin_verify_key
 CONTROLLER_API_KEYS=["$(token)"]
 END
 mv "$tmp" "$file"

@@ -108,16 +108,18 @@ def _holders(env: Iterable[EnvVar], name: str) -> dict[str, str]:
 
 
 def assert_credentials_reach_only_their_users(env: list[EnvVar], credentials: dict[str, str]) -> None:
-    """API keys: the controller; data-plane secret and admin credential: the workers (which verify admin
-    commands); each Redis user's password: its processes."""
+    """API keys: the controller; data-plane secret and admin verify key: the workers (which verify admin
+    commands); the admin signing key: nobody; each Redis user's password: its processes."""
     processes = {v.where.split(":", 1)[1] for v in env}
     controller = {p for p in processes if "controller" in p}
     workers = {p for p in processes if "worker" in p}
     assert len(controller) == 1 and len(workers) >= 3
     assert set(_holders(env, "DEJAVU_CONTROLLER__API_KEYS")) == controller
     assert set(_holders(env, "DEJAVU_TRANSPORT__SECRET")) == workers
-    assert set(_holders(env, "DEJAVU_ADMIN__CREDENTIAL")) == workers
-    assert set(_holders(env, "DEJAVU_ADMIN__CREDENTIAL").values()) == {credentials["ADMIN_CREDENTIAL"]}
+    assert set(_holders(env, "DEJAVU_ADMIN__VERIFY_KEY")) == workers
+    assert set(_holders(env, "DEJAVU_ADMIN__VERIFY_KEY").values()) == {credentials["ADMIN_VERIFY_KEY"]}
+    assert not _holders(env, "DEJAVU_ADMIN__SIGNING_KEY")
+    assert credentials["ADMIN_SIGNING_KEY"] not in {v.value for v in env}
     passwords = _holders(env, "DEJAVU_REDIS__PASSWORD")
     assert {passwords[p] for p in controller} == {credentials["REDIS_PASSWORD_CONTROLLER"]}
     assert {passwords[p] for p in workers} == {credentials["REDIS_PASSWORD_WORKER"]}

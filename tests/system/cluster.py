@@ -8,7 +8,10 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from dejavu_cli.launcher import Launcher
+from dejavu_common.admin import generate_keypair
 from dejavu_common.settings import Mode, Settings
 
 
@@ -30,7 +33,9 @@ def cluster_settings(
     **overrides: dict,
 ) -> Settings:
     base = Settings()
+    signing, verify = generate_keypair()  # the tests sign admin orders; the launcher gives workers `verify`
     parts = {
+        "admin": base.admin.model_copy(update={"signing_key": SecretStr(signing), "verify_key": verify}),
         "redis": base.redis.model_copy(update={"url": redis_url}),
         "model": base.model.model_copy(update={"path": model}),
         "engine": base.engine.model_copy(update={"torch_threads": 1}),

@@ -3,7 +3,8 @@
 - a data-plane peer with a wrong secret, or with the right secret but a stale epoch, sends tokens,
   activations and KV to every worker;
 - malformed entries land on every Redis stream the services read;
-- an admin command signed without the admin credential orders a worker to die.
+- an admin command signed with a key that is not the deployment's (a worker's own verify key
+  included) orders a worker to die.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import redis
 from openai import OpenAI
 
 from dejavu_common import keys
-from dejavu_common.admin import sign
+from dejavu_common.admin import generate_keypair, sign
 from dejavu_common.messages import AdminAction, Topology, WorkerInfo
 from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model
@@ -61,8 +62,10 @@ def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> N
         for stream in (keys.PROMPT_QUEUE, keys.COLOCATED_QUEUE, keys.READY_QUEUE, keys.ADMIN_STREAM):
             client.xadd(stream, {"task": b"{bad", "done": b"[]", "cmd": b"{}"})
         client.xadd(keys.tokens(12345), {"step": b"nonsense"})
-        forged = sign("t0", AdminAction.KILL, "not-the-admin-credential")
-        client.xadd(keys.ADMIN_STREAM, {"cmd": forged.encode()})
+        instance = WorkerInfo.decode(client.hget(keys.worker("t0"), "info")).instance
+        for key in (generate_keypair()[0], settings.admin.verify_key):  # a stranger's key, a worker's key
+            forged = sign(key, "t0", instance, AdminAction.KILL)
+            client.xadd(keys.ADMIN_STREAM, {"cmd": forged.encode()})
 
         api = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=180, max_retries=0)
         for prompt in ("The capital of France is", "def fibonacci(n):"):
@@ -73,6 +76,6 @@ def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> N
         # The forged kill is read by a worker's heartbeat thread, asynchronously to the requests above.
         # Search whole logs: the line can be followed by more than a tail's worth of UCX protocol tables.
         deadline = time.monotonic() + 30
-        while "bad credential" not in logs(launcher, tail=None) and time.monotonic() < deadline:
+        while "bad signature" not in logs(launcher, tail=None) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "bad credential" in logs(launcher, tail=None), logs(launcher)  # the forged kill was refused
+        assert "bad signature" in logs(launcher, tail=None), logs(launcher)  # the forged kill was refused

@@ -77,6 +77,18 @@ class ControllerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Bind address of the REST API.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the REST API (0: any free port).")
     api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted bearer API keys.")
+    max_body_bytes: int = Field(
+        2 << 20, ge=1 << 10, le=1 << 30, description="Largest request body; a longer one is refused (413) unread."
+    )
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Concurrent connections and requests; more are answered 503."
+    )
+    max_prompt_chars: int = Field(
+        200_000,
+        ge=16,
+        le=1 << 26,
+        description="Longest prompt text (all chat messages together), checked before tokenizing (400 beyond).",
+    )
     mode: Mode = Field(Mode.DISAGGREGATED, description="Disaggregated prompt/token pipelines or colocated baseline.")
     prompt_depth: int = Field(1, ge=1, le=256, description="D_p: stages of the prompt pipeline.")
     token_depth: int = Field(1, ge=1, le=256, description="D_t: stages of the token pipeline.")
@@ -132,9 +144,17 @@ class SwapSettings(BaseModel):
 
 
 class AdminSettings(BaseModel):
-    """The Redis-based admin tool."""
+    """The Redis-based admin tool: Ed25519 keys (base64 of raw 32 bytes) and the rules of a command."""
 
-    credential: SecretStr = Field(SecretStr("dejavu-admin-dev"), description="Shared admin credential.")
+    signing_key: SecretStr | None = Field(
+        None, description="Private key that signs admin commands; only the admin tool holds it."
+    )
+    verify_key: str | None = Field(
+        None, description="Public key workers check commands with; None: workers refuse every command."
+    )
+    command_ttl_s: float = Field(30.0, gt=0, le=3600, description="How long a signed command stays valid.")
+    clock_skew_s: float = Field(5.0, ge=0, le=300, description="Tolerated clock difference, admin host to worker.")
+    max_pause_s: float = Field(300.0, gt=0, le=86_400, description="Longest pause-heartbeats a worker obeys.")
 
 
 class Settings(BaseSettings):
