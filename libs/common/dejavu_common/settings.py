@@ -116,6 +116,12 @@ class TransportSettings(BaseModel):
     )
     deadline_s: float = Field(10.0, gt=0, le=3600, description="Deadline of one transfer.")
     max_inflight_bytes: int = Field(256 << 20, ge=1 << 16, description="Back-pressure bound of the streamer.")
+    max_message_bytes: int = Field(
+        4 << 30,
+        ge=1 << 16,
+        le=1 << 40,
+        description="Largest payload a worker accepts from an authenticated peer (larger: dropped unread).",
+    )
     secret: SecretStr = Field(SecretStr("dejavu-dev-secret"), description="Per-deployment data-plane secret.")
     host: str = Field("127.0.0.1", description="Address this worker's data plane is reachable at.")
 

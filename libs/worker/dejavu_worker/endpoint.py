@@ -2,7 +2,8 @@
 
 Peers' endpoint addresses come from the registry in Redis (``WorkerInfo.data_address``). Payloads
 are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVuLib adds the sealed
-header (size, crc32, epoch fencing, sender authentication with the deployment secret).
+header (size, payload MAC, epoch fencing, replay refusal, sender authentication with the deployment
+secret) and bounds payloads by ``transport.max_message_bytes``.
 
 Sends are asynchronous: :meth:`send` returns once the transfer is queued, and keeps the payload alive
 until the transfer completes. A failed or timed-out send is logged when noticed; the controller's
@@ -45,14 +46,18 @@ def _transport(settings: TransportSettings, worker_id: str):
         raise ValueError(f"workers in separate processes need the 'ucx' transport, not {settings.kind!r}")
     from dejavulib.transport.ucx import UcxTransport
 
-    return UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require)
+    return UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require, host=settings.host)
 
 
 class DataEndpoint:
     def __init__(self, settings: TransportSettings, worker_id: str) -> None:
         self.settings = settings
         self.worker_id = worker_id
-        self._ep = Endpoint(_transport(settings, worker_id), settings.secret.get_secret_value())
+        self._ep = Endpoint(
+            _transport(settings, worker_id),
+            settings.secret.get_secret_value(),
+            max_message_bytes=settings.max_message_bytes,
+        )
         self._addresses: dict[str, bytes] = {}
         self._inflight: collections.deque[tuple[Handle, np.ndarray]] = collections.deque()
         # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
