@@ -13,7 +13,7 @@ from pydantic import SecretStr
 
 from dejavu_cli import launcher as launcher_module
 from dejavu_cli.launcher import ADMIN_KEY_NAME, Launcher, stop_from_state_file, terminate_all
-from dejavu_cli.rundir import UnsafeRunDirError, read_private, run_dir, write_private
+from dejavu_cli.rundir import UnsafePathError, read_private, run_dir, write_private
 from dejavu_common.admin import AdminRejected, CommandVerifier, sign
 from dejavu_common.messages import AdminAction
 from dejavu_common.settings import Settings
@@ -31,12 +31,12 @@ def test_run_dir_is_private_and_checked(runtime_dir: Path):
     assert path == runtime_dir / "dejavu"
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     path.chmod(0o777)  # e.g. made by someone else, or loosened
-    with pytest.raises(UnsafeRunDirError, match="open to group or others"):
+    with pytest.raises(UnsafePathError, match="open to group or others"):
         run_dir()
     path.rmdir()
     (runtime_dir / "elsewhere").mkdir(mode=0o700)
     path.symlink_to(runtime_dir / "elsewhere")  # a planted link
-    with pytest.raises(UnsafeRunDirError, match="symlink"):
+    with pytest.raises(UnsafePathError, match="symlink"):
         run_dir()
 
 
@@ -46,7 +46,7 @@ def test_private_files(runtime_dir: Path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert read_private(path) == "{}"
     path.chmod(0o644)
-    with pytest.raises(UnsafeRunDirError):
+    with pytest.raises(UnsafePathError):
         read_private(path)
     assert read_private(run_dir() / "absent") is None
 
@@ -55,7 +55,7 @@ def test_a_planted_state_file_is_not_obeyed(runtime_dir: Path):
     state = run_dir() / launcher_module.STATE_NAME
     state.write_text('{"launcher": 1, "pids": [1]}')
     state.chmod(0o666)
-    with pytest.raises(UnsafeRunDirError):
+    with pytest.raises(UnsafePathError):
         stop_from_state_file()  # never signals PIDs from a file another user could have written
 
 

@@ -139,7 +139,10 @@ class RecoverySettings(BaseModel):
     heartbeat_interval_s: float = Field(0.25, gt=0, le=60, description="Lease renewal period.")
     lease_ttl_s: float = Field(1.5, gt=0, le=600, description="A worker whose lease is older is failed.")
     replication: Replication = Field(Replication.MEMORY, description="Where token stages replicate their KV.")
-    replica_dir: Path = Field(Path("/tmp/dejavu-replicas"), description="Folder of on-disk replicas.")
+    replica_dir: Path = Field(
+        default_factory=lambda: default_cache_dir() / "replicas",
+        description="Folder of on-disk replicas (created 0700; refused if other users could write it).",
+    )
 
 
 class SwapSettings(BaseModel):
