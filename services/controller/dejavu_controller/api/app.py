@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 from fastapi import Depends, FastAPI
@@ -81,4 +82,26 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
     app.include_router(models.router, dependencies=keyed)
     app.include_router(completions.router, dependencies=keyed)
     app.include_router(chat.router, dependencies=keyed)
+    _document_served_model(app, settings.model.name)
     return app
+
+
+def _document_served_model(app: FastAPI, model: str) -> None:
+    """Make the schema say which ``model`` is served: the one value a request's ``model`` may take (a
+    client, or a fuzzer generating requests from the schema, learns it from the schema alone)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for component in schema.get("components", {}).get("schemas", {}).values():
+                field = component.get("properties", {}).get("model")
+                if field is not None and field.get("type") == "string":
+                    field["enum"] = [model]
+            for operation in schema.get("paths", {}).get("/v1/models/{model}", {}).values():
+                for parameter in operation.get("parameters", []):
+                    if parameter.get("name") == "model":
+                        parameter["schema"]["examples"] = [model]
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
