@@ -16,7 +16,7 @@ from dejavu_cli.launcher import ADMIN_KEY_NAME, Launcher, stop_from_state_file, 
 from dejavu_cli.rundir import UnsafePathError, read_private, run_dir, write_private
 from dejavu_common.admin import AdminRejected, CommandVerifier, sign
 from dejavu_common.messages import AdminAction
-from dejavu_common.settings import Settings
+from dejavu_common.settings import DEV_DATA_PLANE_SECRET, Settings
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_a_planted_state_file_is_not_obeyed(runtime_dir: Path):
 
 def test_children_get_the_verify_key_only(runtime_dir: Path):
     launcher = Launcher(Settings())
-    launcher._ensure_admin_keys()
+    launcher._ensure_secrets()
     admin = launcher.settings.admin
     assert admin.signing_key is not None and admin.verify_key is not None
     env = launcher._env(launcher_module.Child("t0", [], restart=True))
@@ -71,6 +71,7 @@ def test_children_get_the_verify_key_only(runtime_dir: Path):
     key_file = run_dir() / ADMIN_KEY_NAME
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert key_file.read_text().strip() == f"DEJAVU_ADMIN__SIGNING_KEY={admin.signing_key.get_secret_value()}"
+    assert env["DEJAVU_TRANSPORT__SECRET"] not in ("", DEV_DATA_PLANE_SECRET)  # a fresh one per deployment
     verifier = CommandVerifier(admin.verify_key, "t0", "i", max_ttl_s=30, max_pause_s=60, clock_skew_s=5)
     verifier.check(sign(admin.signing_key.get_secret_value(), "t0", "i", AdminAction.DRAIN))
     with pytest.raises(AdminRejected):  # what a child holds cannot sign
@@ -80,7 +81,7 @@ def test_children_get_the_verify_key_only(runtime_dir: Path):
 def test_configured_admin_keys_are_kept(runtime_dir: Path):
     settings = Settings(admin={"verify_key": "A" * 43 + "="})
     launcher = Launcher(settings)
-    launcher._ensure_admin_keys()
+    launcher._ensure_secrets()
     assert launcher.settings.admin.verify_key == "A" * 43 + "="
     assert not (run_dir() / ADMIN_KEY_NAME).exists()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import secrets
 import shutil
 import socket
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ def cluster_settings(
     signing, verify = generate_keypair()  # the tests sign admin orders; the launcher gives workers `verify`
     parts = {
         "admin": base.admin.model_copy(update={"signing_key": SecretStr(signing), "verify_key": verify}),
+        "transport": base.transport.model_copy(update={"secret": SecretStr(secrets.token_hex(32))}),
         "redis": base.redis.model_copy(update={"url": redis_url}),
         "model": base.model.model_copy(update={"path": model}),
         "engine": base.engine.model_copy(update={"torch_threads": 1}),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from pydantic import SecretStr
 
 from dejavu_cli.rundir import read_private, run_dir, write_private
 from dejavu_common.admin import generate_keypair
-from dejavu_common.settings import Mode, Settings
+from dejavu_common.settings import DEV_DATA_PLANE_SECRET, Mode, Settings
 
 log = logging.getLogger("dejavu.launcher")
 
@@ -62,7 +63,7 @@ class Launcher:
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
-        self._ensure_admin_keys()
+        self._ensure_secrets()
         self._ensure_redis()
         c = self.settings.controller
         n_prompt = 0 if c.mode is Mode.COLOCATED else c.prompt_depth
@@ -138,8 +139,13 @@ class Launcher:
             time.sleep(0.05)
         log.info("started redis-server (pid %d) on port %d", self.redis_proc.pid, port)
 
-    def _ensure_admin_keys(self) -> None:
-        """Without a configured verify key, make a pair for this deployment (see the module docstring)."""
+    def _ensure_secrets(self) -> None:
+        """Replace the public development data-plane secret by a fresh one, and without a configured verify
+        key make an admin key pair for this deployment (see the module docstring)."""
+        transport = self.settings.transport
+        if transport.secret.get_secret_value() == DEV_DATA_PLANE_SECRET:
+            fresh = transport.model_copy(update={"secret": SecretStr(secrets.token_hex(32))})
+            self.settings = self.settings.model_copy(update={"transport": fresh})
         admin = self.settings.admin
         if admin.verify_key is not None:
             return

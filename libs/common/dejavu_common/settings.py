@@ -19,6 +19,9 @@ from pathlib import Path
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Public, for single-host development only: dejavu_common.exposure refuses it on any other address.
+DEV_DATA_PLANE_SECRET = "dejavu-dev-secret"
+
 
 def default_cache_dir() -> Path:
     """Where prepared model checkpoints and other derived artefacts are cached."""
@@ -122,7 +125,10 @@ class TransportSettings(BaseModel):
         le=1 << 40,
         description="Largest payload a worker accepts from an authenticated peer (larger: dropped unread).",
     )
-    secret: SecretStr = Field(SecretStr("dejavu-dev-secret"), description="Per-deployment data-plane secret.")
+    secret: SecretStr = Field(
+        SecretStr(DEV_DATA_PLANE_SECRET),
+        description="Per-deployment data-plane secret; the public default is refused beyond loopback.",
+    )
     host: str = Field("127.0.0.1", description="Address this worker's data plane is reachable at.")
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import redis
 
 from dejavu_common import keys
+from dejavu_common.exposure import check_data_plane
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
 from dejavulib.endpoint import Endpoint
@@ -51,6 +52,7 @@ def _transport(settings: TransportSettings, worker_id: str):
 
 class DataEndpoint:
     def __init__(self, settings: TransportSettings, worker_id: str) -> None:
+        check_data_plane(settings)  # no public default secret beyond loopback
         self.settings = settings
         self.worker_id = worker_id
         self._ep = Endpoint(
