@@ -121,8 +121,14 @@ def assert_credentials_reach_only_their_users(env: list[EnvVar], credentials: di
     assert not _holders(env, "DEJAVU_ADMIN__SIGNING_KEY")
     assert credentials["ADMIN_SIGNING_KEY"] not in {v.value for v in env}
     passwords = _holders(env, "DEJAVU_REDIS__PASSWORD")
+    users = _holders(env, "DEJAVU_REDIS__USERNAME")
     assert {passwords[p] for p in controller} == {credentials["REDIS_PASSWORD_CONTROLLER"]}
-    assert {passwords[p] for p in workers} == {credentials["REDIS_PASSWORD_WORKER"]}
+    for p in workers:  # its own user and password (Compose), or the shared worker user (Kubernetes)
+        user = users[p]
+        variable = "REDIS_PASSWORD_" + user.upper().replace("-", "_").replace(".", "_")
+        assert passwords[p] == credentials[variable], p
+    if any(users[p] != "worker" for p in workers):
+        assert len({users[p] for p in workers}) == len(workers), "two workers share a Redis user"
 
 
 def test_compose_credentials_reach_only_their_users(compose: dict[str, Any], secrets_env: dict[str, str]) -> None:
