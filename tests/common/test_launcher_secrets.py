@@ -104,3 +104,25 @@ def test_the_local_redis_password_is_not_on_its_command_line(runtime_dir: Path):
         assert not launcher_module._redis_answers(settings.redis.url)
     finally:
         terminate_all([launcher.redis_proc])
+
+
+def test_dejavu_admin_signs_with_the_key_dejavu_up_made(runtime_dir: Path, redis_url, monkeypatch) -> None:
+    import redis
+
+    from dejavu_cli.main import main as dejavu
+    from dejavu_common import keys
+    from dejavu_common.messages import AdminCommand, WorkerInfo, WorkerRole
+
+    monkeypatch.delenv("DEJAVU_ADMIN__SIGNING_KEY", raising=False)
+    launcher = Launcher(Settings())
+    launcher._ensure_secrets()  # what `dejavu up` does: the signing key lands in the run directory only
+    client = redis.Redis.from_url(redis_url)
+    info = WorkerInfo(worker_id="t0", role=WorkerRole.TOKEN, host="h", pid=1, instance="i0", data_address="")
+    client.hset(keys.worker("t0"), mapping={"info": info.encode()})
+    client.sadd(keys.WORKERS, "t0")
+    assert dejavu(["admin", "--redis-url", redis_url, "drain", "t0"]) == 0
+    ((_id, fields),) = client.xrange(keys.ADMIN_STREAM)
+    verify = launcher.settings.admin.verify_key
+    CommandVerifier(verify, "t0", "i0", max_ttl_s=30, max_pause_s=60, clock_skew_s=5).check(
+        AdminCommand.decode(fields[b"cmd"])
+    )
