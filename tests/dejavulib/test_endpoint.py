@@ -114,6 +114,33 @@ def test_an_unauthenticated_peer_cannot_make_the_receiver_allocate() -> None:
         victim.close()
 
 
+def test_a_refused_header_without_payload_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forged header whose payload never comes costs the receiver a bounded memory for a bounded time."""
+    from dejavulib.transport import ucx
+    from dejavulib.transport.ucx import KIND_HEADER, UcxTransport, make_tag, peer_hash
+
+    monkeypatch.setattr(ucx, "_REFUSED_TTL_S", 0.3)
+    victim = Endpoint(UcxTransport("victim"), "the-secret")
+    rogue = UcxTransport("rogue")
+    try:
+        rogue.connect("victim", victim.address)
+        wrong = secret_key("not-the-secret")
+        head = np.frombuffer(Header(Channel.TOKENS).pack(wrong), np.uint8)
+        for seq in range(3):
+            tag = make_tag(KIND_HEADER, peer_hash("rogue"), seq)
+            rogue._submit(lambda t=tag: rogue._post_send(rogue._ep("victim"), head, t, lambda e: None), Handle())
+        deadline = time.monotonic() + 10
+        while victim.stats["rejected_auth"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert victim.stats["rejected_auth"] == 3
+        while victim.transport._refused and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not victim.transport._refused
+    finally:
+        rogue.close()
+        victim.close()
+
+
 def test_killed_receiver_gives_timeout_not_hang(fresh_ucx_peer) -> None:
     fresh_ucx_peer.kill()
     big = np.ones(16 << 20, np.uint8)  # rendezvous-sized: completes only if the peer takes it

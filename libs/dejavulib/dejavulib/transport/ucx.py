@@ -55,7 +55,10 @@ _FRESH_S = 0.5  # requests younger than this keep the loop spinning; older ones 
 _EVENT_WAIT_MS = 100  # thread mode: longest epoll sleep (incoming traffic and our own ops wake it earlier)
 SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
 _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
-_REFUSED_MEMORY = 4096  # (sender, seq) of refused headers whose payloads are still to be discarded
+# Refused headers whose payloads are still to be discarded: at most this many, each for this long (a
+# payload follows its header at once; a "header" whose payload never comes must not cost probes forever).
+_REFUSED_MEMORY = 1024
+_REFUSED_TTL_S = 5.0
 
 
 def peer_hash(peer_id: str) -> int:
@@ -124,7 +127,7 @@ class UcxTransport(MessageTransport):
         self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
         self._pending: list[_Pending] = []
         self._awaiting_payload: list[tuple[int, int, Admitted]] = []
-        self._refused: collections.deque[tuple[int, int]] = collections.deque(maxlen=_REFUSED_MEMORY)
+        self._refused: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_REFUSED_MEMORY)
         self._admit: MessageAdmit | None = None
         self._sink: MessageSink | None = None
         self._seq = 0
@@ -356,14 +359,22 @@ class UcxTransport(MessageTransport):
         found |= self._discard_refused_payloads()
         return found
 
+    def _refuse(self, sender: int, seq: int) -> None:
+        """Remember a refused header, so the payload that follows it is discarded unread."""
+        self._refused.append((sender, seq, time.monotonic() + _REFUSED_TTL_S))
+
     def _discard_refused_payloads(self) -> bool:
         """Drop the payloads that follow refused headers, so UCX does not hold them forever."""
+        now = time.monotonic()
+        while self._refused and self._refused[0][2] < now:
+            self._refused.popleft()
         found = False
-        for sender, seq in list(self._refused):
+        for entry in list(self._refused):
+            sender, seq, _expiry = entry
             probe = self._worker.tag_probe(self._api.UCXXTag(make_tag(KIND_PAYLOAD, sender, seq)), remove=True)
             if probe.matched:
                 found = True
-                self._refused.remove((sender, seq))
+                self._refused.remove(entry)
                 self._discard(probe)
         return found
 
@@ -379,7 +390,7 @@ class UcxTransport(MessageTransport):
             log.warning("dropped a %d-byte message posing as a header or hello (limit %d)", probe.length, limit)
             self._discard(probe)
             if kind == KIND_HEADER:
-                self._refused.append(((probe.sender_tag.value >> 32) & 0x0FFFFFFF, probe.sender_tag.value & 0xFFFFFFFF))
+                self._refuse((probe.sender_tag.value >> 32) & 0x0FFFFFFF, probe.sender_tag.value & 0xFFFFFFFF)
             return
         buf = np.empty(max(probe.length, 1), np.uint8)[: probe.length]
         tag = probe.sender_tag.value
@@ -392,7 +403,7 @@ class UcxTransport(MessageTransport):
             sender, seq = (tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF
             if admitted is None:
                 if kind == KIND_HEADER:
-                    self._refused.append((sender, seq))
+                    self._refuse(sender, seq)
             elif kind == KIND_HEADER_ONLY:
                 if admitted.nbytes == 0:
                     self._deliver_cb(admitted, np.empty(0, np.uint8))(None)
