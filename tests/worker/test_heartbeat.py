@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
 import redis
 
 from dejavu_common import keys
@@ -74,3 +75,21 @@ def test_kv_byte_counters_are_flushed_with_the_beat(redis_url) -> None:
     hb.add_kv_bytes("prompt_to_token", 5)
     hb.beat()
     assert client.hgetall(keys.KV_BYTES) == {b"replication": b"120", b"prompt_to_token": b"5"}
+
+
+@pytest.mark.ucx
+def test_a_peer_record_that_claims_another_worker_is_refused(redis_url) -> None:
+    from dejavu_common.messages import WorkerInfo, WorkerRole
+    from dejavu_common.settings import TransportSettings
+    from dejavu_worker.endpoint import DataEndpoint
+    from dejavulib.errors import TransferError
+
+    client = redis.Redis.from_url(redis_url)
+    forged = WorkerInfo(worker_id="t0", role=WorkerRole.TOKEN, host="h", pid=1, instance="i", data_address="")
+    client.hset(keys.worker("t9"), mapping={"info": forged.encode()})
+    endpoint = DataEndpoint(TransportSettings(), "p0")
+    try:
+        with pytest.raises(TransferError, match="claims to be worker 't0'"):
+            endpoint.connect_all(client, ["t9"])
+    finally:
+        endpoint.close()

@@ -82,7 +82,10 @@ class DataEndpoint:
             raw = client.hget(keys.worker(peer), "info")
             if raw is None:
                 raise TransferError(f"peer {peer!r} is not registered")
-            address = base64.b64decode(WorkerInfo.decode(raw).data_address)
+            info = WorkerInfo.decode(raw)
+            if info.worker_id != peer:  # each worker's Redis user writes only its own record
+                raise TransferError(f"the record of peer {peer!r} claims to be worker {info.worker_id!r}")
+            address = base64.b64decode(info.data_address)
             if self._addresses.get(peer) != address:
                 self._ep.connect(peer, address)
                 self._addresses[peer] = address
