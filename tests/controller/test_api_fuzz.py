@@ -74,5 +74,5 @@ def test_schemathesis_finds_no_server_error(live_server: LiveServer, backend: Sc
     assert run["failures"] == [] and run["errors"] == [] and proc.returncode == 0, output
     # Not vacuous: every operation was exercised, and valid generated requests reached the backend.
     assert figures["operations"] == 7 and figures["cases"] >= 100
-    assert accepted["POST /v1/completions"] > 0 and accepted["POST /v1/chat/completions"] > 0
-    assert backend.requests
+    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= set(accepted)
+    assert backend.requests  # generated requests got past validation into generation
