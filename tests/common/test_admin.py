@@ -165,3 +165,16 @@ def test_admin_tool_sends_signed_orders_and_reports_status(redis_url, monkeypatc
 def test_malformed_admin_commands_do_not_decode(raw) -> None:
     with pytest.raises(ValueError):
         AdminCommand.decode(raw)
+
+
+@pytest.mark.parametrize(
+    "admin", [{"verify_key": "not-a-key"}, {"signing_key": "c2hvcnQ="}, {"verify_key": VERIFY[:-2]}]
+)
+def test_malformed_admin_keys_are_refused_when_settings_are_built(admin: dict) -> None:
+    from pydantic import ValidationError
+
+    from dejavu_common.settings import Settings
+
+    with pytest.raises(ValidationError, match="admin"):
+        Settings(admin=admin)
+    Settings(admin={"signing_key": SIGNING, "verify_key": VERIFY})

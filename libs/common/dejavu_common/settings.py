@@ -14,9 +14,10 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from pathlib import Path
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Public, for single-host development only: dejavu_common.exposure refuses it on any other address.
@@ -158,6 +159,10 @@ class SwapSettings(BaseModel):
     device_kv_budget_bytes: int | None = Field(None, ge=1, description="Device memory available for KV.")
 
 
+# An Ed25519 key as base64 of its raw 32 bytes.
+_ED25519_KEY = r"^[A-Za-z0-9+/]{43}=$"
+
+
 class AdminSettings(BaseModel):
     """The Redis-based admin tool: Ed25519 keys (base64 of raw 32 bytes) and the rules of a command."""
 
@@ -165,11 +170,20 @@ class AdminSettings(BaseModel):
         None, description="Private key that signs admin commands; only the admin tool holds it."
     )
     verify_key: str | None = Field(
-        None, description="Public key workers check commands with; None: workers refuse every command."
+        None,
+        pattern=_ED25519_KEY,
+        description="Public key workers check commands with; None: workers refuse every command.",
     )
     command_ttl_s: float = Field(30.0, gt=0, le=3600, description="How long a signed command stays valid.")
     clock_skew_s: float = Field(5.0, ge=0, le=300, description="Tolerated clock difference, admin host to worker.")
     max_pause_s: float = Field(300.0, gt=0, le=86_400, description="Longest pause-heartbeats a worker obeys.")
+
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_key_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not re.fullmatch(_ED25519_KEY, value.get_secret_value()):
+            raise ValueError("admin.signing_key must be base64 of 32 bytes (see `dejavu admin keygen`)")
+        return value
 
 
 class Settings(BaseSettings):
