@@ -3,9 +3,8 @@
 #
 # Passwords come from the environment: REDIS_PASSWORD_<NAME> for user NAME (upper case, '-' and '.' as
 # '_'). Only their SHA-256 goes into the ACL file. A user name with '{id}' is a template: one user per
-# worker id in REDIS_WORKER_IDS (comma separated; letters, digits, '.', '_', '-'). A rule line marked
-# 'optional' is skipped when its password is unset. A missing or empty password of any other user, one
-# with white space, or no worker user at all stops the start. Paths may be overridden (the tests do):
+# worker id in REDIS_WORKER_IDS (comma separated; letters, digits, '.', '_', '-'). A missing or empty
+# password, one with white space, or no worker user at all stops the start. Paths may be overridden (the tests do):
 # REDIS_CONF, REDIS_ACL_RULES, REDIS_ACL_FILE and REDIS_DATA_DIR (where the append-only file lives;
 # default /data, the volume).
 # Extra arguments go to redis-server after the configuration file (e.g. --port 7000 --dir /tmp/x).
@@ -22,12 +21,11 @@ tmp="$acl.tmp"
 : >"$tmp"
 workers=0
 
-# add_user NAME RULES OPTIONAL: append NAME's line, with its password's digest, to the ACL file.
+# add_user NAME RULES: append NAME's line, with its password's digest, to the ACL file.
 add_user() {
     var="REDIS_PASSWORD_$(printf '%s' "$1" | tr 'a-z.-' 'A-Z__')"
     password=$(printenv "$var" || true)
     if [ -z "$password" ]; then
-        [ "$3" = yes ] && return 0
         echo "start.sh: $var is not set: user '$1' needs a password" >&2
         exit 1
     fi
@@ -38,7 +36,7 @@ add_user() {
     esac
     digest=$(printf '%s' "$password" | sha256sum | cut -d' ' -f1)
     printf 'user %s on #%s %s\n' "$1" "$digest" "$2" >>"$tmp"
-    case "$1" in worker | worker-*) workers=$((workers + 1)) ;; esac
+    case "$1" in worker-*) workers=$((workers + 1)) ;; esac
 }
 
 while read -r keyword name rest; do
@@ -53,12 +51,6 @@ while read -r keyword name rest; do
         continue
         ;;
     esac
-    optional=no
-    case "$rest" in optional\ *)
-        optional=yes
-        rest=${rest#optional }
-        ;;
-    esac
     case "$name" in
     *'{id}'*)
         for id in $(printf '%s' "${REDIS_WORKER_IDS:-}" | tr ',' ' '); do
@@ -67,14 +59,14 @@ while read -r keyword name rest; do
                 exit 1
                 ;;
             esac
-            add_user "$(printf '%s' "$name" | sed "s/{id}/$id/g")" "$(printf '%s' "$rest" | sed "s/{id}/$id/g")" "$optional"
+            add_user "$(printf '%s' "$name" | sed "s/{id}/$id/g")" "$(printf '%s' "$rest" | sed "s/{id}/$id/g")"
         done
         ;;
-    *) add_user "$name" "$rest" "$optional" ;;
+    *) add_user "$name" "$rest" ;;
     esac
 done <"$rules"
 if [ "$workers" -eq 0 ]; then
-    echo "start.sh: no worker could log in: set REDIS_WORKER_IDS and their passwords, or REDIS_PASSWORD_WORKER" >&2
+    echo "start.sh: no worker could log in: set REDIS_WORKER_IDS and their passwords" >&2
     exit 1
 fi
 mv "$tmp" "$acl"

@@ -4,9 +4,9 @@
 # Usage: generate.sh FILE [WORKER_ID...]
 # The same keys serve Compose (--env-file, for ${...} interpolation) and Kubernetes (the secretGenerator
 # of infra/k8s/base). Each worker id gets its own Redis password (REDIS_PASSWORD_WORKER_<ID>, the id
-# upper-cased with '-' and '.' as '_'; the ids themselves go to REDIS_WORKER_IDS); the default ids are the
-# Compose file's workers. REDIS_PASSWORD_WORKER is the shared worker password Kubernetes uses (a
-# StatefulSet cannot give each of its pods its own secret). An existing FILE is left as it is, so re-deploying keeps the credentials; delete it
+# upper-cased with '-' and '.' as '_'); the default ids are the Compose file's and the Kubernetes base's
+# workers. Scaling a deployment up means new ids: delete FILE and run this again with all of them (and
+# list them in the Redis service's REDIS_WORKER_IDS). An existing FILE is left as it is, so re-deploying keeps the credentials; delete it
 # to rotate them. The file is created readable by its owner only and must never be committed.
 set -eu
 
@@ -17,7 +17,9 @@ fi
 file=$1
 shift
 if [ "$#" -eq 0 ]; then
-    set -- p-prompt-worker-0 p-prompt-worker-1 t-token-worker-0 t-token-worker-1 t-token-worker-spare
+    # Compose's workers ('<p|t>-<hostname>') and the Kubernetes pods ('<p|t>-<pod name>').
+    set -- p-prompt-worker-0 p-prompt-worker-1 t-token-worker-0 t-token-worker-1 t-token-worker-spare \
+        t-token-worker-spare-0
 fi
 for id in "$@"; do
     case "$id" in '' | *[!A-Za-z0-9._-]*)
@@ -48,8 +50,6 @@ admin_signing_key=$(tail -c 32 "$der" | base64)
 admin_verify_key=$(openssl pkey -inform DER -in "$der" -pubout -outform DER | tail -c 32 | base64)
 cat >"$tmp" <<END
 REDIS_PASSWORD_CONTROLLER=$(token)
-REDIS_PASSWORD_WORKER=$(token)
-REDIS_WORKER_IDS=$(printf '%s' "$*" | tr ' ' ',')
 REDIS_PASSWORD_ADMIN=$(token)
 DATA_PLANE_SECRET=$(token)
 ADMIN_SIGNING_KEY=$admin_signing_key

@@ -139,19 +139,7 @@ def test_a_wrong_password_is_refused(server: AclRedis) -> None:
     for user, password in (("worker-t-w1", "guess"), ("worker-t-w1", PASSWORDS["worker-t-w2"]), ("worker", "x")):
         c = redis.Redis(port=server.port, username=user, password=password, socket_timeout=5)
         with c, pytest.raises(redis.AuthenticationError):
-            c.ping()  # ...and with per-worker users configured, no shared worker user exists
-
-
-def test_the_shared_worker_user_is_optional(tmp_path: Path) -> None:
-    """Where workers cannot get their own secrets (Kubernetes), one shared user serves them all."""
-    passwords = {"controller": "c", "worker": "shared-pw", "admin": "a"}
-    srv = AclRedis(tmp_path, passwords)
-    try:
-        with redis.Redis(port=srv.port, username="worker", password="shared-pw", socket_timeout=5) as c:
-            assert c.set(LEASE, "1", px=1500)
-        assert "worker-" not in srv.acl_file.read_text()
-    finally:
-        srv.stop()
+            c.ping()  # ...and there is no shared worker user
 
 
 @pytest.mark.parametrize("ids", ["", "t-w1,bad*id"])
@@ -196,5 +184,18 @@ def test_the_services_client_logs_in_as_its_user(server: AclRedis) -> None:
         assert c.exists(keys.worker_lease("t-w1")) == 1
         with pytest.raises(redis.exceptions.NoPermissionError):
             c.set(keys.worker_lease("t-w2"), "1", px=1500)
+
+
+def test_a_worker_reads_its_password_from_a_file(server: AclRedis, tmp_path: Path) -> None:
+    """How a Kubernetes worker logs in: its init container wrote its own password to a file."""
+    from dejavu_common import keys
+    from dejavu_common.redis_client import sync_client
+    from dejavu_common.settings import RedisSettings
+
+    secret = tmp_path / "redis-password"
+    secret.write_text(PASSWORDS["worker-t-w2"] + "\n")
+    url = f"redis://127.0.0.1:{server.port}/0"
+    with sync_client(RedisSettings(url=url, username="worker-t-w2", password_file=secret)) as c:
+        assert c.set(keys.worker_lease("t-w2"), "1", px=1500)
         with pytest.raises(redis.exceptions.NoPermissionError):
             c.set(keys.TOPOLOGY, "{}")

@@ -18,12 +18,11 @@ DEFAULT_WORKERS = (
     "p-prompt-worker-1",
     "t-token-worker-0",
     "t-token-worker-1",
-    "t-token-worker-spare",
+    "t-token-worker-spare",  # Compose's spare
+    "t-token-worker-spare-0",  # the Kubernetes spare's pod
 )
 KEYS = {
     "REDIS_PASSWORD_CONTROLLER",
-    "REDIS_PASSWORD_WORKER",
-    "REDIS_WORKER_IDS",
     *("REDIS_PASSWORD_WORKER_" + w.upper().replace("-", "_") for w in DEFAULT_WORKERS),
     "REDIS_PASSWORD_ADMIN",
     "DATA_PLANE_SECRET",
@@ -39,14 +38,12 @@ def test_writes_every_credential_random_and_private(tmp_path: Path) -> None:
     assert set(first) == KEYS
     api_keys = json.loads(first["CONTROLLER_API_KEYS"])
     assert isinstance(api_keys, list) and len(api_keys) == 1
-    assert first["REDIS_WORKER_IDS"] == ",".join(DEFAULT_WORKERS)
-    not_hex = ("CONTROLLER_API_KEYS", "ADMIN_SIGNING_KEY", "ADMIN_VERIFY_KEY", "REDIS_WORKER_IDS")
+    not_hex = ("CONTROLLER_API_KEYS", "ADMIN_SIGNING_KEY", "ADMIN_VERIFY_KEY")
     values = [v for k, v in first.items() if k not in not_hex]
     values += api_keys
     assert all(len(v) == 64 and all(c in "0123456789abcdef" for c in v) for v in values)
     assert len(set(values)) == len(values), "two credentials are equal"
-    credentials = {v for k, v in first.items() if k != "REDIS_WORKER_IDS"}  # the ids are names, not secrets
-    assert not credentials & set(second.values()), "two runs gave a common credential"
+    assert not set(first.values()) & set(second.values()), "two runs gave a common credential"
     assert stat.S_IMODE((tmp_path / "a.env").stat().st_mode) == 0o600
     assert first["ADMIN_SIGNING_KEY"] != second["ADMIN_SIGNING_KEY"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.env", "b.env"]  # no key file left behind
@@ -54,7 +51,6 @@ def test_writes_every_credential_random_and_private(tmp_path: Path) -> None:
 
 def test_each_named_worker_gets_its_own_redis_password(tmp_path: Path) -> None:
     secrets = generate_secrets(tmp_path / "a.env", "t0", "token.worker-7")
-    assert secrets["REDIS_WORKER_IDS"] == "t0,token.worker-7"
     assert {k for k in secrets if k.startswith("REDIS_PASSWORD_WORKER_")} == {
         "REDIS_PASSWORD_WORKER_T0",
         "REDIS_PASSWORD_WORKER_TOKEN_WORKER_7",

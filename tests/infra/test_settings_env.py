@@ -110,7 +110,7 @@ def _holders(env: Iterable[EnvVar], name: str) -> dict[str, str]:
 def assert_credentials_reach_only_their_users(env: list[EnvVar], credentials: dict[str, str]) -> None:
     """API keys: the controller; data-plane secret and admin verify key: the workers (which verify admin
     commands); the admin signing key: nobody; each Redis user's password: its processes."""
-    processes = {v.where.split(":", 1)[1] for v in env}
+    processes = {v.where.split(":", 1)[1] for v in env if v.name.startswith("DEJAVU_")}  # not init containers
     controller = {p for p in processes if "controller" in p}
     workers = {p for p in processes if "worker" in p}
     assert len(controller) == 1 and len(workers) >= 3
@@ -123,12 +123,16 @@ def assert_credentials_reach_only_their_users(env: list[EnvVar], credentials: di
     passwords = _holders(env, "DEJAVU_REDIS__PASSWORD")
     users = _holders(env, "DEJAVU_REDIS__USERNAME")
     assert {passwords[p] for p in controller} == {credentials["REDIS_PASSWORD_CONTROLLER"]}
-    for p in workers:  # its own user and password (Compose), or the shared worker user (Kubernetes)
-        user = users[p]
-        variable = "REDIS_PASSWORD_" + user.upper().replace("-", "_").replace(".", "_")
+    files = _holders(env, "DEJAVU_REDIS__PASSWORD_FILE")
+    for p in workers:  # its own Redis user, and its own password: from the env (Compose) or a file (Kubernetes)
+        assert users[p].startswith("worker-"), p
+        if p in files:  # written by the pod's init container, the only one that mounts the passwords
+            assert p not in passwords and "$(POD_NAME)" in users[p], p
+            continue
+        variable = "REDIS_PASSWORD_" + users[p].upper().replace("-", "_").replace(".", "_")
         assert passwords[p] == credentials[variable], p
-    if any(users[p] != "worker" for p in workers):
-        assert len({users[p] for p in workers}) == len(workers), "two workers share a Redis user"
+    named = [users[p] for p in workers if p not in files]  # (a pod's user carries its own pod name)
+    assert len(set(named)) == len(named), "two workers share a Redis user"
 
 
 def test_compose_credentials_reach_only_their_users(compose: dict[str, Any], secrets_env: dict[str, str]) -> None:

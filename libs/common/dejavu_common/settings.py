@@ -36,6 +36,9 @@ class RedisSettings(BaseModel):
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://[user:pass@]host:port/db).")
     username: str | None = Field(None, description="ACL user name; overrides the one in the URL.")
     password: SecretStr | None = Field(None, description="ACL password; overrides the one in the URL.")
+    password_file: Path | None = Field(
+        None, description="File holding the ACL password (read when a client is made); overrides `password`."
+    )
     socket_timeout_s: float = Field(5.0, gt=0, le=120, description="Deadline of one Redis command.")
     connect_timeout_s: float = Field(3.0, gt=0, le=120, description="Deadline of one connection attempt.")
     retries: int = Field(3, ge=0, le=20, description="Retries (exponential backoff) for retryable Redis errors.")
