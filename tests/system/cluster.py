@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shutil
 import socket
 import time
@@ -11,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+from pydantic import SecretStr
 
 from dejavu_cli.launcher import Launcher
 from dejavu_common import keys
+from dejavu_common.admin import generate_keypair
 from dejavu_common.settings import Mode, Settings
 
 
@@ -35,7 +38,10 @@ def cluster_settings(
     **overrides: dict,
 ) -> Settings:
     base = Settings()
+    signing, verify = generate_keypair()  # the tests sign admin orders; the launcher gives workers `verify`
     parts = {
+        "admin": base.admin.model_copy(update={"signing_key": SecretStr(signing), "verify_key": verify}),
+        "transport": base.transport.model_copy(update={"secret": SecretStr(secrets.token_hex(32))}),
         "redis": base.redis.model_copy(update={"url": redis_url}),
         "model": base.model.model_copy(update={"path": model}),
         "engine": base.engine.model_copy(update={"torch_threads": 1}),

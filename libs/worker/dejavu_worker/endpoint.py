@@ -2,7 +2,8 @@
 
 Peers' endpoint addresses come from the registry in Redis (``WorkerInfo.data_address``). Payloads
 are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVuLib adds the sealed
-header (size, crc32, epoch fencing, sender authentication with the deployment secret).
+header (size, payload MAC, epoch fencing, replay refusal, sender authentication with the deployment
+secret) and bounds payloads by ``transport.max_message_bytes``.
 
 Sends are asynchronous: :meth:`send` returns once the transfer is queued, and keeps the payload alive
 until the transfer completes. A failed or timed-out send is logged when noticed; the controller's
@@ -20,6 +21,7 @@ import numpy as np
 import redis
 
 from dejavu_common import keys
+from dejavu_common.exposure import check_data_plane
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
 from dejavulib.endpoint import Endpoint
@@ -45,14 +47,19 @@ def _transport(settings: TransportSettings, worker_id: str):
         raise ValueError(f"workers in separate processes need the 'ucx' transport, not {settings.kind!r}")
     from dejavulib.transport.ucx import UcxTransport
 
-    return UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require)
+    return UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require, host=settings.host)
 
 
 class DataEndpoint:
     def __init__(self, settings: TransportSettings, worker_id: str) -> None:
+        check_data_plane(settings)  # no public default secret beyond loopback
         self.settings = settings
         self.worker_id = worker_id
-        self._ep = Endpoint(_transport(settings, worker_id), settings.secret.get_secret_value())
+        self._ep = Endpoint(
+            _transport(settings, worker_id),
+            settings.secret.get_secret_value(),
+            max_message_bytes=settings.max_message_bytes,
+        )
         self._addresses: dict[str, bytes] = {}
         self._inflight: collections.deque[tuple[Handle, np.ndarray]] = collections.deque()
         # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
@@ -75,7 +82,10 @@ class DataEndpoint:
             raw = client.hget(keys.worker(peer), "info")
             if raw is None:
                 raise TransferError(f"peer {peer!r} is not registered")
-            address = base64.b64decode(WorkerInfo.decode(raw).data_address)
+            info = WorkerInfo.decode(raw)
+            if info.worker_id != peer:  # each worker's Redis user writes only its own record
+                raise TransferError(f"the record of peer {peer!r} claims to be worker {info.worker_id!r}")
+            address = base64.b64decode(info.data_address)
             if self._addresses.get(peer) != address:
                 self._ep.connect(peer, address)
                 self._addresses[peer] = address

@@ -19,7 +19,7 @@ import redis
 from pydantic import ValidationError
 
 from dejavu_common import keys
-from dejavu_common.admin import verify
+from dejavu_common.admin import AdminRejected, CommandVerifier
 from dejavu_common.messages import AdminAction, AdminCommand, Topology
 from dejavu_common.settings import Settings
 
@@ -27,11 +27,20 @@ log = logging.getLogger("dejavu.worker.heartbeat")
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, settings: Settings, client: redis.Redis, worker_id: str) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, worker_id: str, instance: str) -> None:
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self.settings = settings
         self.redis = client
         self.worker_id = worker_id
+        admin = settings.admin
+        self.commands = CommandVerifier(
+            admin.verify_key,
+            worker_id,
+            instance,
+            max_ttl_s=admin.command_ttl_s,
+            max_pause_s=admin.max_pause_s,
+            clock_skew_s=admin.clock_skew_s,
+        )
         self.topology: Topology | None = None
         self.topology_changed = threading.Event()
         self.draining = threading.Event()
@@ -105,10 +114,12 @@ class Heartbeat(threading.Thread):
         except (KeyError, ValidationError) as exc:
             log.error("rejected malformed admin command: %s", exc)
             return
-        if cmd.worker_id != self.worker_id:
+        if not self.commands.addressed_here(cmd):
             return
-        if not verify(cmd, self.settings.admin.credential.get_secret_value()):
-            log.error("rejected admin command %s: bad credential", cmd.command_id)
+        try:
+            self.commands.check(cmd)
+        except AdminRejected as exc:
+            log.error("rejected admin command %s: %s", cmd.command_id, exc)
             return
         log.warning("admin command: %s %s", cmd.action.value, cmd.seconds or "")
         if cmd.action is AdminAction.KILL:

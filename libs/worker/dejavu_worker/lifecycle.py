@@ -96,7 +96,7 @@ class WorkerProcess(abc.ABC):
         )
         self.redis.hset(keys.worker(self.worker_id), mapping={"info": info.encode(), "state": "idle", "epoch": 0})
         self.redis.sadd(keys.WORKERS, self.worker_id)
-        self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id)
+        self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id, info.instance)
         if self.endpoint is not None:
             self.endpoint.count_kv = self.heartbeat.add_kv_bytes
         self.heartbeat.beat()  # the lease exists before anyone reads the registry

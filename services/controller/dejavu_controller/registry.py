@@ -61,6 +61,9 @@ class Registry:
             except (KeyError, ValueError, AttributeError) as exc:
                 log.warning("skipping malformed worker record %s: %s", wid, exc)
                 continue
+            if info.worker_id != wid:  # only worker <wid>'s Redis user may write its record: this one is forged
+                log.warning("skipping worker record %s: it claims to be worker %s", wid, info.worker_id)
+                continue
             out[wid] = WorkerView(info, alive, state, epoch, kv_bytes, kv_mbs)
         return out
 

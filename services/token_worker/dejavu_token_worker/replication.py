@@ -18,6 +18,7 @@ import redis
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.private import ensure_private_dir
 from dejavu_common.settings import Replication
 from dejavu_engine.kv_cache import KVCache
 from dejavu_worker.dataplane import KVChunk, decode_chunks, encode_chunks
@@ -130,7 +131,7 @@ class ReplicaStore:
             return cache
 
     def _append_to_disk(self, chunk: KVChunk) -> None:
-        self.replica_dir.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.replica_dir)  # replicas are KV caches: not in a folder others can read or plant in
         path = self.replica_dir / f"stage{self.source_stage}-mb{chunk.mb_id}.kv"
         with path.open("ab") as f:
             f.write(chunk.encode())
