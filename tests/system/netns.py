@@ -41,6 +41,12 @@ class Network:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{SUBNET}.1/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        # Bridged frames pass iptables' FORWARD chain when br_netfilter is loaded, and a Docker daemon
+        # (the Compose test starts one) sets that chain's policy to DROP: let this bridge's own traffic by.
+        self._forward = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        self._iptables = shutil.which("iptables")
+        if self._iptables is not None:
+            subprocess.run([self._iptables, "-I", *self._forward], capture_output=True, check=False)
 
     def add(self, name: str) -> str:
         """A new host called ``name``; returns its address."""
@@ -78,3 +84,5 @@ class Network:
             _ip("link", "del", f"dv{self.tag}{address.rsplit('.', 1)[1]}a", check=False)
             _ip("netns", "del", ns, check=False)
         _ip("link", "del", self.bridge, check=False)
+        if self._iptables is not None:
+            subprocess.run([self._iptables, "-D", *self._forward], capture_output=True, check=False)

@@ -236,7 +236,7 @@ class Driver:
         """The cohort's next pass prefills ``task``'s microbatch (its other members skip this pass)."""
         (piece,) = task.pieces  # a colocated task carries one whole token microbatch
         mb_id = piece.mb_id
-        self.runner.release(mb_id)  # a re-run prompt starts from a clean cache
+        self.runner.release(mb_id, finished=False)  # a re-run prompt starts from a clean cache
         try:
             state = self.runner.state(mb_id)
         except DeadlineExceeded as exc:

@@ -103,21 +103,31 @@ class ReplicaStore:
     def store(self, chunk: KVChunk) -> None:
         if tuple(chunk.layers) != self.source_layers:
             raise ValueError(f"replica chunk layers {chunk.layers} are not stage {self.source_stage}'s")
-        cache = self._cache(chunk.mb_id, chunk.positions[1])
+        cache = self._cache(chunk.mb_id, chunk.positions)
+        if cache is None:
+            return
         sl = (slice(None), slice(*chunk.rows), slice(None), slice(*chunk.positions))
         cache.k[sl].copy_(chunk.k)
         cache.v[sl].copy_(chunk.v)
-        if self.mode in (Replication.DISK, Replication.BOTH):
-            self._append_to_disk(chunk)
-        with self.lock:
+        with self.lock:  # drop() takes the lock too: a released microbatch's file and watermark never come back
+            if chunk.mb_id not in self.caches:
+                return
+            if self.mode in (Replication.DISK, Replication.BOTH):
+                self._append_to_disk(chunk)
             self.steps[chunk.mb_id] = max(self.steps.get(chunk.mb_id, -1), chunk.step)
-        self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, chunk.step)
+            self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, chunk.step)
 
-    def _cache(self, mb_id: int, positions: int) -> KVCache:
-        """The replica of ``mb_id``, holding at least ``positions`` positions: like the primary, it starts
-        small and doubles up to the microbatch's span."""
+    def _cache(self, mb_id: int, chunk_positions: tuple[int, int]) -> KVCache | None:
+        """The replica of ``mb_id``, holding at least the chunk's positions: like the primary, it starts
+        small and doubles up to the microbatch's span. None for a later step of a microbatch not held
+        here: a replica starts with its prompt (FIFO per sender), so that is one released meanwhile (it
+        finished), and it must not come back."""
+        positions = chunk_positions[1]
         with self.lock:
             cache = self.caches.get(mb_id)
+            if cache is None and chunk_positions[0] > 0:
+                log.debug("ignored a replica step of released microbatch %d", mb_id)
+                return None
             if cache is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
                 a, b = self.source_layers

@@ -8,6 +8,7 @@ Not thread-safe except :meth:`state`, which the prompt-KV receiver thread also c
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -39,6 +40,12 @@ STEP_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, Inde
 
 # Positions a new cache holds beyond the prompt; it doubles when decoding reaches its end.
 _INITIAL_ROOM = 64
+# Finished microbatches a stage remembers (ids grow monotonically, so older ones cannot recur).
+_FINISHED_REMEMBERED = 65_536
+
+
+class FinishedMicrobatch(Exception):
+    """The microbatch finished and was released here; nothing may bring its state back."""
 
 
 @dataclass(frozen=True)
@@ -74,12 +81,17 @@ class StageRunner:
         self.trackers: dict[int, RowTracker] = {}  # last stage only: per-row progress
         self.replicas: ReplicaSender | None = None
         self._lock = threading.Lock()
+        self._finished: collections.deque[int] = collections.deque()
+        self._finished_set: set[int] = set()
 
     # -- microbatch states --------------------------------------------------------------------
     def state(self, mb_id: int) -> MicrobatchState:
-        """This stage's state of ``mb_id``, created on first use (spec from Redis, zeroed cache)."""
+        """This stage's state of ``mb_id``, created on first use (spec from Redis, zeroed cache). Raises
+        :class:`FinishedMicrobatch` for one released as finished (late prompt KV must not revive it)."""
         with self._lock:
             st = self.states.get(mb_id)
+            if st is None and mb_id in self._finished_set:
+                raise FinishedMicrobatch(f"microbatch {mb_id} finished")
             if st is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
                 if self.swap is not None:  # swapped caches keep their whole span (fixed device buffers)
@@ -91,10 +103,16 @@ class StageRunner:
                 self.states[mb_id] = st
             return st
 
-    def release(self, mb_id: int) -> None:
+    def release(self, mb_id: int, finished: bool = True) -> None:
+        """Free ``mb_id``'s state. ``finished``: it never comes back (unlike a prompt re-run after recovery)."""
         with self._lock:
             if self.states.pop(mb_id, None) is not None and self.swap is not None:
                 self.swap.drop(mb_id)
+            if finished and mb_id not in self._finished_set:
+                self._finished.append(mb_id)
+                self._finished_set.add(mb_id)
+                if len(self._finished) > _FINISHED_REMEMBERED:
+                    self._finished_set.discard(self._finished.popleft())
         self.trackers.pop(mb_id, None)
 
     def fail(self, mb_id: int, step: int, error: Exception) -> None:

@@ -24,7 +24,7 @@ from dejavu_token_worker import recovery
 from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
-from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner
+from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
 from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
@@ -135,18 +135,21 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
-    def release(self, mb_id: int) -> None:
-        """Free everything this stage holds of ``mb_id``: its cache and the replica kept of it."""
+    def release(self, mb_id: int, finished: bool = True) -> None:
+        """Free everything this stage holds of ``mb_id``: its cache and the replica kept of it. A
+        ``finished`` microbatch is remembered, so prompt KV of it still in flight (its rows all
+        finished at step 0, before their last layers' KV arrived) cannot bring it back."""
         assert self.runner is not None
-        self.runner.release(mb_id)
+        self.runner.release(mb_id, finished)
         if self.replica is not None:
             self.replica.drop(mb_id)
 
     def _release_all_but(self, keep: set[int]) -> None:
+        """Recovery: free what does not resume (re-run prompts come back, so nothing is remembered)."""
         assert self.runner is not None
         held = set(self.runner.states) | (set(self.replica.caches) if self.replica is not None else set())
         for mb in held - keep:
-            self.release(mb)
+            self.release(mb, finished=False)
 
     def kv_held(self) -> tuple[int, int]:
         """(bytes, microbatches) of KV this stage holds: caches and replicas (what memory accounting checks)."""
@@ -307,7 +310,10 @@ class TokenWorker(WorkerProcess):
                 continue
             try:
                 chunk = KVChunk.decode(payload)
-                state = self.runner.state(chunk.mb_id)
+                try:
+                    state = self.runner.state(chunk.mb_id)
+                except FinishedMicrobatch:
+                    continue  # late prompt KV of a microbatch that already finished
                 state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
                 state.add_prompt_cells(chunk.layers, chunk.rows)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:

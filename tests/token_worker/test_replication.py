@@ -1,0 +1,69 @@
+"""The replica a token stage keeps of its predecessor (real Redis): it grows with the steps, and a
+step that arrives after its microbatch was released does not bring the microbatch back."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from dejavu_common import keys
+from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
+from dejavu_common.settings import Replication
+from dejavu_token_worker.replication import ReplicaStore
+from dejavu_worker.dataplane import KVChunk
+
+
+def _store(client: redis.Redis, tmp_path) -> ReplicaStore:
+    row = RowSpec(request_id="r", prompt_ids=(1, 2, 3), sampling=SamplingSpec(max_tokens=100, seed=0))
+    client.set(keys.microbatch(5), MicrobatchSpec(mb_id=5, rows=(row,), prompt_len=3, max_len=200).encode())
+    return ReplicaStore(client, None, 1, (2, 4), (2, 8, "float32"), Replication.BOTH, tmp_path, 1.0)  # type: ignore[arg-type]
+
+
+def _chunk(p0: int, p1: int, step: int) -> KVChunk:
+    k = torch.full((2, 1, 2, p1 - p0, 8), float(step))
+    return KVChunk(5, (2, 4), (0, 1), (p0, p1), k, k, step)
+
+
+def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored(redis_url, tmp_path) -> None:
+    client = redis.Redis.from_url(redis_url)
+    store = _store(client, tmp_path)
+    store.store(_chunk(0, 3, 0))  # the prompt
+    assert store.caches[5].layout.max_len == 67  # the prompt plus 64
+    for step in range(1, 70):  # decode steps write one position each; the replica doubles when full
+        store.store(_chunk(2 + step, 3 + step, step))
+    assert store.caches[5].layout.max_len == 134 and store.steps[5] == 69
+    assert torch.equal(store.caches[5].k[0, 0, 0, 71], torch.full((8,), 69.0))
+    assert client.hget(keys.watermark(1), 5) == b"69"
+    store.drop(5)
+    store.store(_chunk(72, 73, 70))  # in flight when the microbatch finished
+    assert 5 not in store.caches and 5 not in store.steps
+    assert client.hget(keys.watermark(1), 5) is None
+    assert not list(tmp_path.iterdir())  # no replica file comes back either
+    client.close()
+
+
+def test_a_finished_microbatch_is_not_revived_by_late_prompt_kv_but_a_rerun_one_is(redis_url) -> None:
+    from dejavu_token_worker.runner import FinishedMicrobatch, StageRunner
+
+    class Stage:  # what StageRunner.state asks of a stage
+        def allocate_cache(self, batch, max_len):
+            from dejavu_engine.kv_cache import KVCache
+            from dejavulib.layout import KVLayout
+
+            return KVCache.allocate(KVLayout(1, batch, 1, max_len, 4))
+
+        num_layers = 1
+
+    client = redis.Redis.from_url(redis_url)
+    row = RowSpec(request_id="r", prompt_ids=(1,), sampling=SamplingSpec(max_tokens=4, seed=0))
+    for mb in (1, 2):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=(row,), prompt_len=1, max_len=5).encode())
+    runner = StageRunner(Stage(), client, None, 1.0)  # type: ignore[arg-type]
+    runner.state(1), runner.state(2)
+    runner.release(1)  # finished
+    runner.release(2, finished=False)  # its prompt re-runs after a recovery
+    with pytest.raises(FinishedMicrobatch):
+        runner.state(1)
+    assert runner.state(2).spec.mb_id == 2 and set(runner.states) == {2}
+    client.close()
