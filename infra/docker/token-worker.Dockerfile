@@ -7,6 +7,9 @@ ARG MODEL_IMAGE=dejavu-base-model:cpu
 FROM ${MODEL_IMAGE} AS model
 
 FROM ${BASE_IMAGE}
+# PyPI, or the host's wheels for `make images BASE=local` (see base.Dockerfile).
+ARG PIP_NO_INDEX=0
+ARG PIP_FIND_LINKS
 COPY services/token_worker /src/services/token_worker
 RUN pip install --no-cache-dir -c /src/requirements/constraints.txt /src/services/token_worker
 COPY --from=model --chown=10001:10001 /opt/dejavu/models /opt/dejavu/models

@@ -79,18 +79,29 @@ def test_each_image_gets_only_its_own_packages() -> None:
     assert allowed_paths("controller.Dockerfile") == {"services/controller"}
     assert allowed_paths("prompt-worker.Dockerfile") == {"services/prompt_worker"}
     assert allowed_paths("token-worker.Dockerfile") == {"services/token_worker"}
-    # The bases: the worker libraries and the CLI (only for the model stage, not copied into images).
+    # The bases: the worker libraries, the CLI and the planner it depends on (only for the model stage,
+    # not copied into images).
     base = allowed_paths("base.Dockerfile")
     assert base == {
         "requirements/constraints.txt",
+        "infra/docker/third_party.py",
         "libs/common",
         "libs/dejavulib",
         "libs/engine",
         "libs/worker",
+        "libs/planner",
         "libs/cli",
     }
     for path in base | allowed_paths("controller.Dockerfile"):
         assert (REPO / path).exists(), path
+
+
+def test_the_classic_builders_ignore_file_is_the_union_of_the_allow_lists() -> None:
+    """The classic builder reads only the context's .dockerignore: it must allow what every image needs."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in lines
+    union = set().union(*(allowed_paths(p.name) for p in DOCKER.glob("*.Dockerfile")))
+    assert {line[1:] for line in lines if line.startswith("!")} == union
 
 
 def test_the_controller_base_has_no_torch() -> None:
