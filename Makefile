@@ -92,7 +92,9 @@ DOWN_FLAGS ?=
 COMPOSE = PROMPT_WORKER_TAG=$(call img_version,prompt_worker)-cpu TOKEN_WORKER_TAG=$(call img_version,token_worker)-cpu CONTROLLER_TAG=$(CONTROLLER_TAG) IMAGE_PREFIX=$(if $(REGISTRY),$(REGISTRY:%/=%)/,) $(if $(filter local,$(BASE)),REDIS_IMAGE=$(LOCAL_REDIS_IMAGE)) $(COMPOSE_CMD) -p $(COMPOSE_PROJECT) -f infra/compose/compose.yaml --env-file $(SECRETS_ENV)
 
 images: $(if $(filter local,$(BASE)),local-base) image-controller image-prompt-worker image-token-worker
-	@$(DOCKER) image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^dejavu-(controller|prompt-worker|token-worker):[^ ]+-?[a-z]* ' | grep -v -- '-$(GIT_REV) ' || true
+	@for image in $(firstword $(IMG_CONTROLLER)) $(firstword $(IMG_PROMPT_WORKER)) $(firstword $(IMG_TOKEN_WORKER)); do \
+	  echo "$$image $$($(DOCKER) image inspect -f '{{.Size}}' $$image | awk '{printf "%.0fMB", $$1 / 1e6}')"; \
+	done
 
 ## local-base: the OS and Redis images from Debian packages, and the wheels the builds take (BASE=local)
 local-base:
