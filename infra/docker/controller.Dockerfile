@@ -21,6 +21,7 @@ WORKDIR /home/dejavu
 USER 10001:10001
 EXPOSE 8000
 # /health answers without an API key; any non-2xx answer or no answer fails the check.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+# A 10 s timeout: a Python start on a loaded host can take more than 5 s.
+HEALTHCHECK --interval=10s --timeout=10s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('DEJAVU_CONTROLLER__PORT', '8000'), timeout=4)"]
 CMD ["dejavu-controller"]

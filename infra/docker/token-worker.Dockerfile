@@ -16,6 +16,7 @@ COPY --from=model --chown=10001:10001 /opt/dejavu/models /opt/dejavu/models
 WORKDIR /home/dejavu
 USER 10001:10001
 # Liveness contract (docs/deployment.md): exits 0 iff this worker's process is alive and its lease is fresh.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+# The 10 s timeout, as the Kubernetes probes: a Python start on a loaded host can take more than 5 s.
+HEALTHCHECK --interval=10s --timeout=10s --start-period=120s --retries=3 \
     CMD ["python", "-m", "dejavu_token_worker", "--check"]
 CMD ["dejavu-token-worker"]
