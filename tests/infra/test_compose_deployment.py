@@ -269,7 +269,7 @@ def test_images_run_as_non_root_and_their_health_checks_pass(deployment: Deploym
     wait_until(
         "every container healthy",
         lambda: all(deployment.inspect(s, "{{.State.Health.Status}}") == "healthy" for s in SERVICES),
-        240,
+        300,
         deployment,
         interval_s=2.0,
     )
