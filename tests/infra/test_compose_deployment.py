@@ -339,7 +339,9 @@ def test_a_killed_token_worker_container_is_replaced_and_streams_stay_exact(
     controller = subprocess.run(
         ["docker", "logs", deployment.container("controller")], capture_output=True, text=True, timeout=30
     )
-    phases = re.findall(r"recovery at epoch \d+ done: .*", controller.stdout + controller.stderr)
+    phases = re.findall(
+        r"lost \[.*?\]: repairing .*|recovery at epoch \d+ done: .*", controller.stdout + controller.stderr
+    )
     print(
         f"\nkilled {victim} (`docker kill` took {killed - before:.2f} s): new topology {repaired - before:.2f} s "
         f"after the kill began, first token after it {after}, all streams done {time.monotonic() - before:.1f} s "
