@@ -63,8 +63,10 @@ class DockerDaemon:
             return "no Docker engine answers and dockerd is not installed (apt-get install docker.io)"
         handle, name = tempfile.mkstemp(prefix="dejavu-dockerd-", suffix=".log")
         self.log = Path(name)
+        # A pid file of its own: a stale /var/run/docker.pid whose number a live process reuses would stop it.
+        args = [dockerd, "--pidfile", str(self.log.with_suffix(".pid"))]
         with os.fdopen(handle, "wb") as log:
-            self.proc = subprocess.Popen([dockerd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -87,3 +89,4 @@ class DockerDaemon:
             self.proc.wait(10)
         if self.log is not None:
             self.log.unlink(missing_ok=True)
+            self.log.with_suffix(".pid").unlink(missing_ok=True)
