@@ -51,7 +51,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 ## Container images and deployments (infra/, docs/deployment.md). No target here needs the virtualenv.
-.PHONY: images image-controller image-prompt-worker image-token-worker push deploy-compose down-compose deploy-k8s undeploy-k8s
+.PHONY: images image-controller image-prompt-worker image-token-worker local-base push deploy-compose down-compose deploy-k8s undeploy-k8s
 DOCKER ?= docker
 KUBECTL ?= kubectl
 VARIANT ?= cpu
@@ -59,6 +59,21 @@ REGISTRY ?=
 BAKE_MODEL ?= 1
 GIT_REV ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo norev)
 OVERLAY ?= $(if $(filter cuda,$(VARIANT)),gpu,cpu)
+# BASE=public (default): the OS images come from Docker Hub / NVIDIA, pip from PyPI and the PyTorch index.
+# BASE=local: for a host that reaches a Debian mirror and PyPI but no container registry. `make local-base`
+# builds the OS and Redis images from Debian packages and downloads the wheels into WHEELHOUSE; every build
+# then runs with the classic builder and host networking, its pip taking only those wheels, served on
+# 127.0.0.1:WHEELHOUSE_PORT for the build's duration (infra/docker/serve-wheels.sh). CPU images only.
+BASE ?= public
+LOCAL_PYTHON_IMAGE ?= dejavu-local/python:3.11-bookworm
+LOCAL_REDIS_IMAGE ?= dejavu-local/redis:7-bookworm
+WHEELHOUSE ?= $(HOME)/.cache/dejavu/wheelhouse
+WHEELHOUSE_PORT ?= 38517
+OS_IMAGE_cpu = $(if $(filter local,$(BASE)),$(LOCAL_PYTHON_IMAGE),python:3.11.14-slim-bookworm)
+OS_IMAGE_cuda = nvidia/cuda:12.8.1-runtime-ubuntu24.04
+TORCH_INDEX_cpu = https://download.pytorch.org/whl/cpu
+TORCH_INDEX_cuda = https://download.pytorch.org/whl/cu128
+BUILD = $(if $(filter local,$(BASE)),DOCKER_BUILDKIT=0 WHEELHOUSE_PORT=$(WHEELHOUSE_PORT) PYTHON=$(PYTHON) bash infra/docker/serve-wheels.sh $(WHEELHOUSE) )$(DOCKER) build$(if $(filter local,$(BASE)), --network host --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=http://127.0.0.1:$(WHEELHOUSE_PORT)/)
 img_version = $(shell sed -n 's/^version = "\(.*\)"/\1/p' services/$(1)/pyproject.toml)
 CONTROLLER_TAG := $(call img_version,controller)
 PROMPT_WORKER_TAG := $(call img_version,prompt_worker)-$(VARIANT)
@@ -67,11 +82,24 @@ TOKEN_WORKER_TAG := $(call img_version,token_worker)-$(VARIANT)
 IMG_CONTROLLER := dejavu-controller:$(CONTROLLER_TAG) dejavu-controller:$(CONTROLLER_TAG)-$(GIT_REV)
 IMG_PROMPT_WORKER := dejavu-prompt-worker:$(PROMPT_WORKER_TAG) dejavu-prompt-worker:$(PROMPT_WORKER_TAG)-$(GIT_REV)
 IMG_TOKEN_WORKER := dejavu-token-worker:$(TOKEN_WORKER_TAG) dejavu-token-worker:$(TOKEN_WORKER_TAG)-$(GIT_REV)
-IMG_BASE = $(DOCKER) build -f infra/docker/base.Dockerfile --build-arg VARIANT=$(1) $(if $(filter model,$(2)),--build-arg BAKE_MODEL=$(BAKE_MODEL)) --target $(2) -t dejavu-base-$(2):$(GIT_REV)-$(1) .
-IMG_WORKER = $(DOCKER) build -f infra/docker/$(1).Dockerfile --build-arg BASE_IMAGE=dejavu-base-engine:$(GIT_REV)-$(VARIANT) --build-arg MODEL_IMAGE=dejavu-base-model:$(GIT_REV)-$(VARIANT) $(addprefix -t ,$(2)) .
-COMPOSE = PROMPT_WORKER_TAG=$(call img_version,prompt_worker)-cpu TOKEN_WORKER_TAG=$(call img_version,token_worker)-cpu CONTROLLER_TAG=$(CONTROLLER_TAG) IMAGE_PREFIX=$(if $(REGISTRY),$(REGISTRY:%/=%)/,) $(DOCKER) compose -f infra/compose/compose.yaml --env-file infra/compose/secrets.env
+IMG_BASE = $(BUILD) -f infra/docker/base.Dockerfile --build-arg OS_IMAGE=$(OS_IMAGE_$(1)) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_$(1)) $(if $(filter model,$(2)),--build-arg BAKE_MODEL=$(BAKE_MODEL)) --target $(2) -t dejavu-base-$(2):$(GIT_REV)-$(1) .
+IMG_WORKER = $(BUILD) -f infra/docker/$(1).Dockerfile --build-arg BASE_IMAGE=dejavu-base-engine:$(GIT_REV)-$(VARIANT) --build-arg MODEL_IMAGE=dejavu-base-model:$(GIT_REV)-$(VARIANT) $(addprefix -t ,$(2)) .
+# Compose: the v2 plugin (`docker compose`) where installed, else the v1 `docker-compose` program.
+COMPOSE_CMD ?= $(shell $(DOCKER) compose version >/dev/null 2>&1 && echo "$(DOCKER) compose" || echo docker-compose)
+COMPOSE_PROJECT ?= dejavu
+SECRETS_ENV ?= infra/compose/secrets.env
+DOWN_FLAGS ?=
+COMPOSE = PROMPT_WORKER_TAG=$(call img_version,prompt_worker)-cpu TOKEN_WORKER_TAG=$(call img_version,token_worker)-cpu CONTROLLER_TAG=$(CONTROLLER_TAG) IMAGE_PREFIX=$(if $(REGISTRY),$(REGISTRY:%/=%)/,) $(if $(filter local,$(BASE)),REDIS_IMAGE=$(LOCAL_REDIS_IMAGE)) $(COMPOSE_CMD) -p $(COMPOSE_PROJECT) -f infra/compose/compose.yaml --env-file $(SECRETS_ENV)
 
-images: image-controller image-prompt-worker image-token-worker
+images: $(if $(filter local,$(BASE)),local-base) image-controller image-prompt-worker image-token-worker
+	@for image in $(firstword $(IMG_CONTROLLER)) $(firstword $(IMG_PROMPT_WORKER)) $(firstword $(IMG_TOKEN_WORKER)); do \
+	  echo "$$image $$($(DOCKER) image inspect -f '{{.Size}}' $$image | awk '{printf "%.0fMB", $$1 / 1e6}')"; \
+	done
+
+## local-base: the OS and Redis images from Debian packages, and the wheels the builds take (BASE=local)
+local-base:
+	DOCKER="$(DOCKER)" bash infra/docker/local-base.sh
+	PYTHON=$(PYTHON) bash infra/docker/wheelhouse.sh $(WHEELHOUSE)
 
 # The controller imports no torch: it builds on the CPU Python base whatever VARIANT says, and takes only
 # the model's config and tokenizer files from the model base.
@@ -79,7 +107,7 @@ image-controller:
 	$(call IMG_BASE,cpu,python)
 	$(call IMG_BASE,$(VARIANT),engine)
 	$(call IMG_BASE,$(VARIANT),model)
-	$(DOCKER) build -f infra/docker/controller.Dockerfile --build-arg BASE_IMAGE=dejavu-base-python:$(GIT_REV)-cpu --build-arg MODEL_IMAGE=dejavu-base-model:$(GIT_REV)-$(VARIANT) $(addprefix -t ,$(IMG_CONTROLLER)) .
+	$(BUILD) -f infra/docker/controller.Dockerfile --build-arg BASE_IMAGE=dejavu-base-python:$(GIT_REV)-cpu --build-arg MODEL_IMAGE=dejavu-base-model:$(GIT_REV)-$(VARIANT) $(addprefix -t ,$(IMG_CONTROLLER)) .
 
 image-prompt-worker:
 	$(call IMG_BASE,$(VARIANT),engine)
@@ -98,13 +126,14 @@ push:
 	  $(DOCKER) tag $$image $(REGISTRY:%/=%)/$$image && $(DOCKER) push $(REGISTRY:%/=%)/$$image || exit 1; \
 	done
 
-## deploy-compose / down-compose: the CPU images on this Docker host (down keeps the Redis volume)
+## deploy-compose / down-compose: the CPU images on this Docker host (down keeps the Redis volume unless
+## DOWN_FLAGS=-v); BASE=local runs Redis from the local image too
 deploy-compose:
-	sh infra/secrets/generate.sh infra/compose/secrets.env
+	sh infra/secrets/generate.sh $(SECRETS_ENV)
 	$(COMPOSE) up -d
 
 down-compose:
-	@if [ -f infra/compose/secrets.env ]; then $(COMPOSE) down; else echo "infra/compose/secrets.env is missing: nothing was deployed from here"; fi
+	@if [ -f $(SECRETS_ENV) ]; then $(COMPOSE) down $(DOWN_FLAGS); else echo "$(SECRETS_ENV) is missing: nothing was deployed from here"; fi
 
 ## deploy-k8s / undeploy-k8s: OVERLAY=cpu|gpu (default from VARIANT) into namespace dejavu
 deploy-k8s:

@@ -8,6 +8,9 @@ ARG MODEL_IMAGE=dejavu-base-model:cpu
 FROM ${MODEL_IMAGE} AS model
 
 FROM ${BASE_IMAGE}
+# PyPI, or the host's wheels for `make images BASE=local` (see base.Dockerfile).
+ARG PIP_NO_INDEX=0
+ARG PIP_FIND_LINKS
 COPY services/controller /src/services/controller
 RUN pip install --no-cache-dir -c /src/requirements/constraints.txt /src/services/controller
 COPY --from=model --chown=10001:10001 /opt/dejavu/model-meta /opt/dejavu/models
@@ -18,6 +21,7 @@ WORKDIR /home/dejavu
 USER 10001:10001
 EXPOSE 8000
 # /health answers without an API key; any non-2xx answer or no answer fails the check.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+# A 10 s timeout: a Python start on a loaded host can take more than 5 s.
+HEALTHCHECK --interval=10s --timeout=10s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('DEJAVU_CONTROLLER__PORT', '8000'), timeout=4)"]
 CMD ["dejavu-controller"]

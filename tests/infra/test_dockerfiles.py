@@ -79,28 +79,67 @@ def test_each_image_gets_only_its_own_packages() -> None:
     assert allowed_paths("controller.Dockerfile") == {"services/controller"}
     assert allowed_paths("prompt-worker.Dockerfile") == {"services/prompt_worker"}
     assert allowed_paths("token-worker.Dockerfile") == {"services/token_worker"}
-    # The bases: the worker libraries and the CLI (only for the model stage, not copied into images).
+    # The bases: the worker libraries, the CLI and the planner it depends on (only for the model stage,
+    # not copied into images).
     base = allowed_paths("base.Dockerfile")
     assert base == {
         "requirements/constraints.txt",
+        "infra/docker/third_party.py",
         "libs/common",
         "libs/dejavulib",
         "libs/engine",
         "libs/worker",
+        "libs/planner",
         "libs/cli",
     }
     for path in base | allowed_paths("controller.Dockerfile"):
         assert (REPO / path).exists(), path
 
 
+def test_the_classic_builders_ignore_file_is_the_union_of_the_allow_lists() -> None:
+    """The classic builder reads only the context's .dockerignore: it must allow what every image needs."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in lines
+    union = set().union(*(allowed_paths(p.name) for p in DOCKER.glob("*.Dockerfile")))
+    assert {line[1:] for line in lines if line.startswith("!")} == union
+
+
+def stages(path: Path) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """Stage name -> (the stage it starts from, its instructions)."""
+    found: dict[str, tuple[str, list[tuple[str, str]]]] = {}
+    steps: list[tuple[str, str]] = []
+    for op, args in instructions(path):
+        if op == "FROM":
+            base, _, name = args.partition(" AS ")
+            steps = []
+            found[name.strip()] = (base.strip(), steps)
+        else:
+            steps.append((op, args))
+    return found
+
+
+def chain(found: dict[str, tuple[str, list[tuple[str, str]]]], target: str) -> list[tuple[str, str]]:
+    """The instructions that make ``target``: its ancestors' first."""
+    base, steps = found[target]
+    return (chain(found, base) if base in found else []) + steps
+
+
 def test_the_controller_base_has_no_torch() -> None:
-    steps = instructions(DOCKER / "base.Dockerfile")
-    start = steps.index(next(s for s in steps if s[0] == "FROM" and s[1].endswith("AS python")))
-    end = steps.index(next(s for s in steps if s[0] == "FROM" and s[1] == "python AS engine"))
-    installs = [(i, args) for i, (op, args) in enumerate(steps) if op == "RUN" and "pip install" in args]
-    assert installs
-    assert not [args for i, args in installs if start <= i < end and "torch" in args]
-    assert [args for i, args in installs if i >= end and "torch==" in args]
+    found = stages(DOCKER / "base.Dockerfile")
+    installs = [args for op, args in chain(found, "python") if op == "RUN" and "pip install" in args]
+    assert installs and not [args for args in installs if "torch" in args]
+    assert [args for op, args in chain(found, "engine") if op == "RUN" and "torch==" in args]
+
+
+def test_dependencies_come_before_any_code() -> None:
+    """Stages named '*-deps' copy no DejaVu code (only pyproject.toml files): a code change must not rebuild
+    torch or the other dependencies. The engine starts from them, not from the controller's base."""
+    found = stages(DOCKER / "base.Dockerfile")
+    for name, (_, steps) in found.items():
+        if name.endswith("deps"):
+            copies = [args.split()[0] for op, args in steps if op == "COPY"]
+            assert all(c.endswith((".toml", ".txt", ".py")) for c in copies), (name, copies)
+    assert found["engine"][0] == "engine-deps" and found["engine-deps"][0] == "deps"
 
 
 def test_torch_version_matches_the_constraints() -> None:
