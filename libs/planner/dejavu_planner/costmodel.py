@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dejavu_common import partition
@@ -48,6 +49,23 @@ class CostModel:
         """Compute time of one token step of a microbatch on a stage of ``stage_layers`` layers."""
         head = self.profile.head_step_time(batch) if last else 0.0
         return stage_layers * self.profile.token_layer_time(batch) + head
+
+    def cohort_step_time(
+        self, stage_layers: int, members: Sequence[tuple[int, int]], last: bool = False, swap: bool = False
+    ) -> float:
+        """One step of a cohort on a stage: ``members`` are its microbatches as ``(rows, context)``.
+
+        The step batches every member's rows (finished rows included: a microbatch computes them until
+        it leaves), so its compute is one token step of ``sum(rows)`` rows. Attention runs per member
+        over its own context, but the profile times token steps at one context (the profiler's
+        ``decode_context``), so contexts enter only the swap-in: with ``swap`` the step lasts
+        ``max(compute, swap-in of every member's KV)``, as :meth:`swap_in_time` for one microbatch.
+        """
+        rows = sum(r for r, _ in members)
+        compute = self.token_stage_time(stage_layers, rows, last)
+        if not swap:
+            return compute
+        return max(compute, sum(self.swap_in_time(stage_layers, r, context) for r, context in members))
 
     def swap_in_time(self, stage_layers: int, batch: int, context: int) -> float:
         """Time to bring a microbatch's KV (``context`` positions) for the stage's layers back from the host.
@@ -95,6 +113,16 @@ class CostModel:
         if role is StageRole.PROMPT:
             return weights + stage_layers * self.kv_per_layer(batch, prompt_len)
         return weights + resident * stage_layers * self.kv_per_layer(batch, prompt_len + max_new)
+
+    def fits_rows(self, depth: int, rows: int, positions: int) -> bool:
+        """Whether every stage of a ``depth``-stage pipeline holds its layers and the KV of ``rows``
+        sequences of ``positions`` positions each: the serving runtime's token stages, whose caches
+        grow as tokens are written, at worst every dispatched request at its longest."""
+        if not 1 <= depth <= self.layers:
+            return False
+        fullest = math.ceil(self.layers / depth)
+        need = fullest * (self.weights_per_layer() + self.kv_per_layer(rows, positions))
+        return need <= self.profile.machine_memory_bytes
 
     def fits(self, role: StageRole, depth: int, batch: int, prompt_len: int, max_new: int, swap: bool = False) -> bool:
         """Whether every stage of a ``depth``-stage pipeline fits in one machine's memory.
