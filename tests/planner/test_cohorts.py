@@ -191,7 +191,7 @@ def test_split_workers_sizes_the_runtime_by_its_cohorts() -> None:
     profile = Profile(**{**profile.__dict__, "prompt_time": Grid((1.0, 2.0), (1.0,), ((1.0,), (2.0,)))})
     workload = Workload(prompt_len=10, mean_new_tokens=41, max_new_tokens=41)
     d_p, d_t, why = split_workers(4, profile, workload)
-    assert (d_p, d_t) == (2, 2) and "cohorts of up to 32 rows" in why and "prompt pipeline (I_p) binds" in why
+    assert (d_p, d_t) == (2, 2) and "2 cohort(s) of up to 32 rows" in why and "prompt pipeline (I_p) binds" in why
     assert split_workers(4, profile, workload, batching=Batching.MICROBATCH)[:2] == (1, 3)
     # The simulator agrees that (2, 2) is the faster runtime deployment.
     trace, cost = uniform_trace(120, 10, 41), CostModel(profile)
@@ -210,7 +210,7 @@ def test_plan_adds_the_runtime_row_when_asked(make_profile: ProfileFactory) -> N
     runtime = plan.policies[3]
     assert runtime.name == "DejaVu-runtime" and runtime.best is not None
     assert runtime.best.deployment.cohorts and runtime.best.deployment.max_running == 16
-    assert runtime.best.makespan_s is not None and "cohorts of up to" in runtime.explanation
+    assert runtime.best.makespan_s is not None and "cohort(s) of up to" in runtime.explanation
     assert "DejaVu-runtime" in plan.report()
 
 

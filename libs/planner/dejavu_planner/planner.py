@@ -329,7 +329,7 @@ class Planner:
         )
         bound = "token pipeline (I_t)" if I_t >= I_p else "prompt pipeline (I_p)"
         return (
-            f"{head}{d.cohort_depth} cohorts of up to {R} rows (max_running {d.max_running}, microbatches of "
+            f"{head}{d.cohort_depth} cohort(s) of up to {R} rows (max_running {d.max_running}, microbatches of "
             f"{d.microbatch}); a {side} pass of {R} rows takes {t_R:.3g}s on the slowest stage: "
             f"I_t = b·N·t/R = {I_t:.3g}s, I_p = {I_p:.3g}s per microbatch; the {bound} binds."
         )
