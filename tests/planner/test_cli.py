@@ -65,7 +65,8 @@ def test_simulate_sweep_draws_scaling(tmp_path: Path, capsys: pytest.CaptureFixt
 
 def test_plan_runtime_adds_the_cohort_row(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--profile", "smollm2-135m-cpu-1thread", "-D", "3", "--runtime", "--max-running", "32"]
-    assert run([*argv, "--prompt-len", "256", "--new-tokens", "32", "--max-new", "64", "--requests", "50", "--json"]) == 0
+    argv += ["--prompt-len", "256", "--new-tokens", "32", "--max-new", "64", "--requests", "50", "--json"]
+    assert run(argv) == 0
     policies = {p["policy"]: p for p in json.loads(capsys.readouterr().out)["policies"]}
     assert set(policies) == {"Baseline", "Baseline-DP", "DejaVu", "DejaVu-runtime"}
     assert policies["DejaVu-runtime"]["configuration"].endswith(", 32r)")

@@ -146,6 +146,8 @@ def test_paper_deployments_are_not_cohorts() -> None:
         dejavu(max_running=0)
     assert dejavu(b=4, d_t=3, max_running=64).notation() == "((1p, 4b), (3p, 4b), 64r)"
     assert dejavu(d_t=3).cohort_rows == 22
+    # A full cohort holds whole microbatches up to the cap, at least one.
+    assert (formulas.cohort_rows(64, 3, 4), formulas.cohort_rows(5, 2, 4), formulas.cohort_rows(8, 1, 1)) == (20, 4, 8)
 
 
 def _batch_profile(layers: int = 12) -> Profile:
@@ -173,8 +175,8 @@ def test_steady_state_matches_the_cohort_formula(d_t: int, max_running: int, b: 
     cost = CostModel(profile)
     spans = [simulate(deployment, uniform_trace(n, 10, 41), cost).makespan_s for n in (240, 480)]
     measured = (spans[1] - spans[0]) / (240 / b)  # seconds per microbatch
-    R, t_R, I_t, I_p = planner.cohort_times(deployment)
-    assert R == formulas.cohort_rows(max_running, d_t, b) and I_t > I_p
+    rows, _, I_t, I_p = planner.cohort_times(deployment)
+    assert rows == formulas.cohort_rows(max_running, d_t, b) and I_t > I_p
     assert measured == pytest.approx(I_t, rel=0.02)
     assert planner.predict(deployment).inverse_throughput_s == pytest.approx(I_t)
 

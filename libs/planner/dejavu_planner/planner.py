@@ -323,9 +323,7 @@ class Planner:
         R, t_R, I_t, I_p = self.cohort_times(d)
         side = "token" if d.policy is Policy.DEJAVU else "colocated"
         head = (
-            f"D_p={d.depth}, D_t={d.token_depth}: "
-            if d.policy is Policy.DEJAVU
-            else f"{d.depth} colocated stage(s): "
+            f"D_p={d.depth}, D_t={d.token_depth}: " if d.policy is Policy.DEJAVU else f"{d.depth} colocated stage(s): "
         )
         bound = "token pipeline (I_t)" if I_t >= I_p else "prompt pipeline (I_p)"
         return (

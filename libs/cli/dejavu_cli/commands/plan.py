@@ -129,9 +129,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args)
     planner = Planner(profile, Workload.from_trace(trace), args.microbatches, args.max_running)
     try:
-        plan = planner.plan(
-            args.machines, swap=args.swap, trace=trace if args.simulate else None, runtime=args.runtime
-        )
+        plan = planner.plan(args.machines, swap=args.swap, trace=trace if args.simulate else None, runtime=args.runtime)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     if not args.json:
