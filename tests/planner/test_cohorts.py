@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from dejavu_planner import formulas
+from dejavu_planner.cohorts import CohortSimulator
 from dejavu_planner.costmodel import CostModel
 from dejavu_planner.deployment import Batching, Deployment, Policy
 from dejavu_planner.planner import Planner, split_workers
@@ -136,8 +137,11 @@ def test_results_are_deterministic(make_profile: ProfileFactory) -> None:
         assert first == second
 
 
-def test_paper_deployments_are_not_cohorts() -> None:
-    assert Deployment(Policy.DEJAVU, 1, 4, token_depth=1).batching is Batching.MICROBATCH
+def test_paper_deployments_are_not_cohorts(make_profile: ProfileFactory) -> None:
+    paper = Deployment(Policy.DEJAVU, 1, 4, token_depth=1)
+    assert paper.batching is Batching.MICROBATCH
+    with pytest.raises(ValueError, match="does not batch in cohorts"):
+        CohortSimulator(paper, Trace.of([(0, 10, 2)]), CostModel(make_profile()))
     with pytest.raises(ValueError, match="cohort"):
         Deployment(Policy.FASTER_TRANSFORMER, 2, 4, batching=Batching.COHORT)
     with pytest.raises(ValueError, match="cohort"):

@@ -34,8 +34,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dejavu_planner.deployment import Policy
+from dejavu_planner.costmodel import CostModel
+from dejavu_planner.deployment import Deployment, Policy
 from dejavu_planner.simulator import Role, Simulator, _Microbatch, _Pipeline, _Stage
+from dejavu_planner.trace import Trace
 
 _UNLIMITED = 1 << 30
 
@@ -83,8 +85,15 @@ class _Pass:
 class CohortSimulator(Simulator):
     """Runs one deployment with cohort batching over one trace; call :meth:`run` once."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        deployment: Deployment,
+        trace: Trace,
+        cost: CostModel,
+        record_timeline: bool = False,
+        batch_wait_s: float = 0.0,
+    ) -> None:
+        super().__init__(deployment, trace, cost, record_timeline, batch_wait_s)
         d = self.deployment
         if not d.cohorts:
             raise ValueError(f"{d.label()} does not batch in cohorts: use simulate()")
