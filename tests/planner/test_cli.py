@@ -81,3 +81,15 @@ def test_simulate_cohort_batching(capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["label"] == "DejaVu-1-1+cohorts" and summary["requests"] == 12
     with pytest.raises(CLIError, match="cohort"):
         run([*argv, "--policy", "ft", "--batching", "cohort"])
+
+
+def test_up_planner_auto_sizes_the_runtime(capsys: pytest.CaptureFixture[str]) -> None:
+    from dejavu_cli.commands import up
+
+    parser = argparse.ArgumentParser()
+    up.register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--planner", "auto", "--workers", "4", "--token-microbatch", "8"])
+    controller = up._settings(args).controller
+    assert controller.prompt_depth + controller.token_depth == 4 and controller.planner == "auto"
+    why = capsys.readouterr().err
+    assert "cohort(s) of up to" in why and f"max_running {controller.max_running}" in why and "of 8)" in why
