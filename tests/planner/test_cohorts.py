@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,27 @@ def test_the_row_cap_per_cohort_holds_and_cohorts_balance(
     assert by_cohort == set(range(d_t))  # every cohort got work
     assert [r.rid for r in result.requests] == list(range(120))
     assert all(r.arrival_s < r.first_token_s <= r.finish_s for r in result.requests)
+
+
+def test_each_member_beyond_the_first_costs_the_profiles_member_time(
+    make_profile: ProfileFactory, tmp_path: Path
+) -> None:
+    # 0.1 s per extra member for the whole model (2 layers): 0.05 s per layer. A pass of 3 members on
+    # the one stage: 1 s of rows + 2 · 0.1 s.
+    profile = make_profile(member_s=0.1)
+    cost = CostModel(profile)
+    assert cost.cohort_step_time(2, [(1, 10), (2, 10), (1, 10)]) == pytest.approx(1.2)
+    assert cost.cohort_step_time(1, [(4, 10)]) == pytest.approx(0.5)
+    # As the first test: r1 joins at 6, and the two passes of both members take 1.1 s each.
+    result = simulate(dejavu(), Trace.of([(0, 10, 10), (1, 10, 3)]), cost)
+    assert [(a, pytest.approx(b)) for a, b in times(result)] == [(3.0, 12.2), (6.0, 8.2)]
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+    legacy = profile.to_json()
+    del legacy["member_time_s"]
+    assert Profile.from_json(legacy).member_time == 0.0
+    with pytest.raises(ValueError, match="member_time"):
+        make_profile(member_s=-1.0)
 
 
 def test_with_swapping_a_cohort_holds_one_microbatch(make_profile: ProfileFactory) -> None:

@@ -45,6 +45,7 @@ def test_profile_measures_the_default_model(tmp_path: Path, capsys: pytest.Captu
     assert all(v > 0 for v in measured.token_time.values)
     assert measured.stream_overhead >= 1.0
     assert measured.head_time is not None and measured.co_runners == 0
+    assert measured.member_time >= 0.0  # batches 1, 2: two one-row microbatches against one of two rows
     assert measured.measured_depth == 1 and measured.machine_memory_bytes > 0
 
     assert run(["plan", "--profile", str(out), "-D", "4", "--prompt-len", "32", "--requests", "50"]) == 0

@@ -56,13 +56,15 @@ class CostModel:
         """One step of a cohort on a stage: ``members`` are its microbatches as ``(rows, context)``.
 
         The step batches every member's rows (finished rows included: a microbatch computes them until
-        it leaves), so its compute is one token step of ``sum(rows)`` rows. Attention runs per member
-        over its own context, but the profile times token steps at one context (the profiler's
-        ``decode_context``), so contexts enter only the swap-in: with ``swap`` the step lasts
+        it leaves), so its compute is one token step of ``sum(rows)`` rows, plus the profile's
+        ``member_time`` per member beyond the first (each attends in a call of its own). Attention
+        runs per member over its own context, but the profile times token steps at one context (the
+        profiler's ``decode_context``), so contexts enter only the swap-in: with ``swap`` the step lasts
         ``max(compute, swap-in of every member's KV)``, as :meth:`swap_in_time` for one microbatch.
         """
         rows = sum(r for r, _ in members)
-        compute = self.token_stage_time(stage_layers, rows, last)
+        extra = stage_layers * self.profile.member_layer_time() * max(len(members) - 1, 0)
+        compute = self.token_stage_time(stage_layers, rows, last) + extra
         if not swap:
             return compute
         return max(compute, sum(self.swap_in_time(stage_layers, r, context) for r, context in members))

@@ -172,6 +172,32 @@ class Profiler:
 
         return self._layers_only(self._timed(decode_steps) / o.decode_steps, batch)
 
+    def member_time(self, batch: int) -> float:
+        """Whole-model seconds a grouped decode step spends per microbatch beyond the first: ``batch``
+        microbatches of one row each (``Stage.decode_groups``, as the runtime's cohorts run them) against
+        one microbatch of ``batch`` rows, at ``decode_context``. 0 when ``batch < 2``; noise below 0 is 0."""
+        if batch < 2:
+            return 0.0
+        o = self.options
+        total_steps = o.decode_steps * (o.repeats + 1)  # warm-up run included
+        cache, geometry, ids = _ready_to_decode(self.stage, batch, o.decode_context, total_steps + 1)
+        singles = [_ready_to_decode(self.stage, 1, o.decode_context, total_steps + 1) for _ in range(batch)]
+        single_ids = StageIO(input_ids=torch.cat([s_ids.input_ids for *_, s_ids in singles]))
+
+        def per_step(step: Callable[[int], object]) -> float:
+            steps = iter(range(1, total_steps + 1))
+
+            def run() -> None:
+                for _ in range(o.decode_steps):
+                    step(next(steps))
+
+            return self._timed(run) / o.decode_steps
+
+        together = per_step(lambda s: self.stage.decode(ids, cache, geometry.advance(s)))
+        apart = per_step(lambda s: self.stage.decode_groups(single_ids, [(c, g.advance(s)) for c, g, _ in singles]))
+        # The head (if this stage has it) sees the same rows either way: the difference is the layers'.
+        return max(apart - together, 0.0) * self.scale / (batch - 1)
+
     def stream_overhead(self, batch: int, prompt_len: int) -> float:
         """``m``: prefill slowdown when each layer's new KV is copied out as soon as it is written.
 
@@ -223,6 +249,8 @@ class Profiler:
         self.progress("head: " + ", ".join(f"b={b} {h * 1000:.1f} ms" for b, h in zip(o.batches, heads, strict=True)))
         m_raw = self.stream_overhead(o.batches[len(o.batches) // 2], o.prompt_lens[-1])
         self.progress(f"stream overhead m = {m_raw:.3f}")
+        member = self.member_time(max(o.batches))
+        self.progress(f"cohort member: {member * 1000:.2f} ms per step per microbatch beyond the first")
         device = self.stage.device
         measured_layers = self.stage.num_layers
         return Profile(
@@ -240,11 +268,13 @@ class Profiler:
             host_device_bytes_per_s=o.host_device_bytes_per_s,
             head_time=Curve(tuple(map(float, o.batches)), tuple(heads)),
             co_runners=o.co_runners,
+            member_time=member,
             source=(
                 f"measured by `dejavu profile` on {device.type} with {torch.get_num_threads()} torch threads, "
                 f"stage of layers [0, {measured_layers}) of {self.model_layers} scaled to the whole model; "
                 f"median of {o.repeats} runs; token steps at {o.decode_context} cached positions; "
                 f"m = {m_raw:.3f} measured (KV copied out per layer); head (norm, LM head, sampling) timed apart; "
+                f"cohort member cost from {max(o.batches)} one-row microbatches vs one of {max(o.batches)} rows; "
                 f"embeddings folded into the weights per layer; "
                 + (f"{o.co_runners} other process(es) decoding on the host meanwhile" if o.co_runners else "host alone")
             ),
