@@ -173,8 +173,11 @@ def measure(args: argparse.Namespace, settings: Settings) -> Profile:
     """A fresh profile of the default model on this host, as the workers will run it."""
     from dejavu_planner.profiler import ProfilerOptions, measure_profile
 
+    # Token steps up to every request in one cohort: the runtime batches that many rows in one step.
+    token_rows = {1, args.microbatch, args.requests} | {args.microbatch << k for k in range(1, 5)}
     opts = ProfilerOptions(
         batches=tuple(sorted({1, args.microbatch, 2 * args.microbatch})),
+        token_batches=tuple(sorted(r for r in token_rows if r <= args.requests)),
         prompt_lens=(64, args.prompt_len),
         # Token steps at the middle of a typical request's generation: attention grows with context.
         decode_context=args.prompt_len + args.median_new // 2,

@@ -55,10 +55,20 @@ class ProfilerOptions:
     machine_memory_bytes: int | None = None  # None: the device's total memory
     host_device_bytes_per_s: float | None = None  # swap bandwidth, if known
     co_runners: int = 0  # processes decoding on the same host while timing (a shared host)
+    # Rows of the token steps (and the head) to time; None: ``batches``. The runtime's cohorts batch
+    # many microbatches' rows in one step, far beyond the microbatch sizes worth prefilling.
+    token_batches: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.batches or not self.prompt_lens or min(*self.batches, *self.prompt_lens) < 1:
             raise ValueError("batches and prompt_lens need positive entries")
+        if self.token_batches is not None and (not self.token_batches or min(self.token_batches) < 1):
+            raise ValueError("token_batches needs positive entries")
+
+    @property
+    def token_rows(self) -> tuple[int, ...]:
+        """The token-step row counts to time, increasing."""
+        return tuple(sorted(set(self.token_batches or self.batches)))
         if self.repeats < 1 or self.decode_steps < 1 or self.decode_context < 1:
             raise ValueError("repeats, decode_steps and decode_context must be >= 1")
         if self.co_runners < 0:
@@ -242,14 +252,15 @@ class Profiler:
                 f"prompt b={b}: " + ", ".join(f"{p} tok {s:.3f}s" for p, s in zip(o.prompt_lens, rows[-1], strict=True))
             )
         tokens = []
-        for b in o.batches:
+        for b in o.token_rows:
             tokens.append(self.token_time(b))
             self.progress(f"token b={b}: {tokens[-1] * 1000:.1f} ms per step")
-        heads = [self.head_time(b) for b in o.batches]
-        self.progress("head: " + ", ".join(f"b={b} {h * 1000:.1f} ms" for b, h in zip(o.batches, heads, strict=True)))
+        heads = [self.head_time(b) for b in o.token_rows]
+        pairs = zip(o.token_rows, heads, strict=True)
+        self.progress("head: " + ", ".join(f"b={b} {h * 1000:.1f} ms" for b, h in pairs))
         m_raw = self.stream_overhead(o.batches[len(o.batches) // 2], o.prompt_lens[-1])
         self.progress(f"stream overhead m = {m_raw:.3f}")
-        member = self.member_time(max(o.batches))
+        member = self.member_time(o.token_rows[-1])
         self.progress(f"cohort member: {member * 1000:.2f} ms per step per microbatch beyond the first")
         device = self.stage.device
         measured_layers = self.stage.num_layers
@@ -262,11 +273,11 @@ class Profiler:
             machine_memory_bytes=o.machine_memory_bytes or _device_memory(device),
             measured_depth=1,
             prompt_time=Grid(tuple(map(float, o.batches)), tuple(map(float, o.prompt_lens)), tuple(rows)),
-            token_time=Curve(tuple(map(float, o.batches)), tuple(tokens)),
+            token_time=Curve(tuple(map(float, o.token_rows)), tuple(tokens)),
             # Below 1 is timing noise: copying out cannot speed prefill up.
             stream_overhead=max(1.0, m_raw),
             host_device_bytes_per_s=o.host_device_bytes_per_s,
-            head_time=Curve(tuple(map(float, o.batches)), tuple(heads)),
+            head_time=Curve(tuple(map(float, o.token_rows)), tuple(heads)),
             co_runners=o.co_runners,
             member_time=member,
             source=(
@@ -274,7 +285,7 @@ class Profiler:
                 f"stage of layers [0, {measured_layers}) of {self.model_layers} scaled to the whole model; "
                 f"median of {o.repeats} runs; token steps at {o.decode_context} cached positions; "
                 f"m = {m_raw:.3f} measured (KV copied out per layer); head (norm, LM head, sampling) timed apart; "
-                f"cohort member cost from {max(o.batches)} one-row microbatches vs one of {max(o.batches)} rows; "
+                f"cohort member cost from {o.token_rows[-1]} one-row microbatches vs one of {o.token_rows[-1]} rows; "
                 f"embeddings folded into the weights per layer; "
                 + (f"{o.co_runners} other process(es) decoding on the host meanwhile" if o.co_runners else "host alone")
             ),
