@@ -176,8 +176,9 @@ def test_paper_deployments_are_not_cohorts(make_profile: ProfileFactory) -> None
     assert (formulas.cohort_rows(64, 3, 4), formulas.cohort_rows(5, 2, 4), formulas.cohort_rows(8, 1, 1)) == (20, 4, 8)
 
 
-def _batch_profile(layers: int = 12) -> Profile:
-    """Token passes cost more with more rows (0.2 s + 0.01 s per row for the whole model); prompts 0.05 s."""
+def _batch_profile(layers: int = 12, member_s: float = 0.0) -> Profile:
+    """Token passes cost more with more rows (0.2 s + 0.01 s per row for the whole model, plus ``member_s``
+    per cohort member beyond the first); prompts 0.05 s."""
     return Profile(
         model="toy",
         hardware="toy",
@@ -188,23 +189,26 @@ def _batch_profile(layers: int = 12) -> Profile:
         measured_depth=1,
         prompt_time=Grid((1.0, 2.0), (1.0,), ((0.05,), (0.1,))),
         token_time=Curve((1.0, 100.0), (0.21, 1.2)),
+        member_time=member_s,
         source="unit test",
     )
 
 
-@pytest.mark.parametrize(("d_t", "max_running", "b"), [(1, 8, 1), (2, 8, 2), (3, 12, 2)])
-def test_steady_state_matches_the_cohort_formula(d_t: int, max_running: int, b: int) -> None:
+@pytest.mark.parametrize(
+    ("d_t", "max_running", "b", "member_s"), [(1, 8, 1, 0.0), (2, 8, 2, 0.0), (3, 12, 2, 0.0), (2, 8, 1, 0.03)]
+)
+def test_steady_state_matches_the_cohort_formula(d_t: int, max_running: int, b: int, member_s: float) -> None:
     # Uniform backlogs: when prompts keep up, every cohort stays full and the token side sets the pace.
-    profile = _batch_profile()
+    profile = _batch_profile(member_s=member_s)
     planner = Planner(profile, Workload(prompt_len=10, mean_new_tokens=41, max_new_tokens=41), (b,), max_running)
     deployment = dejavu(b=b, d_t=d_t, max_running=max_running)
     cost = CostModel(profile)
     spans = [simulate(deployment, uniform_trace(n, 10, 41), cost).makespan_s for n in (240, 480)]
     measured = (spans[1] - spans[0]) / (240 / b)  # seconds per microbatch
-    rows, _, I_t, I_p = planner.cohort_times(deployment)
-    assert rows == formulas.cohort_rows(max_running, d_t, b) and I_t > I_p
-    assert measured == pytest.approx(I_t, rel=0.02)
-    assert planner.predict(deployment).inverse_throughput_s == pytest.approx(I_t)
+    times = planner.cohort_times(deployment)
+    assert times.rows == formulas.cohort_rows(max_running, d_t, b) and times.token_s > times.prompt_s
+    assert measured == pytest.approx(times.token_s, rel=0.02)
+    assert planner.predict(deployment).inverse_throughput_s == pytest.approx(times.token_s)
 
 
 # -- the planner's runtime model ------------------------------------------------------------------

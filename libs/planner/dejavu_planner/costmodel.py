@@ -89,6 +89,12 @@ class CostModel:
         """The paper's ``t`` at depth ``D``: token-step time of one stage holding ``L / D`` layers (and the head)."""
         return self.layers / depth * self.profile.token_layer_time(batch) + self.profile.head_step_time(batch)
 
+    def cohort_time_at(self, depth: int, rows: int, members: int) -> float:
+        """One cohort pass of ``rows`` rows in ``members`` microbatches on the slowest stage of ``L / D`` layers:
+        ``t`` of that many rows plus the profile's member time for each member beyond the first."""
+        extra = self.layers / depth * self.profile.member_layer_time() * max(members - 1, 0)
+        return self.token_time_at(depth, rows) + extra
+
     def swapped_token_time_at(self, depth: int, batch: int, context: int) -> float:
         """``t`` with swapping: ``max(t, transfer)`` of a stage of ``L / D`` layers at ``context`` positions."""
         transfer = self.swap_in_time(1, batch, context) * self.layers / depth

@@ -43,6 +43,21 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class CohortTimes:
+    """The runtime's cohort policy in steady state (seconds): a full cohort's ``rows``, one pass of them
+    on the slowest decoding stage, and the time per microbatch the token and prompt sides sustain."""
+
+    rows: int
+    pass_s: float
+    token_s: float  # I_t
+    prompt_s: float  # I_p
+
+    @property
+    def inverse_throughput_s(self) -> float:
+        return max(self.token_s, self.prompt_s)
+
+
+@dataclass(frozen=True)
 class PolicyPlan:
     """The best candidate of one policy (``None`` when none fits) and why."""
 
@@ -136,7 +151,7 @@ class Planner:
         """Formula throughput of a deployment: Eq. (3) per baseline pipeline, ``max(I_t, I_p)`` for DejaVu;
         with cohorts, the runtime's forms (:meth:`cohort_times`)."""
         if d.cohorts:
-            inverse = max(self.cohort_times(d)[2:])
+            inverse = self.cohort_times(d).inverse_throughput_s
             return Candidate(d, inverse, d.microbatch / inverse)
         w, N = self.workload, self.workload.token_steps
         D = d.machines if d.policy is Policy.DEJAVU else d.depth
@@ -157,22 +172,25 @@ class Planner:
         context = round(self.workload.prompt_len + self.workload.mean_new_tokens / 2)
         return self.cost.swapped_token_time_at(depth, rows, context)
 
-    def cohort_times(self, d: Deployment) -> tuple[int, float, float, float]:
-        """``(R, t_R, I_t, I_p)`` of a cohort deployment: rows per full cohort, a token pass of them on the
-        slowest decoding stage, and the seconds per microbatch the token side and the prompt side sustain.
+    def cohort_times(self, d: Deployment) -> CohortTimes:
+        """A cohort deployment in steady state: ``R`` rows per full cohort (``R / b`` members), a pass of
+        them on the slowest decoding stage ``t_R``, and the seconds per microbatch each side sustains.
 
         DejaVu: ``I_t = b N t_R / R``, ``I_p = m Y_b`` (the prompt pipeline's slowest stage). Colocated:
         the one pipeline does both, ``I_t = I_p = Y_b + b N t_R / R``. With swapping a cohort holds one
         microbatch (``R = b``).
         """
         w, b, N = self.workload, d.microbatch, self.workload.token_steps
-        R = b if d.swap else formulas.cohort_rows(d.max_running, d.cohort_depth, b)
-        t_R = self._t(d.cohort_depth, d, R)
+        if d.swap:
+            R, t_R = b, self._t(d.cohort_depth, d)
+        else:
+            R = formulas.cohort_rows(d.max_running, d.cohort_depth, b)
+            t_R = self.cost.cohort_time_at(d.cohort_depth, R, R // b)
         Y_b = self.cost.prompt_time_at(d.depth, b, w.prompt_len)
         if d.policy is Policy.DEJAVU:
-            return R, t_R, formulas.cohort_token_inverse_throughput(b, R, t_R, N), self.m * Y_b
+            return CohortTimes(R, t_R, formulas.cohort_token_inverse_throughput(b, R, t_R, N), self.m * Y_b)
         both = formulas.cohort_colocated_inverse_throughput(b, R, Y_b, t_R, N)
-        return R, t_R, both, both
+        return CohortTimes(R, t_R, both, both)
 
     # -- search ------------------------------------------------------------------------------------
 
@@ -320,7 +338,8 @@ class Planner:
     def explain_cohorts(self, best: Candidate) -> str:
         """Why a runtime (cohort) deployment was chosen: rows per cohort, pass time, which side binds."""
         d = best.deployment
-        R, t_R, I_t, I_p = self.cohort_times(d)
+        times = self.cohort_times(d)
+        R, t_R, I_t, I_p = times.rows, times.pass_s, times.token_s, times.prompt_s
         side = "token" if d.policy is Policy.DEJAVU else "colocated"
         head = (
             f"D_p={d.depth}, D_t={d.token_depth}: " if d.policy is Policy.DEJAVU else f"{d.depth} colocated stage(s): "
