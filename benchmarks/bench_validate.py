@@ -4,7 +4,10 @@ Each of ``--rounds`` rounds profiles the default model on this host (one torch t
 gets when two share the 2 cores, and ``--co-runners`` other decoding processes, since the two workers
 compete for the same memory bandwidth), then replays the trace through the real system in two
 deployments — the colocated 2-stage baseline and DejaVu with 1 prompt + 1 token worker — and
-predicts each run's makespan with the discrete-event simulator from that round's profile. Profiling
+predicts each run's makespan with the discrete-event simulator from that round's profile, modelling
+the runtime's own policy (iteration-level batching in cohorts, ``Batching.COHORT`` with the
+controller's ``max_running``); the paper's microbatch policy's prediction is kept next to it
+(``simulated_paper_policy_s``), to show what modelling the runtime's policy changes. Profiling
 in every round keeps the profile and the real runs minutes apart on a host whose speed drifts.
 Prints the comparison table (every round, then medians) and writes
 ``benchmarks/results/validate.json`` (and each round's profile next to it).
@@ -30,6 +33,7 @@ in trace order, and the trace-order prediction is kept in the JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import statistics
@@ -169,8 +173,11 @@ def measure(args: argparse.Namespace, settings: Settings) -> Profile:
     """A fresh profile of the default model on this host, as the workers will run it."""
     from dejavu_planner.profiler import ProfilerOptions, measure_profile
 
+    # Token steps up to every request in one cohort: the runtime batches that many rows in one step.
+    token_rows = {1, args.microbatch, args.requests} | {args.microbatch << k for k in range(1, 5)}
     opts = ProfilerOptions(
         batches=tuple(sorted({1, args.microbatch, 2 * args.microbatch})),
+        token_batches=tuple(sorted(r for r in token_rows if r <= args.requests)),
         prompt_lens=(64, args.prompt_len),
         # Token steps at the middle of a typical request's generation: attention grows with context.
         decode_context=args.prompt_len + args.median_new // 2,
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_common.tokenizer import Tokenizer
     from dejavu_engine.checkpoint import ensure_default_model
     from dejavu_planner.costmodel import CostModel
-    from dejavu_planner.deployment import Deployment, Policy
+    from dejavu_planner.deployment import Batching, Deployment, Policy
     from dejavu_planner.profile import Profile
     from dejavu_planner.simulator import simulate
     from dejavu_planner.trace import Request, Trace, lmsys_like_trace
@@ -241,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
                     for r, g in zip(trace.requests, generated, strict=True)
                 )
             )
-            deployment = (
+            # The runtime's policy (cohorts, the controller's max_running), and the paper's for comparison.
+            paper = (
                 Deployment(Policy.BASELINE, 2, args.microbatch)
                 if colocated
                 else Deployment(Policy.DEJAVU, 1, args.microbatch, token_depth=1)
+            )
+            deployment = dataclasses.replace(
+                paper, batching=Batching.COHORT, max_running=Settings().controller.max_running
             )
             cost, wait_s = CostModel(profile), BATCH_WAIT_MS / 1000
             in_trace_order = simulate(deployment, actual, cost, batch_wait_s=wait_s)
@@ -253,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             # prediction: replay the trace in the order the controller admitted it, and say whether it had to.
             # (A request whose every chunk was held back has no first chunk: its end stands in.)
             real_groups = microbatches({r.request.rid: (r.chunk_times_s or (r.end_s,))[0] for r in records})
-            sim = simulate(deployment, in_admitted_order(actual, real_groups), cost, batch_wait_s=wait_s)
+            replay = in_admitted_order(actual, real_groups)
+            sim = simulate(deployment, replay, cost, batch_wait_s=wait_s)
             predicted = sim.makespan_s
+            paper_predicted = simulate(paper, replay, cost, batch_wait_s=wait_s).makespan_s
             simulated_groups = set(microbatches({s.rid: s.first_token_s for s in sim.requests}))
             trace_groups = set(microbatches({s.rid: s.first_token_s for s in in_trace_order.requests}))
             rows.append(
@@ -265,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                     "real_makespan_s": real,
                     "simulated_makespan_s": predicted,
                     "error": (predicted - real) / real,
+                    "simulated_paper_policy_s": paper_predicted,
+                    "paper_policy_error": (paper_predicted - real) / real,
                     "generated_tokens": sum(generated),
                     "microbatches": len(real_groups),
                     "microbatches_in_trace_order": sum(g in trace_groups for g in real_groups),
@@ -276,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  real {real:.1f} s, simulated {predicted:.1f} s ({rows[-1]['error']:+.1%}); "
                 f"{rows[-1]['microbatches_in_trace_order']} of {len(real_groups)} microbatches in trace order "
-                f"(trace order simulated: {in_trace_order.makespan_s:.1f} s)",
+                f"(trace order simulated: {in_trace_order.makespan_s:.1f} s; the paper's microbatch policy: "
+                f"{paper_predicted:.1f} s, {rows[-1]['paper_policy_error']:+.1%})",
                 file=sys.stderr,
             )
 
@@ -285,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         f"microbatch {args.microbatch}, sent {args.spacing_ms:g} ms apart, {args.rounds} round(s)"
     )
     print(
-        f"{'round':>5s} {'deployment':30s} {'notation':22s} {'real s':>8s} {'simulated s':>12s} {'error':>7s}"
+        f"{'round':>5s} {'deployment':30s} {'notation':28s} {'real s':>8s} {'simulated s':>12s} {'error':>7s}"
         f"  {'microbatches in trace order':>27s}"
     )
     for r in rows:
         print(
-            f"{r['round']:5d} {r['deployment']:30s} {r['notation']:22s} {r['real_makespan_s']:8.1f} "
+            f"{r['round']:5d} {r['deployment']:30s} {r['notation']:28s} {r['real_makespan_s']:8.1f} "
             f"{r['simulated_makespan_s']:12.1f} {r['error']:+7.1%}  {r['microbatches_in_trace_order']:>18d} of "
             f"{r['microbatches']:<6d}"
         )
@@ -310,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(
-            f"{'med':>5s} {name:30s} {'':22s} {real:8.1f} {predicted:12.1f} {summary[-1]['median_error']:+7.1%}"
+            f"{'med':>5s} {name:30s} {'':28s} {real:8.1f} {predicted:12.1f} {summary[-1]['median_error']:+7.1%}"
             f"  (worst round {summary[-1]['max_abs_error']:.1%})"
         )
     out = {"args": vars(args), "ucx_progress": Settings().transport.ucx_progress, "rows": rows, "summary": summary}

@@ -20,9 +20,10 @@ def toy_profile(
     kv_bytes: int = 1,
     bandwidth: float | None = None,
     head_s: float | None = None,
+    member_s: float = 0.0,
 ) -> Profile:
     """Times independent of batch and prompt length: a stage of k layers takes k * per-layer time
-    (plus ``head_s`` on a pipeline's last stage)."""
+    (plus ``head_s`` on a pipeline's last stage; ``member_s`` per cohort member beyond the first)."""
     return Profile(
         model="toy",
         hardware="toy",
@@ -36,6 +37,7 @@ def toy_profile(
         stream_overhead=m,
         host_device_bytes_per_s=bandwidth,
         head_time=None if head_s is None else Curve((1.0,), (head_s,)),
+        member_time=member_s,
         source="unit test",
     )
 

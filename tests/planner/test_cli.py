@@ -61,3 +61,35 @@ def test_simulate_sweep_draws_scaling(tmp_path: Path, capsys: pytest.CaptureFixt
     assert {p["policy"] for p in points} == {"Baseline", "Baseline-DP", "DejaVu"}
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
     assert "makespan_s" in capsys.readouterr().out
+
+
+def test_plan_runtime_adds_the_cohort_row(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--profile", "smollm2-135m-cpu-1thread", "-D", "3", "--runtime", "--max-running", "32"]
+    argv += ["--prompt-len", "256", "--new-tokens", "32", "--max-new", "64", "--requests", "50", "--json"]
+    assert run(argv) == 0
+    policies = {p["policy"]: p for p in json.loads(capsys.readouterr().out)["policies"]}
+    assert set(policies) == {"Baseline", "Baseline-DP", "DejaVu", "DejaVu-runtime"}
+    assert policies["DejaVu-runtime"]["configuration"].endswith(", 32r)")
+    assert "cohort(s) of up to" in policies["DejaVu-runtime"]["explanation"]
+
+
+def test_simulate_cohort_batching(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--profile", "smollm2-135m-cpu-1thread", "--policy", "dejavu", "-b", "2", "--requests", "12"]
+    argv += ["--synthetic", "uniform", "--prompt-len", "64", "--new-tokens", "8", "--batch-wait-ms", "20"]
+    assert run([*argv, "--batching", "cohort", "--max-running", "8"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["label"] == "DejaVu-1-1+cohorts" and summary["requests"] == 12
+    with pytest.raises(CLIError, match="cohort"):
+        run([*argv, "--policy", "ft", "--batching", "cohort"])
+
+
+def test_up_planner_auto_sizes_the_runtime(capsys: pytest.CaptureFixture[str]) -> None:
+    from dejavu_cli.commands import up
+
+    parser = argparse.ArgumentParser()
+    up.register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--planner", "auto", "--workers", "4", "--token-microbatch", "8"])
+    controller = up._settings(args).controller
+    assert controller.prompt_depth + controller.token_depth == 4 and controller.planner == "auto"
+    why = capsys.readouterr().err
+    assert "cohort(s) of up to" in why and f"max_running {controller.max_running}" in why and "of 8)" in why

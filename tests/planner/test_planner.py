@@ -11,6 +11,7 @@ import pytest
 
 from dejavu_planner import formulas
 from dejavu_planner.costmodel import CostModel
+from dejavu_planner.deployment import Batching
 from dejavu_planner.planner import Planner, split_workers
 from dejavu_planner.profile import Profile
 from dejavu_planner.trace import lmsys_like_trace
@@ -24,7 +25,7 @@ def test_split_workers_matches_the_rounded_optimum(make_profile: ProfileFactory)
     workload = Workload(prompt_len=100, mean_new_tokens=51, max_new_tokens=200)
     cost = CostModel(profile)
     for n in (2, 3, 5, 8, 12):
-        d_p, d_t, why = split_workers(n, profile, workload)
+        d_p, d_t, why = split_workers(n, profile, workload, batching=Batching.MICROBATCH)
         Y, t = cost.prompt_time_at(n, 1, 100), cost.token_time_at(n, 1)
         assert (d_p, d_t) == formulas.integer_split(n, Y, t, 50, 1.0)
         assert "binds" in why
@@ -51,7 +52,7 @@ def test_memory_moves_the_split_away_from_the_optimum(make_profile: ProfileFacto
         layers=12, weight_bytes=1000, kv_bytes=1, memory=4500, prompt_layer_s=1.0, token_layer_s=0.001
     )
     workload = Workload(prompt_len=5, mean_new_tokens=3, max_new_tokens=5)
-    d_p, d_t, why = split_workers(6, profile, workload)
+    d_p, d_t, why = split_workers(6, profile, workload, batching=Batching.MICROBATCH)
     assert (d_p, d_t) == (3, 3)
     assert "does not fit memory" in why
 

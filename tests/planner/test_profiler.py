@@ -30,8 +30,9 @@ def test_profile_measures_the_default_model(tmp_path: Path, capsys: pytest.Captu
     out = tmp_path / "smollm2.json"
     argv = ["profile", "--out", str(out), "--layers", "2", "--threads", "1", "--batches", "1,2"]
     argv += ["--prompt-lens", "8,32", "--decode-context", "16", "--decode-steps", "2", "--repeats", "1"]
-    assert run(argv) == 0
+    assert run([*argv, "--token-batches", "3,1"]) == 0
     measured = Profile.load(out)
+    assert measured.prompt_time.x == (1.0, 2.0) and measured.token_time.x == (1.0, 3.0)
 
     folder = ensure_default_model(Settings())
     config = json.loads((folder / "config.json").read_text())
@@ -45,6 +46,7 @@ def test_profile_measures_the_default_model(tmp_path: Path, capsys: pytest.Captu
     assert all(v > 0 for v in measured.token_time.values)
     assert measured.stream_overhead >= 1.0
     assert measured.head_time is not None and measured.co_runners == 0
+    assert measured.member_time >= 0.0  # three one-row microbatches against one of three rows
     assert measured.measured_depth == 1 and measured.machine_memory_bytes > 0
 
     assert run(["plan", "--profile", str(out), "-D", "4", "--prompt-len", "32", "--requests", "50"]) == 0

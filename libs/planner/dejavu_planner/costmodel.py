@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dejavu_common import partition
@@ -49,6 +50,25 @@ class CostModel:
         head = self.profile.head_step_time(batch) if last else 0.0
         return stage_layers * self.profile.token_layer_time(batch) + head
 
+    def cohort_step_time(
+        self, stage_layers: int, members: Sequence[tuple[int, int]], last: bool = False, swap: bool = False
+    ) -> float:
+        """One step of a cohort on a stage: ``members`` are its microbatches as ``(rows, context)``.
+
+        The step batches every member's rows (finished rows included: a microbatch computes them until
+        it leaves), so its compute is one token step of ``sum(rows)`` rows, plus the profile's
+        ``member_time`` per member beyond the first (each attends in a call of its own). Attention
+        runs per member over its own context, but the profile times token steps at one context (the
+        profiler's ``decode_context``), so contexts enter only the swap-in: with ``swap`` the step lasts
+        ``max(compute, swap-in of every member's KV)``, as :meth:`swap_in_time` for one microbatch.
+        """
+        rows = sum(r for r, _ in members)
+        extra = stage_layers * self.profile.member_layer_time() * max(len(members) - 1, 0)
+        compute = self.token_stage_time(stage_layers, rows, last) + extra
+        if not swap:
+            return compute
+        return max(compute, sum(self.swap_in_time(stage_layers, r, context) for r, context in members))
+
     def swap_in_time(self, stage_layers: int, batch: int, context: int) -> float:
         """Time to bring a microbatch's KV (``context`` positions) for the stage's layers back from the host.
 
@@ -68,6 +88,12 @@ class CostModel:
     def token_time_at(self, depth: int, batch: int) -> float:
         """The paper's ``t`` at depth ``D``: token-step time of one stage holding ``L / D`` layers (and the head)."""
         return self.layers / depth * self.profile.token_layer_time(batch) + self.profile.head_step_time(batch)
+
+    def cohort_time_at(self, depth: int, rows: int, members: int) -> float:
+        """One cohort pass of ``rows`` rows in ``members`` microbatches on the slowest stage of ``L / D`` layers:
+        ``t`` of that many rows plus the profile's member time for each member beyond the first."""
+        extra = self.layers / depth * self.profile.member_layer_time() * max(members - 1, 0)
+        return self.token_time_at(depth, rows) + extra
 
     def swapped_token_time_at(self, depth: int, batch: int, context: int) -> float:
         """``t`` with swapping: ``max(t, transfer)`` of a stage of ``L / D`` layers at ``context`` positions."""
@@ -95,6 +121,16 @@ class CostModel:
         if role is StageRole.PROMPT:
             return weights + stage_layers * self.kv_per_layer(batch, prompt_len)
         return weights + resident * stage_layers * self.kv_per_layer(batch, prompt_len + max_new)
+
+    def fits_rows(self, depth: int, rows: int, positions: int) -> bool:
+        """Whether every stage of a ``depth``-stage pipeline holds its layers and the KV of ``rows``
+        sequences of ``positions`` positions each: the serving runtime's token stages, whose caches
+        grow as tokens are written, at worst every dispatched request at its longest."""
+        if not 1 <= depth <= self.layers:
+            return False
+        fullest = math.ceil(self.layers / depth)
+        need = fullest * (self.weights_per_layer() + self.kv_per_layer(rows, positions))
+        return need <= self.profile.machine_memory_bytes
 
     def fits(self, role: StageRole, depth: int, batch: int, prompt_len: int, max_new: int, swap: bool = False) -> bool:
         """Whether every stage of a ``depth``-stage pipeline fits in one machine's memory.

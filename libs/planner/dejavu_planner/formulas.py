@@ -147,3 +147,37 @@ def integer_split(
         key=lambda d_t: (disaggregated_inverse_throughput(D, D - d_t, d_t, Y, t, N, m), d_t),
     )
     return D - best, best
+
+
+# -- The serving runtime's cohort policy (not in the paper) ----------------------------------------
+# Stage times here are those of the pipeline's slowest stage at its own depth: ``t_R`` is one
+# token pass of a cohort of ``R`` rows on it, ``Y_b`` one prompt of a microbatch of ``b`` on it.
+
+
+def cohort_rows(max_running: int, depth: int, b: int) -> int:
+    """Rows a full cohort holds: whole microbatches of ``b`` up to ``ceil(max_running / depth)`` (at least one)."""
+    _require_positive(max_running=max_running, depth=depth, b=b)
+    cap = -(-max_running // depth)
+    return b * max(1, cap // b)
+
+
+def cohort_token_inverse_throughput(b: int, R: int, t_R: float, N: float) -> float:
+    """``I_t = b N t_R / R``: seconds per microbatch of ``b`` requests through a cohort token pipeline.
+
+    ``D_t`` cohorts of ``R`` rows keep every stage busy, so the slowest stage advances ``R`` rows by
+    one token every ``t_R``; a request holds its row for ``N`` token steps.
+    """
+    _require_positive(b=b, R=R, t_R=t_R)
+    if N < 0:
+        raise ValueError(f"N must be >= 0, got {N}")
+    return b * N * t_R / R
+
+
+def cohort_colocated_inverse_throughput(b: int, R: int, Y_b: float, t_R: float, N: float) -> float:
+    """``I_c = Y_b + b N t_R / R``: one pipeline whose cohorts interleave prefills with token passes.
+
+    Per microbatch the slowest stage spends one prefill and its share of the token passes; cohorts
+    keep every stage busy, so nothing waits for a drain (the paper's Eq. 3 term).
+    """
+    _require_positive(Y_b=Y_b)
+    return Y_b + cohort_token_inverse_throughput(b, R, t_R, N)

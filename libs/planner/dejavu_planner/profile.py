@@ -36,6 +36,11 @@ class Profile:
     layers (SmolLM2-135M: its 49k-word head costs about as much as 5 of its 30 layers), so a
     pipeline's last stage is its slowest. ``co_runners`` records how many other processes loaded
     the same host while it was measured (0: a machine of its own).
+
+    ``member_time`` is what one token step of the serving runtime's cohorts costs per microbatch
+    beyond the first (at ``measured_depth``, the head excluded): a cohort batches its members' rows
+    through the projections and MLPs once, but each member attends over its own cache in a call of
+    its own. 0 (the default, and the paper's model) when unknown.
     """
 
     model: str
@@ -51,6 +56,7 @@ class Profile:
     host_device_bytes_per_s: float | None = None
     head_time: Curve | None = None
     co_runners: int = 0
+    member_time: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -65,6 +71,8 @@ class Profile:
             raise ValueError("Profile.host_device_bytes_per_s must be positive or null")
         if self.co_runners < 0:
             raise ValueError("Profile.co_runners must be >= 0")
+        if self.member_time < 0:
+            raise ValueError("Profile.member_time must be >= 0")
 
     def prompt_layer_time(self, batch: int, prompt_len: int) -> float:
         """Seconds one layer spends on one prompt microbatch."""
@@ -73,6 +81,10 @@ class Profile:
     def token_layer_time(self, batch: int) -> float:
         """Seconds one layer spends on one token step of a microbatch."""
         return self.token_time(batch) * self.measured_depth / self.layers
+
+    def member_layer_time(self) -> float:
+        """Seconds one layer spends per cohort member beyond the first on one token step."""
+        return self.member_time * self.measured_depth / self.layers
 
     def head_step_time(self, batch: int) -> float:
         """Seconds the last stage spends after its layers on one step of ``batch`` rows (0 if folded in)."""
@@ -100,6 +112,7 @@ class Profile:
             if self.head_time is None
             else {"batch": list(self.head_time.x), "values": list(self.head_time.values)},
             "co_runners": self.co_runners,
+            "member_time_s": self.member_time,
             "source": self.source,
         }
 
@@ -129,6 +142,7 @@ class Profile:
                 host_device_bytes_per_s=None if bandwidth is None else float(bandwidth),
                 head_time=None if head is None else Curve.from_json({"x": head["batch"], "values": head["values"]}),
                 co_runners=int(data.get("co_runners", 0)),
+                member_time=float(data.get("member_time_s", 0.0)),
                 source=str(data.get("source", "")),
             )
         except KeyError as exc:

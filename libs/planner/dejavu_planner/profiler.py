@@ -55,10 +55,20 @@ class ProfilerOptions:
     machine_memory_bytes: int | None = None  # None: the device's total memory
     host_device_bytes_per_s: float | None = None  # swap bandwidth, if known
     co_runners: int = 0  # processes decoding on the same host while timing (a shared host)
+    # Rows of the token steps (and the head) to time; None: ``batches``. The runtime's cohorts batch
+    # many microbatches' rows in one step, far beyond the microbatch sizes worth prefilling.
+    token_batches: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.batches or not self.prompt_lens or min(*self.batches, *self.prompt_lens) < 1:
             raise ValueError("batches and prompt_lens need positive entries")
+        if self.token_batches is not None and (not self.token_batches or min(self.token_batches) < 1):
+            raise ValueError("token_batches needs positive entries")
+
+    @property
+    def token_rows(self) -> tuple[int, ...]:
+        """The token-step row counts to time, increasing."""
+        return tuple(sorted(set(self.token_batches or self.batches)))
         if self.repeats < 1 or self.decode_steps < 1 or self.decode_context < 1:
             raise ValueError("repeats, decode_steps and decode_context must be >= 1")
         if self.co_runners < 0:
@@ -172,6 +182,32 @@ class Profiler:
 
         return self._layers_only(self._timed(decode_steps) / o.decode_steps, batch)
 
+    def member_time(self, batch: int) -> float:
+        """Whole-model seconds a grouped decode step spends per microbatch beyond the first: ``batch``
+        microbatches of one row each (``Stage.decode_groups``, as the runtime's cohorts run them) against
+        one microbatch of ``batch`` rows, at ``decode_context``. 0 when ``batch < 2``; noise below 0 is 0."""
+        if batch < 2:
+            return 0.0
+        o = self.options
+        total_steps = o.decode_steps * (o.repeats + 1)  # warm-up run included
+        cache, geometry, ids = _ready_to_decode(self.stage, batch, o.decode_context, total_steps + 1)
+        singles = [_ready_to_decode(self.stage, 1, o.decode_context, total_steps + 1) for _ in range(batch)]
+        single_ids = StageIO(input_ids=torch.cat([s_ids.input_ids for *_, s_ids in singles]))
+
+        def per_step(step: Callable[[int], object]) -> float:
+            steps = iter(range(1, total_steps + 1))
+
+            def run() -> None:
+                for _ in range(o.decode_steps):
+                    step(next(steps))
+
+            return self._timed(run) / o.decode_steps
+
+        together = per_step(lambda s: self.stage.decode(ids, cache, geometry.advance(s)))
+        apart = per_step(lambda s: self.stage.decode_groups(single_ids, [(c, g.advance(s)) for c, g, _ in singles]))
+        # The head (if this stage has it) sees the same rows either way: the difference is the layers'.
+        return max(apart - together, 0.0) * self.scale / (batch - 1)
+
     def stream_overhead(self, batch: int, prompt_len: int) -> float:
         """``m``: prefill slowdown when each layer's new KV is copied out as soon as it is written.
 
@@ -216,13 +252,16 @@ class Profiler:
                 f"prompt b={b}: " + ", ".join(f"{p} tok {s:.3f}s" for p, s in zip(o.prompt_lens, rows[-1], strict=True))
             )
         tokens = []
-        for b in o.batches:
+        for b in o.token_rows:
             tokens.append(self.token_time(b))
             self.progress(f"token b={b}: {tokens[-1] * 1000:.1f} ms per step")
-        heads = [self.head_time(b) for b in o.batches]
-        self.progress("head: " + ", ".join(f"b={b} {h * 1000:.1f} ms" for b, h in zip(o.batches, heads, strict=True)))
+        heads = [self.head_time(b) for b in o.token_rows]
+        pairs = zip(o.token_rows, heads, strict=True)
+        self.progress("head: " + ", ".join(f"b={b} {h * 1000:.1f} ms" for b, h in pairs))
         m_raw = self.stream_overhead(o.batches[len(o.batches) // 2], o.prompt_lens[-1])
         self.progress(f"stream overhead m = {m_raw:.3f}")
+        member = self.member_time(o.token_rows[-1])
+        self.progress(f"cohort member: {member * 1000:.2f} ms per step per microbatch beyond the first")
         device = self.stage.device
         measured_layers = self.stage.num_layers
         return Profile(
@@ -234,17 +273,19 @@ class Profiler:
             machine_memory_bytes=o.machine_memory_bytes or _device_memory(device),
             measured_depth=1,
             prompt_time=Grid(tuple(map(float, o.batches)), tuple(map(float, o.prompt_lens)), tuple(rows)),
-            token_time=Curve(tuple(map(float, o.batches)), tuple(tokens)),
+            token_time=Curve(tuple(map(float, o.token_rows)), tuple(tokens)),
             # Below 1 is timing noise: copying out cannot speed prefill up.
             stream_overhead=max(1.0, m_raw),
             host_device_bytes_per_s=o.host_device_bytes_per_s,
-            head_time=Curve(tuple(map(float, o.batches)), tuple(heads)),
+            head_time=Curve(tuple(map(float, o.token_rows)), tuple(heads)),
             co_runners=o.co_runners,
+            member_time=member,
             source=(
                 f"measured by `dejavu profile` on {device.type} with {torch.get_num_threads()} torch threads, "
                 f"stage of layers [0, {measured_layers}) of {self.model_layers} scaled to the whole model; "
                 f"median of {o.repeats} runs; token steps at {o.decode_context} cached positions; "
                 f"m = {m_raw:.3f} measured (KV copied out per layer); head (norm, LM head, sampling) timed apart; "
+                f"cohort member cost from {o.token_rows[-1]} one-row microbatches vs one of {o.token_rows[-1]} rows; "
                 f"embeddings folded into the weights per layer; "
                 + (f"{o.co_runners} other process(es) decoding on the host meanwhile" if o.co_runners else "host alone")
             ),

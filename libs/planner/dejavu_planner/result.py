@@ -29,7 +29,9 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class Segment:
-    """One stage busy with one microbatch: ``step`` 0 is its prompt, ``k >= 1`` its k-th token step."""
+    """One stage busy with one microbatch: ``step`` 0 is its prompt, ``k >= 1`` its k-th token step;
+    ``rows`` the sequences computed. With cohort batching a token pass is one segment whose
+    ``microbatch`` is the cohort and ``step`` its pass number (0: a colocated prefill)."""
 
     pipeline: str
     stage: int
@@ -37,6 +39,7 @@ class Segment:
     end_s: float
     microbatch: int
     step: int
+    rows: int = 0
 
 
 @dataclass(frozen=True)

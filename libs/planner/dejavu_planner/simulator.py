@@ -1,4 +1,7 @@
-"""A discrete-event simulator of pipeline-parallel LLM serving under the three policies.
+"""A discrete-event simulator of pipeline-parallel LLM serving under the paper's three policies.
+
+The serving runtime's own policy (iteration-level batching in cohorts) builds on this event loop
+in :mod:`dejavu_planner.cohorts`; :func:`simulate` runs either, by the deployment's ``batching``.
 
 Model (see docs/planner.md for the assumptions):
 
@@ -183,7 +186,7 @@ class Simulator:
         stage.busy = True
         end = self.now + self._duration(pipeline, stage, mb)
         if self.record_timeline:
-            self._timeline.append(Segment(pipeline.name, stage.index, self.now, end, mb.mid, mb.step))
+            self._timeline.append(Segment(pipeline.name, stage.index, self.now, end, mb.mid, mb.step, mb.batch))
         self._push(end, _StageDone(pipeline, stage, mb))
 
     def _duration(self, pipeline: _Pipeline, stage: _Stage, mb: _Microbatch) -> float:
@@ -311,5 +314,10 @@ def simulate(
     batch_wait_s: float = 0.0,
 ) -> SimResult:
     """Simulate ``deployment`` serving ``trace`` with stage times from ``cost``; a partial microbatch
-    forms once its oldest request has waited ``batch_wait_s`` (the controller's ``batch_wait_ms``)."""
+    forms once its oldest request has waited ``batch_wait_s`` (the controller's ``batch_wait_ms``).
+    Cohort batching (the serving runtime) runs in :class:`dejavu_planner.cohorts.CohortSimulator`."""
+    if deployment.cohorts:
+        from dejavu_planner.cohorts import CohortSimulator  # it builds on this module's Simulator
+
+        return CohortSimulator(deployment, trace, cost, record_timeline, batch_wait_s).run()
     return Simulator(deployment, trace, cost, record_timeline, batch_wait_s).run()

@@ -104,6 +104,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatches", type=int_list, default=(1, 2, 4, 8, 16, 32), help="sizes to try")
     parser.add_argument("--swap", action="store_true", help="allow microbatch swapping (larger microbatches)")
     parser.add_argument("--simulate", action="store_true", help="re-rank the best candidates by simulation")
+    parser.add_argument(
+        "--runtime",
+        action="store_true",
+        help="also plan the serving runtime's DejaVu (cohort batching), as `dejavu up --planner auto` does",
+    )
+    parser.add_argument(
+        "--max-running", type=int, default=64, help="--runtime: requests decoded at once (controller.max_running)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_workload_args(parser)
     parser.set_defaults(func=run)
@@ -115,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.machines < 1:
         raise CLIError("--machines must be >= 1")
+    if args.max_running < 1:
+        raise CLIError("--max-running must be >= 1")
     profile = load_profile(args)
     trace = load_trace(args)
-    planner = Planner(profile, Workload.from_trace(trace), args.microbatches)
+    planner = Planner(profile, Workload.from_trace(trace), args.microbatches, args.max_running)
     try:
-        plan = planner.plan(args.machines, swap=args.swap, trace=trace if args.simulate else None)
+        plan = planner.plan(args.machines, swap=args.swap, trace=trace if args.simulate else None, runtime=args.runtime)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
     if not args.json:

@@ -20,6 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     parser.add_argument("--batches", type=int_list, default=(1, 2, 4), help="microbatch sizes to time")
     parser.add_argument("--prompt-lens", type=int_list, default=(32, 128, 256), help="prompt lengths to time")
+    parser.add_argument(
+        "--token-batches",
+        type=int_list,
+        help="rows of the token steps to time (default: --batches); the runtime's cohorts batch up to "
+        "max_running / D_t rows in one step",
+    )
     parser.add_argument("--decode-context", type=int, default=128, help="cached positions when timing token steps")
     parser.add_argument("--decode-steps", type=int, default=8, help="token steps per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             machine_memory_bytes=None if args.memory_gib is None else int(args.memory_gib * 2**30),
             host_device_bytes_per_s=None if args.host_device_gbps is None else args.host_device_gbps * 1e9,
             co_runners=args.co_runners,
+            token_batches=args.token_batches,
         )
         profile = measure_profile(settings, options, progress=lambda line: print(line, file=sys.stderr))
     except (CheckpointError, ValueError, RuntimeError) as exc:

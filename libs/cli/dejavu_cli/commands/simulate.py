@@ -31,6 +31,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatch", "-b", type=int, default=8, help="requests per microbatch")
     parser.add_argument("--swap", action="store_true", help="microbatch swapping on token steps")
     parser.add_argument(
+        "--batching",
+        choices=("microbatch", "cohort"),
+        default="microbatch",
+        help="microbatch: the paper's policy; cohort: the serving runtime's (iteration-level batching in D_t "
+        "cohorts; dejavu, or baseline with one pipeline)",
+    )
+    parser.add_argument(
+        "--max-running", type=int, default=64, help="cohort: requests decoded at once (controller.max_running)"
+    )
+    parser.add_argument(
         "--batch-wait-ms",
         type=float,
         default=0.0,
@@ -57,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
     from dejavu_planner.costmodel import CostModel
-    from dejavu_planner.deployment import Deployment, Policy
+    from dejavu_planner.deployment import Batching, Deployment, Policy
     from dejavu_planner.planner import Planner
     from dejavu_planner.plots import plot_timeline
     from dejavu_planner.simulator import simulate
@@ -72,8 +82,10 @@ def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
             token_depth=args.token_depth if policy is Policy.DEJAVU else 0,
             replicas=args.replicas,
             swap=args.swap,
+            batching=Batching(args.batching),
+            max_running=args.max_running,
         )
-        planner = Planner(profile, Workload.from_trace(trace), (args.microbatch,))
+        planner = Planner(profile, Workload.from_trace(trace), (args.microbatch,), deployment.max_running)
         if not planner.fits(deployment):
             print(f"warning: {deployment.notation()} does not fit {profile.hardware} memory", file=sys.stderr)
         result = simulate(

@@ -56,7 +56,7 @@ def _settings(args: argparse.Namespace):
     if args.colocated:
         ctl["mode"] = Mode.COLOCATED
     if args.planner == "auto" and not args.colocated:
-        ctl.update(_planned_depths(args))
+        ctl.update(_planned_depths(args, s.controller.model_copy(update=ctl)))
     update: dict = {"controller": s.controller.model_copy(update=ctl)}
     if args.model:
         from pathlib import Path
@@ -67,8 +67,9 @@ def _settings(args: argparse.Namespace):
     return s.model_copy(update=update)
 
 
-def _planned_depths(args: argparse.Namespace) -> dict[str, int]:
-    """``planner: auto``: the paper's planner splits ``--workers`` machines into prompt and token stages."""
+def _planned_depths(args: argparse.Namespace, controller) -> dict[str, int]:
+    """``planner: auto``: the planner splits ``--workers`` machines into prompt and token stages, modelling
+    the runtime's policy (cohorts of up to ``max_running / D_t`` rows) at its token microbatch size."""
     from pathlib import Path
 
     from dejavu_cli.main import CLIError
@@ -81,7 +82,11 @@ def _planned_depths(args: argparse.Namespace) -> dict[str, int]:
     prompt_len, mean_new, max_new = (int(x) for x in args.workload.split(","))
     try:
         d_p, d_t, why = split_workers(
-            args.workers, Profile.load(Path(args.profile)), Workload(prompt_len, mean_new, max_new)
+            args.workers,
+            Profile.load(Path(args.profile)),
+            Workload(prompt_len, mean_new, max_new),
+            microbatch=controller.token_microbatch,
+            max_running=controller.max_running,
         )
     except ValueError as exc:
         raise CLIError(f"the planner found no configuration: {exc}") from exc
