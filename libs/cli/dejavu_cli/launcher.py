@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 import redis
 
 from dejavu_common.settings import Mode, Settings
+from dejavu_engine.process import worker_environment
 
 log = logging.getLogger("dejavu.launcher")
 
@@ -84,8 +85,12 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEJAVU_")}
         env.update(self.settings.to_env())
         env["PYTHONUNBUFFERED"] = "1"
-        if self.pin_cpus and child.name != "controller":
-            env["DEJAVU_ENGINE__CPU_AFFINITY"] = json.dumps(self._cores_of(child))
+        if child.name != "controller":
+            engine = self.settings.engine
+            if self.pin_cpus:
+                env["DEJAVU_ENGINE__CPU_AFFINITY"] = json.dumps(self._cores_of(child))
+                engine = engine.model_copy(update={"openmp_bind": True})
+            env.update(worker_environment(engine, env))
         return env
 
     def _cores_of(self, child: Child) -> list[int]:
