@@ -29,11 +29,28 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension. Below float32 it rounds where transformers does (normalise in
+    float32, round to the low dtype, then scale), so reduced-precision runs stay close to HF's."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``qk * cos + rotate_half(qk) * sin`` (the sign of rotate_half lives in ``sin``):
+    one fused op in float32; below it, HF's three roundings."""
+    if qk.dtype == torch.float32:
+        return torch.addcmul(qk * cos, swap_halves(qk), sin)
+    return qk * cos + swap_halves(qk) * sin
+
+
 def residual_linear(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)`` as one fused GEMM when there is no bias."""
-    if bias is not None:
+    """``residual + x @ weight.T (+ bias)``: one fused GEMM in float32 without a bias; otherwise (and
+    below float32, where the fused sum would round once instead of HF's twice) a GEMM and an add."""
+    if bias is not None or residual.dtype != torch.float32:
         return residual + F.linear(x, weight, bias)
     out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
     return out.view(residual.shape)
@@ -118,21 +135,21 @@ class Llama(Family):
         self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         spec = self.spec
-        batch, n, width = hidden.shape
+        batch, n, _ = hidden.shape
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        x = F.rms_norm(hidden, (width,), w["ln_1"], self.eps)
+        x = rms_norm(hidden, w["ln_1"], self.eps)
         qkv = F.linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
         cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
         qk = qkv[:, :, : heads + kv_heads]  # rotary embedding of q and k in one pass
-        qk = torch.addcmul(qk * cos, swap_halves(qk), sin)
+        qk = rotate(qk, cos, sin)
         q = qk[:, :, :heads].transpose(1, 2)
         k = qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
         hidden = residual_linear(hidden, attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
-        x = F.rms_norm(hidden, (width,), w["ln_2"], self.eps)
+        x = rms_norm(hidden, w["ln_2"], self.eps)
         gate, up = F.linear(x, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
         return residual_linear(hidden, F.silu(gate).mul_(up), w["down"], w.get("down_bias"))
 
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(hidden, (self.spec.hidden_size,), w["norm"], self.eps)
+        x = rms_norm(hidden, w["norm"], self.eps)
         return F.linear(x, w["lm_head"])
