@@ -80,6 +80,22 @@ class Llama(Family):
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         dim = self.spec.head_dim
         self.inv_freq = 1.0 / (rope_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # (cos, sin) rows per position, per (device, dtype): built once, indexed per call.
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope_table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[>= length, head_dim]`` in ``dtype``, row p for position p, computed in float32
+        exactly as per call (so indexing it is bit-identical); grown by doubling when a call needs more."""
+        key = (device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < length:
+            size = max(length, self.spec.max_positions, 2 * table[0].shape[0] if table else 0)
+            freqs = torch.arange(size, device=device, dtype=torch.float32).unsqueeze(-1) * self.inv_freq.to(device)
+            # rotate_half(x) * sin == swap_halves(x) * (-sin, sin): the sign lives in the table.
+            cos = torch.cat((freqs, freqs), dim=-1).cos()
+            sin = torch.cat((-freqs, freqs), dim=-1).sin()
+            table = self._rope_tables[key] = (cos.to(dtype), sin.to(dtype))
+        return table
 
     def embedding_names(self) -> dict[str, str]:
         return {"embed": f"{_PREFIX}embed_tokens.weight"}
@@ -119,13 +135,10 @@ class Llama(Family):
 
     def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
         pos = positions(geometry, n, device)
-        freqs = pos.unsqueeze(-1).to(torch.float32) * self.inv_freq.to(device)  # [batch, n, dim/2]
-        # rotate_half(x) * sin == swap_halves(x) * (-sin, sin): the sign lives in the table.
-        cos = torch.cat((freqs, freqs), dim=-1).cos()
-        sin = torch.cat((-freqs, freqs), dim=-1).sin()
+        cos, sin = self.rope_table(geometry.cur_len, device, dtype)
         mask, causal = bool_mask(geometry, n, device)
         # [batch, n, 1, dim]: broadcast over the heads of a [batch, n, heads, dim] projection.
-        rope = (cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype))
+        rope = (cos[pos].unsqueeze(2), sin[pos].unsqueeze(2))
         return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope)
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
