@@ -3,9 +3,11 @@ with its own DynamicCache, on SmolLM2-135M-Instruct, in each dtype asked for (th
 same dtype), beside the memory-bandwidth bound of a decode step, all measured in one run.
 
 Usage: dejavu bench engine [--prompt-len 256 1000] [--batches 1 16] [--dtypes float32 bfloat16]
-                           [--steps 16] [--threads 0] [--no-hf] [--profile]
-Prints a table and writes benchmarks/results/engine.json. ``--profile`` adds, per row, where one
-decode step of ours spends its time (GEMMs, attention, copies, other ops, and the rest: Python and
+                           [--steps 16] [--threads 0] [--no-hf] [--profile] [--no-preload]
+The script re-runs itself with the libraries the launcher preloads into workers (tcmalloc, Intel
+OpenMP, where installed; ``--no-preload``: as started). Prints a table and writes
+benchmarks/results/engine.json. ``--profile`` adds, per row, where one decode step of ours spends its
+time (GEMMs, attention, copies, other ops, and the rest: Python and
 dispatch), from torch.profiler's per-op self times against the unprofiled step time.
 """
 
@@ -16,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +30,7 @@ from dejavu_engine.checkpoint import ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import torch_dtype
 from dejavu_engine.pipeline import Pipeline
+from dejavu_engine.process import describe_runtime, worker_environment
 from dejavu_engine.threads import configure_torch_threads
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -250,6 +254,15 @@ def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: f
     return rows
 
 
+def run_as_worker() -> None:
+    """Replace this process by itself with the environment the launcher gives a worker (returns if
+    that changes nothing, or if this process already is the re-run one)."""
+    extra = worker_environment(Settings().engine, os.environ)
+    if extra and os.environ.get("DEJAVU_BENCH_AS_WORKER") != "1":
+        env = {**os.environ, **extra, "DEJAVU_BENCH_AS_WORKER": "1"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-len", type=int, nargs="+", default=[256, 1000])
@@ -259,8 +272,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers (ours and the bound only)")
     parser.add_argument("--profile", action="store_true", help="profile our decode step in every row")
+    parser.add_argument("--no-preload", action="store_true", help="run without the workers' preloaded libraries")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if not args.no_preload:
+        run_as_worker()
 
     threads = configure_torch_threads(args.threads)
     load_before = os.getloadavg()[0]  # the machine is shared: record how busy it was
@@ -275,14 +291,14 @@ def main() -> None:
         "host": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
-        "preloaded": os.environ.get("LD_PRELOAD", ""),
+        "runtime": describe_runtime(),
         "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "rows": rows,
     }
     print(
         f"memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, "
         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "
-        f"LD_PRELOAD={result['preloaded'] or '-'}"
+        f"runtime: {result['runtime']}"
     )
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
