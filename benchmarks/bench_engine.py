@@ -157,13 +157,19 @@ def category(op: str) -> str:
 def profile_steps(runner: OursRunner, steps: int) -> dict[str, object]:
     """Where ``steps`` decode steps of ``runner`` spend their time, per step, in seconds.
 
-    ``step_s`` is the median unprofiled step; op categories come from torch.profiler's self times
-    (each op's own time, children excluded, so nothing counts twice); ``python_and_dispatch_s`` is
+    ``step_s`` is the median unprofiled step (``step_cpu_s`` its CPU time, all threads); op categories
+    come from torch.profiler's self times (each op's own time, children excluded, so nothing counts
+    twice); ``python_and_dispatch_s`` is
     the step time no op accounts for (interpreter, dispatcher, profiler-free estimate, clamped at 0).
     """
     from torch.profiler import ProfilerActivity, profile
 
     plain = statistics.median(timed(runner.step) for _ in range(steps))
+    cpu = []  # CPU time of all this process's threads: steadier than wall time on a shared host
+    for _ in range(steps):
+        start = time.process_time()
+        runner.step()
+        cpu.append(time.process_time() - start)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             runner.step()
@@ -177,6 +183,7 @@ def profile_steps(runner: OursRunner, steps: int) -> dict[str, object]:
     top.sort(key=lambda t: -t[1])
     return {
         "step_s": plain,
+        "step_cpu_s": statistics.median(cpu),
         "ops_s": ops_s,
         "categories_s": dict(sorted(per_cat.items(), key=lambda kv: -kv[1])),
         "python_and_dispatch_s": max(0.0, plain - ops_s),
@@ -217,7 +224,8 @@ def print_table(result: dict[str, object]) -> None:
         if prof:
             cats = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in prof["categories_s"].items())
             print(
-                f"{'':>22}profile (ms/step): step {prof['step_s'] * 1e3:.1f} = {cats}, "
+                f"{'':>22}profile (ms/step): step {prof['step_s'] * 1e3:.1f} "
+                f"(CPU {prof['step_cpu_s'] * 1e3:.1f}) = {cats}, "
                 f"python+dispatch {prof['python_and_dispatch_s'] * 1e3:.1f} ({prof['ops_per_step']} ops)"
             )
 
@@ -242,7 +250,7 @@ def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: f
     for prompt_len in args.prompt_len:
         for batch in args.batches:
             ids = random_ids(batch, prompt_len, pipeline.spec.vocab_size)
-            found = runners(ids, args.steps * (3 if args.profile else 1))  # profiling runs 2 x steps more
+            found = runners(ids, args.steps * (4 if args.profile else 1))  # profiling runs 3 x steps more
             row: dict[str, object] = {"dtype": dtype, "batch": batch, "prompt_len": prompt_len}
             row |= bench_pair(found, args.steps)
             bytes_step = decode_bytes(pipeline, batch, prompt_len + args.steps // 2)
