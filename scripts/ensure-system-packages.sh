@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # System packages the project needs beyond Python: redis-server (required), iproute2 (for the
-# multi-host test over network namespaces, optional), and Docker's engine, docker-compose and debootstrap
+# multi-host test over network namespaces, optional), tcmalloc (optional: the launcher preloads it
+# into workers, see dejavu_engine/process.py), and Docker's engine, docker-compose and debootstrap
 # (for the container deployment test, tests/infra/test_compose_deployment.py, optional). Installed with
 # apt-get when we may; a failure to install an optional package only skips its test.
 set -euo pipefail
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+has_tcmalloc() { compgen -G "/usr/lib*/libtcmalloc_minimal.so.4" >/dev/null || compgen -G "/usr/lib/*/libtcmalloc_minimal.so.4" >/dev/null; }
+has_tcmalloc || missing+=(libtcmalloc-minimal4)
 containers=()
 command -v dockerd >/dev/null 2>&1 || containers+=(docker.io)
 command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || containers+=(docker-compose)
@@ -42,3 +45,4 @@ command -v ip >/dev/null 2>&1 || echo "note: iproute2 is missing, so the multi-h
 if [ ${#containers[@]} -gt 0 ]; then
   echo "note: ${containers[*]} missing, so the container deployment test may be skipped" >&2
 fi
+has_tcmalloc || echo "note: tcmalloc is missing (Debian: libtcmalloc-minimal4), so workers use the default allocator" >&2

@@ -94,3 +94,29 @@ def test_long_prompt_is_rejected(tiny_checkpoints: dict[str, Path]) -> None:
 def test_bench_unknown_name_lists_the_available_ones() -> None:
     done = dejavu("bench", "no-such-benchmark")
     assert done.returncode != 0 and "available:" in done.stderr and "engine" in done.stderr
+
+
+def test_generate_in_bfloat16(tiny_checkpoints: dict[str, Path]) -> None:
+    """``--dtype bfloat16`` reaches the engine: the greedy tokens are those of a bfloat16 pipeline."""
+    from dejavu_engine.generate import Request, generate_batch
+    from dejavu_engine.pipeline import Pipeline
+    from dejavu_engine.stopping import StopCriteria
+
+    folder = tiny_checkpoints["llama"]
+    done = dejavu(
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt",
+        "Hello world",
+        "--max-tokens",
+        "5",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    prompt = Tokenizer.from_pretrained(folder).encode("Hello world")
+    pipeline = Pipeline(folder, 1, dtype="bfloat16")
+    (expected,), _ = generate_batch(pipeline, [Request(tuple(prompt), StopCriteria(5, pipeline.spec.eos_token_ids))])
+    assert json.loads(done.stdout)["token_ids"] == list(expected.token_ids)

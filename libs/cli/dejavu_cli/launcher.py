@@ -33,6 +33,7 @@ from pydantic import SecretStr
 from dejavu_cli.rundir import read_private, run_dir, write_private
 from dejavu_common.admin import generate_keypair
 from dejavu_common.settings import DEV_DATA_PLANE_SECRET, Mode, Settings
+from dejavu_engine.process import worker_environment
 
 log = logging.getLogger("dejavu.launcher")
 
@@ -96,8 +97,12 @@ class Launcher:
         for name in _CHILD_SECRETS:
             env.pop(name, None)
         env["PYTHONUNBUFFERED"] = "1"
-        if self.pin_cpus and child.name != "controller":
-            env["DEJAVU_ENGINE__CPU_AFFINITY"] = json.dumps(self._cores_of(child))
+        if child.name != "controller":
+            engine = self.settings.engine
+            if self.pin_cpus:
+                env["DEJAVU_ENGINE__CPU_AFFINITY"] = json.dumps(self._cores_of(child))
+                engine = engine.model_copy(update={"openmp_bind": True})
+            env.update(worker_environment(engine, env))
         return env
 
     def _cores_of(self, child: Child) -> list[int]:

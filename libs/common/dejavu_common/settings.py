@@ -69,6 +69,28 @@ class EngineSettings(BaseModel):
         None,
         description="CPU cores this process runs on (os.sched_setaffinity); None: all. The launcher can pin workers.",
     )
+    preload_allocator: bool = Field(
+        True,
+        description="The launcher preloads tcmalloc (Debian: libtcmalloc-minimal4) into the workers it starts, "
+        "where installed.",
+    )
+    preload_openmp: bool = Field(
+        True,
+        description="The launcher preloads Intel OpenMP (PyPI: intel-openmp) into the workers it starts, where "
+        "installed, in place of GNU OpenMP.",
+    )
+    openmp_bind: bool = Field(
+        False,
+        description="Bind each OpenMP thread to one core of the worker's CPU set; for workers with cores of their "
+        "own (`dejavu up --pin-cpus` turns it on).",
+    )
+    openmp_blocktime_ms: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="How long an idle Intel OpenMP thread spins before it sleeps (KMP_BLOCKTIME): short, since "
+        "workers often share a host's cores.",
+    )
     max_batch_size: int = Field(8, ge=1, le=1024, description="Largest microbatch a stage accepts.")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="Upper bound on prompt + generated tokens.")
 

@@ -12,6 +12,7 @@ import sys
 from dejavu_common import keys
 from dejavu_common.redis_client import sync_client
 from dejavu_common.settings import Settings
+from dejavu_engine.process import describe_runtime
 
 
 def worker_main(role: str, worker_class: str, argv: list[str] | None = None) -> int:
@@ -42,4 +43,6 @@ def worker_main(role: str, worker_class: str, argv: list[str] | None = None) -> 
         os.sched_setaffinity(0, settings.engine.cpu_affinity)  # before torch starts its thread pool
     module, name = worker_class.split(":")
     factory = getattr(importlib.import_module(module), name)
-    return factory(settings, args.worker_id, args.spare).run()
+    worker = factory(settings, args.worker_id, args.spare)
+    logging.getLogger("dejavu.worker").info("runtime: %s", describe_runtime())
+    return worker.run()

@@ -18,6 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="Top-k sampling (default 0 = off).")
     parser.add_argument("--seed", type=int, help="Sampling seed (default: random).")
     parser.add_argument("--model", type=Path, help="Checkpoint folder (default: the prepared SmolLM2).")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="Weights and KV dtype (default: settings, float32)."
+    )
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the text.")
     parser.set_defaults(func=run_generate)
 
@@ -34,6 +37,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_dir():
         raise CLIError(f"model folder not found: {args.model}")
     settings = Settings()
+    if args.dtype:
+        settings = settings.model_copy(update={"model": settings.model.model_copy(update={"dtype": args.dtype})})
     configure_torch_threads(settings.engine.torch_threads)
     try:
         result = generate(

@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-spares", type=int, default=0, help="pre-started spare prompt workers")
     p.add_argument("--pin-cpus", action="store_true", help="give each worker its own core (round-robin)")
     p.add_argument("--model", help="checkpoint folder (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and KV dtype of every worker")
     p.add_argument("--host", help="API bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="API port (default 8000)")
     p.add_argument("--redis-url", help="Redis URL (started here if none answers on loopback)")
@@ -58,10 +59,15 @@ def _settings(args: argparse.Namespace):
     if args.planner == "auto" and not args.colocated:
         ctl.update(_planned_depths(args, s.controller.model_copy(update=ctl)))
     update: dict = {"controller": s.controller.model_copy(update=ctl)}
+    model: dict = {}
     if args.model:
         from pathlib import Path
 
-        update["model"] = s.model.model_copy(update={"path": Path(args.model)})
+        model["path"] = Path(args.model)
+    if args.dtype:
+        model["dtype"] = args.dtype
+    if model:
+        update["model"] = s.model.model_copy(update=model)
     if args.redis_url:
         update["redis"] = s.redis.model_copy(update={"url": args.redis_url})
     return s.model_copy(update=update)

@@ -29,11 +29,38 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension, op for op as transformers computes it (normalise in float32,
+    round to ``x``'s dtype, then scale): the same numbers in every dtype, and in a decode step half
+    the ops of ``F.rms_norm``'s CPU composite."""
+    h = x.float()  # a no-op for float32
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``qk * cos + rotate_half(qk) * sin`` (the sign of rotate_half lives in ``sin``):
+    one fused op in float32; below it, HF's three roundings."""
+    if qk.dtype == torch.float32:
+        return torch.addcmul(qk * cos, swap_halves(qk), sin)
+    return qk * cos + swap_halves(qk) * sin
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` over the last dimension. Without a bias, the one GEMM ``F.linear``
+    would run, called directly: a decode step makes hundreds of these calls, and the wrappers'
+    dispatch (linear, matmul, t, the views) costs more than the small GEMMs' difference."""
+    if bias is not None:
+        return F.linear(x, weight, bias)
+    return torch.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+
 def residual_linear(
     residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)`` as one fused GEMM when there is no bias."""
-    if bias is not None:
+    """``residual + x @ weight.T (+ bias)``: one fused GEMM in float32 without a bias; otherwise (and
+    below float32, where the fused sum would round once instead of HF's twice) a GEMM and an add."""
+    if bias is not None or residual.dtype != torch.float32:
         return residual + F.linear(x, weight, bias)
     out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
     return out.view(residual.shape)
@@ -63,6 +90,22 @@ class Llama(Family):
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         dim = self.spec.head_dim
         self.inv_freq = 1.0 / (rope_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        # (cos, sin) rows per position, per (device, dtype): built once, indexed per call.
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope_table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[>= length, head_dim]`` in ``dtype``, row p for position p, computed in float32
+        exactly as per call (so indexing it is bit-identical); grown by doubling when a call needs more."""
+        key = (device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < length:
+            size = max(length, self.spec.max_positions, 2 * table[0].shape[0] if table else 0)
+            freqs = torch.arange(size, device=device, dtype=torch.float32).unsqueeze(-1) * self.inv_freq.to(device)
+            # rotate_half(x) * sin == swap_halves(x) * (-sin, sin): the sign lives in the table.
+            cos = torch.cat((freqs, freqs), dim=-1).cos()
+            sin = torch.cat((-freqs, freqs), dim=-1).sin()
+            table = self._rope_tables[key] = (cos.to(dtype), sin.to(dtype))
+        return table
 
     def embedding_names(self) -> dict[str, str]:
         return {"embed": f"{_PREFIX}embed_tokens.weight"}
@@ -102,13 +145,10 @@ class Llama(Family):
 
     def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
         pos = positions(geometry, n, device)
-        freqs = pos.unsqueeze(-1).to(torch.float32) * self.inv_freq.to(device)  # [batch, n, dim/2]
-        # rotate_half(x) * sin == swap_halves(x) * (-sin, sin): the sign lives in the table.
-        cos = torch.cat((freqs, freqs), dim=-1).cos()
-        sin = torch.cat((-freqs, freqs), dim=-1).sin()
+        cos, sin = self.rope_table(geometry.cur_len, device, dtype)
         mask, causal = bool_mask(geometry, n, device)
         # [batch, n, 1, dim]: broadcast over the heads of a [batch, n, heads, dim] projection.
-        rope = (cos.unsqueeze(2).to(dtype), sin.unsqueeze(2).to(dtype))
+        rope = (cos[pos].unsqueeze(2), sin[pos].unsqueeze(2))
         return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope)
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -118,21 +158,21 @@ class Llama(Family):
         self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         spec = self.spec
-        batch, n, width = hidden.shape
+        batch, n, _ = hidden.shape
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        x = F.rms_norm(hidden, (width,), w["ln_1"], self.eps)
-        qkv = F.linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
+        x = rms_norm(hidden, w["ln_1"], self.eps)
+        qkv = linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
         cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
         qk = qkv[:, :, : heads + kv_heads]  # rotary embedding of q and k in one pass
-        qk = torch.addcmul(qk * cos, swap_halves(qk), sin)
+        qk = rotate(qk, cos, sin)
         q = qk[:, :, :heads].transpose(1, 2)
         k = qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
         hidden = residual_linear(hidden, attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
-        x = F.rms_norm(hidden, (width,), w["ln_2"], self.eps)
-        gate, up = F.linear(x, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
+        x = rms_norm(hidden, w["ln_2"], self.eps)
+        gate, up = linear(x, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
         return residual_linear(hidden, F.silu(gate).mul_(up), w["down"], w.get("down_bias"))
 
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(hidden, (self.spec.hidden_size,), w["norm"], self.eps)
-        return F.linear(x, w["lm_head"])
+        x = rms_norm(hidden, w["norm"], self.eps)
+        return linear(x, w["lm_head"], None)

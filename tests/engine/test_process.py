@@ -1,0 +1,97 @@
+"""Process set-up for speed: which libraries a worker gets preloaded and which OpenMP knobs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dejavu_cli.launcher import Child, Launcher
+from dejavu_common.settings import EngineSettings, Settings
+from dejavu_engine import process
+from dejavu_engine.process import find_intel_openmp, find_tcmalloc, worker_environment
+
+
+@pytest.fixture
+def fake_libs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A tcmalloc and an Intel OpenMP that exist (empty files) where the finders look."""
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    tcmalloc = tmp_path / "sys" / "libtcmalloc_minimal.so.4"
+    iomp = tmp_path / "venv" / "lib" / "libiomp5.so"
+    tcmalloc.touch()
+    iomp.touch()
+    monkeypatch.setattr(process, "LIBRARY_DIRS", (str(tmp_path / "nothing"), str(tmp_path / "sys")))
+    monkeypatch.setattr(process, "find_tcmalloc", lambda: find_tcmalloc(process.LIBRARY_DIRS))
+    monkeypatch.setattr(process, "find_intel_openmp", lambda: find_intel_openmp([str(tmp_path / "venv")]))
+    return tcmalloc, iomp
+
+
+def test_finders_report_missing_libraries_as_none(tmp_path: Path) -> None:
+    assert find_tcmalloc([str(tmp_path)]) is None
+    assert find_intel_openmp([str(tmp_path)]) is None
+
+
+def test_both_libraries_preloaded_in_front_of_an_existing_preload(fake_libs: tuple[Path, Path]) -> None:
+    tcmalloc, iomp = fake_libs
+    env = worker_environment(EngineSettings(), {"LD_PRELOAD": "/opt/other.so"})
+    assert env["LD_PRELOAD"] == f"{tcmalloc}:{iomp}:/opt/other.so"
+    assert env["KMP_BLOCKTIME"] == "1"
+    assert "OMP_PROC_BIND" not in env  # binding only where asked for
+
+
+def test_each_preload_switched_off_by_its_setting(fake_libs: tuple[Path, Path]) -> None:
+    tcmalloc, iomp = fake_libs
+    no_omp = worker_environment(EngineSettings(preload_openmp=False), {})
+    assert no_omp["LD_PRELOAD"] == str(tcmalloc)
+    assert "KMP_BLOCKTIME" not in no_omp  # an Intel OpenMP knob without Intel OpenMP means nothing
+    assert worker_environment(EngineSettings(preload_allocator=False), {})["LD_PRELOAD"] == str(iomp)
+    assert worker_environment(EngineSettings(preload_allocator=False, preload_openmp=False), {}) == {}
+
+
+def test_a_library_already_preloaded_is_not_repeated(fake_libs: tuple[Path, Path]) -> None:
+    tcmalloc, iomp = fake_libs
+    env = worker_environment(EngineSettings(), {"LD_PRELOAD": str(tcmalloc)})
+    assert env["LD_PRELOAD"] == f"{iomp}:{tcmalloc}"
+
+
+def test_binding_sets_openmp_places(fake_libs: tuple[Path, Path]) -> None:
+    env = worker_environment(EngineSettings(openmp_bind=True, openmp_blocktime_ms=0), {})
+    assert env["OMP_PROC_BIND"] == "close" and env["OMP_PLACES"] == "cores"
+    assert env["KMP_BLOCKTIME"] == "0" and "compact" in env["KMP_AFFINITY"]
+
+
+def test_launcher_preloads_into_workers_not_the_controller(fake_libs: tuple[Path, Path], tmp_path: Path) -> None:
+    tcmalloc, _ = fake_libs
+    launcher = Launcher(Settings(), pin_cpus=True, log_dir=tmp_path)
+    controller = Child("controller", ["python"], restart=False)
+    worker = Child("t0", ["python"], restart=True)
+    launcher.children += [controller, worker]
+    worker_env, controller_env = launcher._env(worker), launcher._env(controller)
+    assert str(tcmalloc) in worker_env["LD_PRELOAD"]
+    assert worker_env["OMP_PROC_BIND"] == "close"  # pinned workers own their cores: bind the threads too
+    assert len(json.loads(worker_env["DEJAVU_ENGINE__CPU_AFFINITY"])) == 1
+    assert str(tcmalloc) not in controller_env.get("LD_PRELOAD", "")
+
+
+@pytest.mark.skipif(find_tcmalloc() is None or find_intel_openmp() is None, reason="tcmalloc or intel-openmp absent")
+def test_preloaded_worker_runs_torch_and_reports_the_libraries() -> None:
+    """The real libraries, preloaded as the launcher does, load and run torch's OpenMP work."""
+    env = worker_environment(EngineSettings(), {})
+    code = (
+        "import torch; from dejavu_engine.process import describe_runtime; torch.set_num_threads(2);"
+        "a = torch.randn(256, 256); assert torch.allclose(a @ a, (a.double() @ a.double()).float(), atol=1e-3);"
+        "print(describe_runtime())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**_base_env(), **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "tcmalloc" in out.stdout and "iomp5" in out.stdout
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
