@@ -12,12 +12,14 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 from pydantic import ValidationError
 
 from dejavu_common import keys
 from dejavu_common.admin import verify
+from dejavu_common.fatal import die
 from dejavu_common.messages import AdminAction, AdminCommand, Topology
 from dejavu_common.settings import Settings
 
@@ -38,6 +40,8 @@ class Heartbeat(threading.Thread):
         self._admin_cursor = "$"
         self._kv_bytes: dict[str, int] = {}
         self._kv_lock = threading.Lock()
+        # Writes this worker's registry record again; called when a beat finds it gone (Redis restarted empty).
+        self.register: Callable[[], None] | None = None
 
     def add_kv_bytes(self, purpose: str, nbytes: int) -> None:
         """Count KV bytes this worker streamed; flushed to Redis with the next beat."""
@@ -48,16 +52,22 @@ class Heartbeat(threading.Thread):
         self._stop.set()
 
     def run(self) -> None:
+        """Beat every interval until stopped. A Redis error is logged and waited out (the next beat
+        retries); anything else ends the process, since a worker without its control thread keeps
+        serving a topology nobody updates."""
         interval = self.settings.recovery.heartbeat_interval_s
         while not self._stop.is_set():
             try:
                 self.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except BaseException as exc:  # a bug: the thread cannot go on
+                die(f"heartbeat thread of {self.worker_id}", exc)
             self._stop.wait(interval)
 
     def beat(self) -> None:
-        """Renew the lease (unless paused), refresh the topology, apply admin commands."""
+        """Renew the lease (unless paused), register again if the record is gone, refresh the topology,
+        apply admin commands."""
         ttl_ms = int(self.settings.recovery.lease_ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
         renew = time.monotonic() >= self._paused_until
@@ -67,10 +77,14 @@ class Heartbeat(threading.Thread):
             counts, self._kv_bytes = self._kv_bytes, {}
         for purpose, n in counts.items():
             pipe.hincrby(keys.KV_BYTES, purpose, n)
+        pipe.exists(keys.worker(self.worker_id))
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
         results = pipe.execute()
-        raw_topo, admin = results[-2], results[-1]
+        registered, raw_topo, admin = results[-3], results[-2], results[-1]
+        if not registered and self.register is not None:
+            log.warning("registry record of %s is gone (Redis lost its state?): registering again", self.worker_id)
+            self.register()
         if raw_topo is not None:
             self._update_topology(raw_topo)
         for _stream, entries in admin or []:

@@ -26,7 +26,8 @@ class WorkerView:
     info: WorkerInfo
     alive: bool
     state: WorkerState
-    epoch: int
+    epoch: int  # the epoch the worker last reported its state at
+    seen: int = 0  # the newest topology epoch the worker has accepted (it accepts only newer ones)
 
 
 class Registry:
@@ -36,6 +37,12 @@ class Registry:
         self.n_layers = n_layers
         self.topology: Topology | None = None
         self.instances: dict[str, str] = {}  # stage holder -> the process instance that held it at publish
+        self.last_epoch = 0  # the newest epoch this controller published
+
+    def forget(self) -> None:
+        """Drop the current topology (Redis lost it): the next :meth:`assemble` starts a fresh pipeline."""
+        self.topology = None
+        self.instances = {}
 
     async def workers(self) -> dict[str, WorkerView]:
         """Every registered worker with its lease status; malformed records are skipped and logged."""
@@ -52,10 +59,11 @@ class Registry:
                 info = WorkerInfo.decode(record[b"info"])
                 state = WorkerState(record.get(b"state", b"starting").decode())
                 epoch = int(record.get(b"epoch", b"0"))
+                seen = int(record.get(b"seen", b"0"))
             except (KeyError, ValueError) as exc:
                 log.warning("skipping malformed worker record %s: %s", wid, exc)
                 continue
-            out[wid] = WorkerView(info=info, alive=alive, state=state, epoch=epoch)
+            out[wid] = WorkerView(info=info, alive=alive, state=state, epoch=epoch, seen=seen)
         return out
 
     def assemble(self, workers: dict[str, WorkerView]) -> Topology | None:
@@ -100,8 +108,19 @@ class Registry:
         return tuple(StageAssignment(worker_id=w, stage=s, layers=r) for s, (w, r) in pairs)
 
     async def publish(self, topology: Topology, workers: dict[str, WorkerView]) -> Topology:
-        """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from."""
-        epoch = int(await self.redis.incr(keys.EPOCH))
+        """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from.
+
+        Epochs never go backwards, even when Redis restarted empty (its counter starts over): the new
+        epoch is above the counter, above every epoch a registered worker has seen (workers accept only
+        newer topologies) and above this controller's last one; the counter is raised to it.
+        """
+        counted = int(await self.redis.incr(keys.EPOCH))
+        floor = max([self.last_epoch, *(max(v.epoch, v.seen) for v in workers.values())]) + 1
+        epoch = max(counted, floor)
+        if epoch > counted:
+            log.warning("epoch counter at %d is behind (Redis lost its state?): raising it to %d", counted, epoch)
+            await self.redis.set(keys.EPOCH, epoch)
+        self.last_epoch = epoch
         topo = topology.model_copy(update={"epoch": epoch})
         await self.redis.set(keys.TOPOLOGY, topo.encode())
         await self.redis.publish(keys.TOPOLOGY_CHANNEL, str(epoch))
