@@ -58,5 +58,6 @@ def guarded(
                 time.sleep(pause_s)
             except BaseException as exc:  # whatever it is, the loop is gone
                 die(what, exc)
+                return  # (only reached where a test replaced ``_exit``)
 
     return run

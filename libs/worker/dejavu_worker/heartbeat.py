@@ -35,7 +35,7 @@ class Heartbeat(threading.Thread):
         self.topology: Topology | None = None
         self.topology_changed = threading.Event()
         self.draining = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not `_stop`: that name is threading.Thread's own (join calls it)
         self._paused_until = 0.0
         self._admin_cursor = "$"
         self._kv_bytes: dict[str, int] = {}
@@ -49,21 +49,21 @@ class Heartbeat(threading.Thread):
             self._kv_bytes[purpose] = self._kv_bytes.get(purpose, 0) + nbytes
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         """Beat every interval until stopped. A Redis error is logged and waited out (the next beat
         retries); anything else ends the process, since a worker without its control thread keeps
         serving a topology nobody updates."""
         interval = self.settings.recovery.heartbeat_interval_s
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 self.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             except BaseException as exc:  # a bug: the thread cannot go on
                 die(f"heartbeat thread of {self.worker_id}", exc)
-            self._stop.wait(interval)
+            self._halt.wait(interval)
 
     def beat(self) -> None:
         """Renew the lease (unless paused), register again if the record is gone, refresh the topology,
