@@ -129,6 +129,13 @@ class RecoverySettings(BaseModel):
     lease_ttl_s: float = Field(1.5, gt=0, le=600, description="A worker whose lease is older is failed.")
     replication: Replication = Field(Replication.MEMORY, description="Where token stages replicate their KV.")
     replica_dir: Path = Field(Path("/tmp/dejavu-replicas"), description="Folder of on-disk replicas.")
+    drain_timeout_s: float = Field(
+        20.0,
+        ge=0,
+        le=3600,
+        description="How long a draining worker (SIGTERM, `dejavu admin drain`) keeps serving while the "
+        "controller hands its stage to a replacement; it leaves after this even without one.",
+    )
 
 
 class SwapSettings(BaseModel):

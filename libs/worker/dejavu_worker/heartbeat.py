@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from dejavu_common import keys
 from dejavu_common.admin import verify
 from dejavu_common.fatal import die
-from dejavu_common.messages import AdminAction, AdminCommand, Topology
+from dejavu_common.messages import AdminAction, AdminCommand, Topology, WorkerState
 from dejavu_common.settings import Settings
 
 log = logging.getLogger("dejavu.worker.heartbeat")
@@ -42,11 +42,21 @@ class Heartbeat(threading.Thread):
         self._kv_lock = threading.Lock()
         # Writes this worker's registry record again; called when a beat finds it gone (Redis restarted empty).
         self.register: Callable[[], None] | None = None
+        self.drain_deadline: float | None = None  # monotonic time a drain gives up waiting for a hand-over
 
     def add_kv_bytes(self, purpose: str, nbytes: int) -> None:
         """Count KV bytes this worker streamed; flushed to Redis with the next beat."""
         with self._kv_lock:
             self._kv_bytes[purpose] = self._kv_bytes.get(purpose, 0) + nbytes
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.settings.recovery.drain_timeout_s
+
+    def drain_expired(self) -> bool:
+        """A drain is under way and its hand-over did not happen in time: the worker leaves anyway."""
+        deadline = self.drain_deadline
+        return self.draining.is_set() and deadline is not None and time.monotonic() >= deadline
 
     def stop(self) -> None:
         self._halt.set()
@@ -70,6 +80,12 @@ class Heartbeat(threading.Thread):
         apply admin commands."""
         ttl_ms = int(self.settings.recovery.lease_ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
+        if self.draining.is_set() and self.drain_deadline is None:
+            # Tell the controller, which hands the stage over (the serving loop's own state writes say
+            # "draining" from now on too); leave after the deadline regardless.
+            self.drain_deadline = time.monotonic() + self.settings.recovery.drain_timeout_s
+            pipe.hset(keys.worker(self.worker_id), "state", WorkerState.DRAINING.value)
+            log.warning("draining: serving on until the stage is handed over (at most %.0f s)", self.drain_timeout_s)
         renew = time.monotonic() >= self._paused_until
         if renew:
             pipe.set(keys.worker_lease(self.worker_id), "1", px=ttl_ms)

@@ -93,7 +93,7 @@ class WorkerProcess(abc.ABC):
         Anything else is a local, fatal error and propagates.
         """
         if threading.current_thread() is threading.main_thread():  # tests run workers as threads
-            signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             self._start()
             failures = 0
@@ -110,6 +110,14 @@ class WorkerProcess(abc.ABC):
             return 0
         finally:
             self.cleanup()
+
+    def _on_sigterm(self, *_: object) -> None:
+        """The first SIGTERM drains (rolling updates hand the stage over instead of failing it); a
+        second one stops at once. Only sets events: a signal handler must not touch Redis."""
+        if self.heartbeat is None or self.heartbeat.draining.is_set():
+            self.stopping.set()
+        else:
+            self.heartbeat.draining.set()
 
     def _serve_next(self) -> bool:
         """Wait for a stage, hold it and serve one epoch; False when stopping or drained."""
@@ -207,26 +215,36 @@ class WorkerProcess(abc.ABC):
             self.stopping.wait(0.05)
 
     def _wait_for_stage(self) -> Topology | None:
-        """Block until the newest topology gives this worker a stage; None when stopping or draining."""
-        assert self.heartbeat is not None
+        """Block until the newest topology gives this worker a stage; None when stopping, or when
+        draining and the stage was handed over (or never held, or the drain's deadline passed)."""
+        hb = self.heartbeat
+        assert hb is not None
         self.set_state(WorkerState.IDLE, 0) if self.assignment is None else None
-        while not self.stopping.is_set() and not self.heartbeat.draining.is_set():
-            topo = self.heartbeat.topology
-            if topo is not None and topo.epoch >= self._min_epoch and topo.stage_of(self.worker_id) is not None:
-                self.heartbeat.topology_changed.clear()
+        while not self.stopping.is_set():
+            topo = hb.topology
+            holds = topo is not None and topo.epoch >= self._min_epoch and topo.stage_of(self.worker_id) is not None
+            if hb.draining.is_set() and (not holds or hb.drain_expired()):
+                return None
+            if holds:
+                hb.topology_changed.clear()
                 return topo
-            self.heartbeat.topology_changed.wait(0.2)
-            self.heartbeat.topology_changed.clear()
+            hb.topology_changed.wait(0.2)
+            hb.topology_changed.clear()
         return None
 
     def epoch_changed(self) -> bool:
-        """True when a newer topology exists (re-assignment or fencing) or the worker must stop."""
+        """True when a newer topology exists (re-assignment or fencing) or the worker must stop.
+
+        A draining worker serves on until the controller has handed its stage over (a newer topology
+        without it) or the drain's deadline passes; ``_wait_for_stage`` then lets it leave."""
         hb = self.heartbeat
-        if self.stopping.is_set() or hb is None or hb.draining.is_set():
+        if self.stopping.is_set() or hb is None or hb.drain_expired():
             return True
         return hb.topology is not None and hb.topology.epoch != getattr(self, "serve_epoch", -1)
 
     def set_state(self, state: WorkerState, epoch: int) -> None:
+        if state is WorkerState.SERVING and self.heartbeat is not None and self.heartbeat.draining.is_set():
+            state = WorkerState.DRAINING  # still serving, but the controller must keep handing the stage over
         self._reported = (state, epoch)
         if self.redis is not None:
             self.redis.hset(keys.worker(self.worker_id), mapping={"state": state.value, "epoch": epoch})

@@ -73,6 +73,7 @@ class PipelineBackend:
         self._repair_task: asyncio.Task | None = None
         self._repairing: set[int] = set()  # token stages the current repair restores
         self._kv_seen: dict[str, int] = {}
+        self._drain_waiting: set[str] = set()  # draining stage holders no replacement is available for
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
 
     async def __aenter__(self) -> PipelineBackend:
@@ -181,17 +182,25 @@ class PipelineBackend:
         await self._collect_kv_bytes()
         old = self.registry.topology
         lost = self.registry.lost(self._workers)
-        if old is None or lost:
+        draining = self.registry.draining(self._workers)
+        if old is None or lost or draining:
             topo = self.registry.assemble(self._workers)
-            if topo is None:
+            if topo is None and (old is None or lost):
                 if lost and self._ready:
                     log.error("lost %s and no replacement is available: waiting for one", lost)
                 self._ready = False
                 return
-            new = await self.registry.publish(topo, self._workers)
-            if old is not None:
-                log.warning("lost %s: repairing the pipelines at epoch %d", lost, new.epoch)
-                self._start_repair(old, new, lost)
+            if topo is None:  # draining holders serve on until a replacement registers (or they leave)
+                if set(draining) - self._drain_waiting:
+                    log.warning("%s draining: no replacement available yet, they serve on meanwhile", draining)
+                self._drain_waiting = set(draining)
+            else:
+                new = await self.registry.publish(topo, self._workers)
+                if old is not None:
+                    why = f"lost {lost}" if lost else f"handing over the stages of draining {draining}"
+                    log.warning("%s: repairing the pipelines at epoch %d", why, new.epoch)
+                    self._start_repair(old, new, lost)
+                self._drain_waiting = set()
         was = self._ready
         self._ready = self.registry.ready(self._workers)
         if self._ready != was:

@@ -20,6 +20,9 @@ from dejavu_common.settings import ControllerSettings, Mode
 
 log = logging.getLogger("dejavu.controller.registry")
 
+_LEAVING = frozenset({WorkerState.STOPPED, WorkerState.DRAINING})  # never given a stage
+_SERVES = frozenset({WorkerState.SERVING, WorkerState.DRAINING})  # a draining holder serves until handed over
+
 
 @dataclass(frozen=True)
 class WorkerView:
@@ -68,7 +71,8 @@ class Registry:
 
     def assemble(self, workers: dict[str, WorkerView]) -> Topology | None:
         """A topology from live workers, keeping current stage holders where alive; None if short."""
-        live = {w: v for w, v in workers.items() if v.alive and v.state is not WorkerState.STOPPED}
+        # A draining worker keeps its stage only until someone else can take it.
+        live = {w: v for w, v in workers.items() if v.alive and v.state not in _LEAVING}
         colocated = self.settings.mode is Mode.COLOCATED
         prompt = [] if colocated else self._pick(live, WorkerRole.PROMPT, self.settings.prompt_depth, "prompt_stages")
         token = self._pick(live, WorkerRole.TOKEN, self.settings.token_depth, "token_stages")
@@ -143,7 +147,7 @@ class Registry:
             return False
         for a in (*topo.prompt_stages, *topo.token_stages):
             v = workers.get(a.worker_id)
-            if v is None or not v.alive or v.state is not WorkerState.SERVING or v.epoch != topo.epoch:
+            if v is None or not v.alive or v.state not in _SERVES or v.epoch != topo.epoch:
                 return False
         return True
 
@@ -158,6 +162,14 @@ class Registry:
             if view is None or not view.alive or view.info.instance != self.instances.get(a.worker_id):
                 out.append(a.worker_id)
         return out
+
+    def draining(self, workers: dict[str, WorkerView]) -> list[str]:
+        """Stage holders of the current topology that are draining (they serve until handed over)."""
+        topo = self.topology
+        if topo is None:
+            return []
+        holders = (a.worker_id for a in (*topo.prompt_stages, *topo.token_stages))
+        return [w for w in holders if w in workers and workers[w].state is WorkerState.DRAINING]
 
     @staticmethod
     def replaced(old: Topology, new: Topology, lost: list[str]) -> dict[int, str]:
