@@ -63,7 +63,9 @@ def test_redis_restarted_empty_mid_traffic(own_redis, model, reference) -> None:
 def test_a_token_worker_drained_by_sigterm_during_generation_hands_its_stage_over(redis_url, model, reference):
     """SIGTERM (a rolling update) to a token stage while requests stream: it serves on until the
     controller has given its stage to the spare, then leaves with exit code 0; no client sees an error."""
-    settings = cluster_settings(redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2)
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
+    )
     with running(settings, spares=1) as launcher:
         r = Round(launcher, settings)
         r.wait_tokens(6)
