@@ -144,7 +144,8 @@ def test_the_heartbeat_registers_again_when_the_record_vanishes(redis_url, runni
     _wait(lambda: worker.served == [3] and _record(client, "t0").get(b"state") == b"serving")
     instance = _record(client, "t0")[b"info"]
     client.flushall()
-    _wait(lambda: client.exists(keys.worker("t0")))
+    client.hset(keys.worker("t0"), mapping={"state": "serving", "epoch": 3})  # a state write racing the beat
+    _wait(lambda: client.hexists(keys.worker("t0"), "info"))
     record = _record(client, "t0")
     assert record[b"info"] == instance and record[b"state"] == b"serving" and record[b"epoch"] == b"3"
     assert client.sismember(keys.WORKERS, "t0")

@@ -93,7 +93,7 @@ class Heartbeat(threading.Thread):
             counts, self._kv_bytes = self._kv_bytes, {}
         for purpose, n in counts.items():
             pipe.hincrby(keys.KV_BYTES, purpose, n)
-        pipe.exists(keys.worker(self.worker_id))
+        pipe.hexists(keys.worker(self.worker_id), "info")  # a record without info is no registration
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
         results = pipe.execute()
