@@ -200,7 +200,7 @@ class WorkerProcess(abc.ABC):
 
     def _back_off(self, exc: Exception, failures: int) -> None:
         """Report a failed epoch and wait (exponential backoff, bounded) before serving again; a newer
-        topology, a drain or a stop ends the wait early."""
+        topology, a drain past its deadline or a stop ends the wait early."""
         delay = min(0.2 * 2 ** (failures - 1), _MAX_BACKOFF_S)
         log.error(
             "serving epoch %s failed (%s: %s, %d in a row): serving again in %.1f s",
