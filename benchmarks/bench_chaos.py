@@ -13,8 +13,8 @@ of ``--faults`` (cycled) is injected:
 Every request is greedy and checked against the in-process engine's output: it *completed exactly*,
 completed with *wrong* tokens (must be 0), *failed* with an error (allowed across a fault), or *hung*
 past ``--hang-s`` (must be 0). For each fault the bench reports the recovery time: from the injection
-until a new probe request completes exactly. Worker memory (RSS) is read at the start and the end.
-Writes ``benchmarks/results/chaos.json``.
+until a request (one resumed across the fault, or a new one) next completes exactly. Worker memory
+(RSS) is read at the start and the end. Writes ``benchmarks/results/chaos.json``.
 """
 
 from __future__ import annotations
@@ -59,11 +59,14 @@ class Outcomes:
     hung: int = 0
     errors: Counter = field(default_factory=Counter)
     wrong_examples: list[dict] = field(default_factory=list)
+    exact_at: list[float] = field(default_factory=list)  # monotonic times of exact completions
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, detail: str | dict | None = None) -> None:
         with self.lock:
             setattr(self, kind, getattr(self, kind) + 1)
+            if kind == "exact":
+                self.exact_at.append(time.monotonic())
             if kind == "failed" and isinstance(detail, str):
                 self.errors[detail] += 1
             if kind == "wrong" and len(self.wrong_examples) < 5:
@@ -182,18 +185,16 @@ class Chaos:
             return "SIGKILL the controller, start a new one"
         raise ValueError(f"unknown fault {kind!r}")
 
-    def recovery_s(self, since: float) -> float | None:
-        """Seconds from ``since`` until a probe request completes exactly (None: not within the interval)."""
-        prompt = PROMPTS[0]
+    def recovery_s(self, since: float, outcomes: Outcomes) -> float | None:
+        """Seconds from ``since`` until a request (resumed or new) next completes exactly; None when
+        none does within the interval. It includes the rest of that request's generation."""
         deadline = since + self.args.interval
         while time.monotonic() < deadline:
-            try:
-                text = _complete(self.launcher.api_url, self.settings.model.name, prompt, self.args.max_tokens, 30)
-                if text == self.reference[prompt]:
-                    return time.monotonic() - since
-            except Exception:
-                pass
-            time.sleep(0.25)
+            with outcomes.lock:
+                after = [t for t in outcomes.exact_at[-64:] if t > since]
+            if after:
+                return min(after) - since
+            time.sleep(0.05)
         return None
 
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # e.g. no topology right now: recorded, the schedule goes on
                 faults.append({"kind": kind, "at_s": round(at - started, 2), "injected": False, "error": repr(exc)})
                 continue
-            recovery = chaos.recovery_s(at)
+            recovery = chaos.recovery_s(at, outcomes)
             faults.append(
                 {
                     "kind": kind,
