@@ -12,9 +12,9 @@ of ``--faults`` (cycled) is injected:
 
 Every request is greedy and checked against the in-process engine's output: it *completed exactly*,
 completed with *wrong* tokens (must be 0), *failed* with an error (allowed across a fault), or *hung*
-past ``--hang-s`` (must be 0). For each fault the bench reports the recovery time: from the injection
-until a request (one resumed across the fault, or a new one) next completes exactly. Worker memory
-(RSS) is read at the start and the end. Writes ``benchmarks/results/chaos.json``.
+past ``--hang-s`` (must be 0). For each fault the bench reports how long until the controller is ready
+again at a newer epoch, and until a request (resumed across the fault, or new) next completes
+exactly. Worker memory (RSS) is read at the start and the end. Writes ``benchmarks/results/chaos.json``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def _complete(api: str, model: str, prompt: str, max_tokens: int, timeout_s: flo
 
 def _client(api_of, model: str, reference: dict[str, str], args, stop: threading.Event, out: Outcomes, seed: int):
     rng = random.Random(seed)
-    while not stop.is_set():
+    backoff = 0.0  # like a real client: back off exponentially while the service answers with errors
+    while not stop.wait(backoff):
         prompt = rng.choice(PROMPTS)
         started = time.monotonic()
         try:
@@ -104,8 +105,9 @@ def _client(api_of, model: str, reference: dict[str, str], args, stop: threading
             continue
         except Exception as exc:  # connection refused (controller restarting), 503, in-stream errors
             out.add("failed", type(exc).__name__ if not isinstance(exc, RuntimeError) else str(exc))
-            stop.wait(0.2)  # a client backs off a little after an error
+            backoff = min(max(0.25, 2 * backoff), 4.0)
             continue
+        backoff = 0.0
         if text == reference[prompt]:
             out.add("exact")
         else:
@@ -122,8 +124,13 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
-def _worker_memory(launcher) -> dict[str, float | None]:
-    return {c.name: _rss_mb(c.proc.pid) for c in launcher.children if c.name != "controller" and c.proc}
+def _worker_memory(launcher) -> dict[str, dict]:
+    """RSS of each worker process (its pid too: a restarted worker is another process)."""
+    return {
+        c.name: {"pid": c.proc.pid, "rss_mb": _rss_mb(c.proc.pid)}
+        for c in launcher.children
+        if c.name != "controller" and c.proc
+    }
 
 
 class Chaos:
@@ -184,6 +191,32 @@ class Chaos:
                 self.launcher._spawn(controller)
             return "SIGKILL the controller, start a new one"
         raise ValueError(f"unknown fault {kind!r}")
+
+    def epoch(self) -> int | None:
+        import redis
+
+        from dejavu_common import keys
+
+        try:
+            raw = redis.Redis.from_url(self.settings.redis.url, socket_timeout=1).get(keys.EPOCH)
+        except redis.RedisError:
+            return None
+        return None if raw is None else int(raw)
+
+    def back_s(self, since: float, epoch: int) -> float | None:
+        """Seconds from ``since`` until the controller is ready at an epoch newer than ``epoch`` (every
+        fault here makes it publish one): the service is back. None when not within the interval."""
+        deadline = since + self.args.interval
+        while time.monotonic() < deadline:
+            now = self.epoch()
+            if now is not None and now > epoch:
+                try:
+                    if httpx.get(self.launcher.api_url + "/ready", timeout=1).status_code == 200:
+                        return time.monotonic() - since
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        return None
 
     def recovery_s(self, since: float, outcomes: Outcomes) -> float | None:
         """Seconds from ``since`` until a request (resumed or new) next completes exactly; None when
@@ -292,12 +325,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(min(args.interval / 2, max(0.0, end - time.monotonic())))  # traffic settles first
             kind = kinds[i % len(kinds)]
             i += 1
+            epoch = chaos.epoch() or 0
             at = time.monotonic()
             try:
                 what = chaos.inject(kind)
             except Exception as exc:  # e.g. no topology right now: recorded, the schedule goes on
                 faults.append({"kind": kind, "at_s": round(at - started, 2), "injected": False, "error": repr(exc)})
                 continue
+            back = chaos.back_s(at, epoch)
             recovery = chaos.recovery_s(at, outcomes)
             faults.append(
                 {
@@ -305,10 +340,15 @@ def main(argv: list[str] | None = None) -> int:
                     "what": what,
                     "at_s": round(at - started, 2),
                     "injected": True,
+                    "ready_again_s": None if back is None else round(back, 2),
                     "recovery_s": None if recovery is None else round(recovery, 2),
                 }
             )
-            print(f"{at - started:7.1f} s  {what}: recovered in {recovery}", file=sys.stderr, flush=True)
+            print(
+                f"{at - started:7.1f} s  {what}: ready again after {back} s, next exact completion after {recovery} s",
+                file=sys.stderr,
+                flush=True,
+            )
             rest = args.interval - (time.monotonic() - at) - args.interval / 2
             if rest > 0:
                 time.sleep(rest)
@@ -339,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             "max": max(recoveries, default=None),
             "mean": round(sum(recoveries) / len(recoveries), 2) if recoveries else None,
         },
+        "faults_not_ready_again": sum(1 for f in faults if f["injected"] and f.get("ready_again_s") is None),
         "worker_rss_mb": {"start": memory_start, "end": memory_end},
         "process_restarts": restarts,
     }
@@ -350,11 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         f"requests: {r['completed_exact']} exact, {r['completed_wrong']} wrong, "
         f"{r['failed_with_error']} failed with an error, {r['hung']} hung"
     )
+    print(f"  {'fault':11s} {'ready again s':28s} next exact completion s")
     for kind in dict.fromkeys(f["kind"] for f in faults):
-        times = [f["recovery_s"] for f in faults if f["kind"] == kind and f.get("recovery_s") is not None]
-        missed = sum(1 for f in faults if f["kind"] == kind and f.get("recovery_s") is None)
-        shown = ", ".join(f"{t:.1f}" for t in times)
-        print(f"  {kind:11s} recovery s: {shown or '-'}" + (f"  ({missed} not recovered)" if missed else ""))
+        mine = [f for f in faults if f["kind"] == kind and f["injected"]]
+        ready = ", ".join("-" if f["ready_again_s"] is None else f"{f['ready_again_s']:.1f}" for f in mine)
+        exact = ", ".join("-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}" for f in mine)
+        print(f"  {kind:11s} {ready:28s} {exact}")
     print(f"  worker RSS MB start {memory_start}\n  worker RSS MB end   {memory_end}")
     print(f"wrote {args.out}")
     return 0 if r["completed_wrong"] == 0 and r["hung"] == 0 else 1
