@@ -1,6 +1,11 @@
-"""``dejavu bench serve``: DejaVu (1 prompt + 1 token worker) against the colocated 2-stage baseline.
+"""``dejavu bench serve``: serving benchmarks over HTTP, in two modes.
 
-The paper's disaggregation experiment (section 5.2, "Performance without failures") on this host:
+With ``--base-url URL`` it benchmarks any running OpenAI-compatible server, ours or a peer's, with
+``vllm bench serve``'s options and metrics: see ``benchmarks/serve_url.py`` (``dejavu bench serve
+--base-url URL --help``).
+
+Without it, it runs the paper's disaggregation experiment: DejaVu (1 prompt + 1 token worker)
+against the colocated 2-stage baseline (section 5.2, "Performance without failures") on this host:
 fixed-length prompts (1,000 tokens by default), generated lengths drawn from a skewed LMSys-like
 distribution, and one open-loop client sending Poisson arrivals at several request rates. For each
 deployment the script starts the whole system (its own redis-server, controller and workers, one
@@ -12,8 +17,9 @@ all its requests have), and stops the system. It prints a table and writes
 The workload: ``new_tokens`` is log-normal with median ``--median-new`` and log-space sigma
 ``--sigma`` (``dejavu_planner.trace.lmsys_like_trace``), rounded and clipped to
 ``[--min-new, --max-new]``; it is sent as ``max_tokens`` with greedy sampling, so both deployments
-generate the same tokens, and the model may stop earlier (metrics use the actual counts). Every rate
-uses the same seed, hence the same lengths and prompts; only the arrival times differ.
+generate the same tokens; the model may stop earlier (metrics use the actual counts) unless
+``--ignore-eos`` is given. Every rate uses the same seed, hence the same lengths and prompts; only
+the arrival times differ.
 
 With ``--trace FILE`` (the planner's CSV/JSON format) it replays that trace instead of the Poisson
 rates, to validate the simulator against the real system.
@@ -33,8 +39,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord, RunMetrics
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
 
+from benchmarks.loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord
+from benchmarks.metrics import RunMetrics
 from dejavu_cli.launcher import Launcher
 from dejavu_common.settings import Mode, Settings
 from dejavu_planner.trace import Trace, lmsys_like_trace
@@ -154,6 +162,7 @@ def measure(
             request_timeout_s=args.request_timeout_s,
             run_timeout_s=args.run_timeout_s,
             seed=args.seed,
+            ignore_eos=args.ignore_eos,
         )
         generator = LoadGenerator(config, lambda r: builder.text(r.prompt_len, r.rid))
         warm = generator.run_sync(Trace.of([(0.0, 16, 4)]))[0]  # first-request costs stay out of the figures
@@ -201,7 +210,7 @@ def print_table(runs: list[Run]) -> None:
             f"{run.deployment:<22}{_label(run.rate_per_s):>12}{f'{m.completed}/{m.requests}':>7}"
             f"{_ms(m.normalized_latency_s.median):>10}{_ms(m.normalized_latency_s.p99):>10}"
             f"{_ms(m.ttft_s.median):>10}{_ms(m.ttft_s.p99):>10}{_ms(m.tpot_s.median):>10}{_ms(m.tpot_s.p99):>10}"
-            f"{m.throughput_tok_s:>8.2f}{m.request_throughput_s:>8.3f}{m.errors:>8}"
+            f"{m.output_throughput:>8.2f}{m.request_throughput:>8.3f}{m.failed:>8}"
         )
 
 
@@ -235,7 +244,11 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " Without --base-url: the paper's experiment, options below.",
+        epilog="dejavu bench serve --base-url URL --help: the options of the URL mode.",
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.15], help="Request rates (req/s).")
     p.add_argument("--requests", type=int, default=6, help="Requests per rate.")
     p.add_argument("--prompt-len", type=int, default=1000, help="Prompt length in tokens.")
@@ -248,6 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS))
     p.add_argument("--trace", type=Path, default=None, help="Replay this trace file instead of the rates.")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="Generate exactly each request's length.")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="Deadline of one request.")
     p.add_argument("--run-timeout-s", type=float, default=300.0, help="Bound of one rate's run.")
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="Bound of a deployment's start.")
@@ -277,6 +291,7 @@ def result_json(
             "rates": args.rates if args.trace is None else None,
             "microbatch": args.microbatch,
             "batch_wait_ms": args.batch_wait_ms,
+            "ignore_eos": args.ignore_eos,
             "torch_threads_per_worker": 1,
             "transport": base.transport.kind,
             "replication": base.recovery.replication.value,
@@ -290,7 +305,13 @@ def result_json(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every deployment at every load; exit 1 if a deployment failed to start or died."""
+    """With ``--base-url``, benchmark that server (``serve_url``). Otherwise run every deployment at
+    every load; exit 1 if a deployment failed to start or died."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--base-url" or a.startswith("--base-url=") for a in argv):
+        from benchmarks import serve_url
+
+        return serve_url.main(argv)
     args = parse_args(argv)
     workload = Workload(
         args.requests, args.prompt_len, args.median_new, args.sigma, args.min_new, args.max_new, args.seed

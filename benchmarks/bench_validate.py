@@ -12,8 +12,8 @@ Prints the comparison table (every round, then medians) and writes
 The trace: ``--requests`` requests of ``--prompt-len`` tokens, sent ``--spacing-ms`` apart in trace
 order (a backlog within a fraction of a second, so the makespan measures throughput), generated
 lengths drawn from the planner's LMSys-like log-normal distribution (median ``--median-new``,
-clipped to ``--max-new``, seeded). Requests cannot ignore EOS, so each simulation uses the lengths
-that its real run actually generated.
+clipped to ``--max-new``, seeded). Requests do not ask to ignore EOS (as real traffic), so each
+simulation uses the lengths that its real run actually generated.
 
 Which requests share a microbatch matters: a microbatch runs until its longest request ends, so
 the grouping alone moves the makespan by 10-15 % on this trace. Requests sent all at once reach

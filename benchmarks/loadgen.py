@@ -1,41 +1,36 @@
-"""An open-loop load generator for DejaVu's OpenAI-compatible API, and the serving metrics it reports.
+"""A load generator for OpenAI-compatible completion APIs (ours, or a peer's such as vLLM).
 
-Requests are sent at the arrival times of a :class:`dejavu_planner.trace.Trace` (a Poisson process
-from :func:`poisson_arrivals`, or a replayed trace file) whatever the server's progress: a slow
-server builds a queue, as in the paper's experiments, instead of slowing the client down. Every
-request streams (``POST /v1/completions`` with ``stream: true``) and its record keeps the send time,
-the arrival of every streamed chunk, the end time, the generated token count (the server's
-``usage``) and how it ended. Each request has a deadline and the whole run is bounded in time, so a
-run always stops by itself.
+Requests are sent at the arrival times of a :class:`dejavu_planner.trace.Trace` (all at 0 for a
+backlog, a Poisson or gamma process from :mod:`benchmarks.dataset`, or a replayed trace file)
+whatever the server's progress: a slow server builds a queue, as in the paper's experiments,
+instead of slowing the client down. With ``max_concurrency`` at most that many requests are in
+flight; a request that arrives while all are busy waits for one to end (with a backlog this is a
+closed loop of that many clients, as ``vllm bench serve --max-concurrency``).
 
-The API has no ``ignore_eos``: a request asks for ``new_tokens`` of its trace row as ``max_tokens``
-and may generate fewer; normalized latency divides by the count actually generated.
+Every request streams (``POST /v1/completions`` with ``stream: true``, usage requested) and its
+record keeps the send time, the arrival of every streamed chunk, the end time, the server's token
+counts and how it ended. ``ignore_eos`` asks the server (vLLM's extension, also ours) to generate
+exactly ``max_tokens``. Each request has a deadline and the whole run is bounded in time, so a run
+always stops by itself. Metrics over the records are in :mod:`benchmarks.metrics`.
 
 Times in records are seconds since the run's start (``time.perf_counter`` based).
-
-Used as a script, it replays a trace file against a running deployment (e.g. ``dejavu up``)::
-
-    python benchmarks/loadgen.py --url http://127.0.0.1:8000 --trace trace.csv --out records.json
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import enum
+import itertools
 import json
-import math
 import random
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
-from dejavu_planner.trace import Request, Trace, arrivals
+from dejavu_planner.trace import Request, Trace
 
 if TYPE_CHECKING:
     from dejavu_common.tokenizer import Tokenizer
@@ -65,10 +60,11 @@ class Status(str, enum.Enum):
 class RequestRecord:
     """What the client observed of one request; times are seconds since the run's start.
 
-    ``chunk_times_s`` are the arrivals of the streamed chunks that carry a choice. The gateway sends
-    one chunk per token event, except that it holds back text that could still become a stop string
-    or an incomplete character, so the chunks approximate the token arrivals; counts come from
-    ``generated`` (the server's ``usage.completion_tokens``, or the chunk count if it sent none).
+    ``chunk_times_s`` are the arrivals of the streamed chunks that carry a choice. Servers send
+    about one chunk per token, but may hold back text that could still become a stop string or an
+    incomplete character, so the chunks approximate the token arrivals; counts come from
+    ``generated`` (the server's ``usage.completion_tokens``, or the chunk count if it sent none) and
+    ``prompt_tokens`` (its ``usage.prompt_tokens``, None if it sent none).
     """
 
     request: Request
@@ -80,6 +76,7 @@ class RequestRecord:
     finish_reason: str | None = None
     http_status: int | None = None
     error: str | None = None
+    prompt_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,10 +94,22 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first: (last chunk - first chunk) / (generated - 1)."""
-        if len(self.chunk_times_s) < 2 or self.generated < 2:
+        """Time per output token after the first, as vLLM: (e2e - ttft) / (generated - 1)."""
+        e2e, ttft = self.e2e_s, self.ttft_s
+        if e2e is None or ttft is None or self.generated < 2:
             return None
-        return (self.chunk_times_s[-1] - self.chunk_times_s[0]) / (self.generated - 1)
+        return (e2e - ttft) / (self.generated - 1)
+
+    @property
+    def itl_s(self) -> tuple[float, ...]:
+        """Inter-token latencies: the gaps between successive chunks (a chunk may carry several tokens)."""
+        times = self.chunk_times_s
+        return tuple(b - a for a, b in itertools.pairwise(times))
+
+    @property
+    def input_tokens(self) -> int:
+        """The server's prompt token count, or the requested prompt length if it reported none."""
+        return self.prompt_tokens if self.prompt_tokens is not None else self.request.prompt_len
 
     @property
     def normalized_latency_s(self) -> float | None:
@@ -113,88 +122,6 @@ class RequestRecord:
         out["status"] = self.status.value
         out["request"] = asdict(self.request)
         return out
-
-
-@dataclass(frozen=True)
-class Percentiles:
-    """Median and p99 of a sample (linear interpolation between order statistics); None when empty."""
-
-    median: float | None
-    p99: float | None
-    count: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Percentiles:
-        ordered = sorted(values)
-        return cls(percentile(ordered, 50), percentile(ordered, 99), len(ordered))
-
-
-def percentile(ordered: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile of sorted ``ordered`` (numpy's default 'linear' method); None if empty."""
-    if not ordered:
-        return None
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-@dataclass(frozen=True)
-class RunMetrics:
-    """Serving metrics of one run; latencies over the completed (OK) requests only.
-
-    ``makespan_s`` runs from the first send to the last end of any sent request; throughputs divide
-    the completed requests' generated tokens (and their count) by it. ``errors`` counts every
-    request that did not complete (timeouts and unsent ones included).
-    """
-
-    requests: int
-    completed: int
-    errors: int
-    timeouts: int
-    generated_tokens: int
-    requested_tokens: int
-    makespan_s: float
-    throughput_tok_s: float
-    request_throughput_s: float
-    normalized_latency_s: Percentiles
-    ttft_s: Percentiles
-    tpot_s: Percentiles
-    e2e_s: Percentiles
-
-    @classmethod
-    def of(cls, records: Sequence[RequestRecord]) -> RunMetrics:
-        done = [r for r in records if r.ok]
-        sent = [r for r in records if r.send_s is not None and r.end_s is not None]
-        makespan = max(r.end_s for r in sent) - min(r.send_s for r in sent) if sent else 0.0
-        tokens = sum(r.generated for r in done)
-
-        def sample(metric: Callable[[RequestRecord], float | None]) -> Percentiles:
-            return Percentiles.of([v for r in done if (v := metric(r)) is not None])
-
-        return cls(
-            requests=len(records),
-            completed=len(done),
-            errors=len(records) - len(done),
-            timeouts=sum(r.status is Status.TIMEOUT for r in records),
-            generated_tokens=tokens,
-            requested_tokens=sum(r.request.new_tokens for r in records),
-            makespan_s=makespan,
-            throughput_tok_s=tokens / makespan if makespan > 0 else 0.0,
-            request_throughput_s=len(done) / makespan if makespan > 0 else 0.0,
-            normalized_latency_s=sample(lambda r: r.normalized_latency_s),
-            ttft_s=sample(lambda r: r.ttft_s),
-            tpot_s=sample(lambda r: r.tpot_s),
-            e2e_s=sample(lambda r: r.e2e_s),
-        )
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
-    """Arrival times of a Poisson process (exponential gaps of mean ``1 / rate_per_s``), seeded."""
-    return arrivals(count, rate_per_s, random.Random(seed))
 
 
 class PromptBuilder:
@@ -241,7 +168,14 @@ class ClientConfig:
     run_timeout_s: float = 3600.0  # bound of the whole run: no send after it, every request ends by it
     connect_timeout_s: float = 10.0
     temperature: float = 0.0
-    seed: int = 0
+    seed: int = 0  # request i is sent with seed + i
+    max_concurrency: int | None = None  # requests in flight at most; None: unbounded (open loop)
+    ignore_eos: bool = False  # sent as the request's ``ignore_eos`` when set
+    endpoint: str = "/v1/completions"
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1 (or None for no bound)")
 
 
 @dataclass
@@ -251,6 +185,7 @@ class _Observed:
     send_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)
     generated: int | None = None
+    prompt_tokens: int | None = None
     finish_reason: str | None = None
     http_status: int | None = None
 
@@ -260,7 +195,7 @@ class _StreamFailed(Exception):
 
 
 class LoadGenerator:
-    """Sends one trace's requests open-loop and records each; see the module docstring.
+    """Sends one trace's requests at their arrival times and records each; see the module docstring.
 
     ``prompt_of`` gives each request's prompt (text or token ids); it is called for every request
     before the clock starts, so prompt building never delays a send. :meth:`run` is a coroutine
@@ -285,17 +220,24 @@ class LoadGenerator:
         async with httpx.AsyncClient(
             base_url=self.config.base_url, headers=headers, timeout=timeout, limits=limits
         ) as client:
+            slots = asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
             start = time.perf_counter()
             tasks = [
-                asyncio.create_task(self._one(client, r, p, start))
+                asyncio.create_task(self._one(client, r, p, start, slots))
                 for r, p in zip(trace.requests, prompts, strict=True)
             ]
             return list(await asyncio.gather(*tasks))
 
     async def _one(
-        self, client: httpx.AsyncClient, request: Request, prompt: str | list[int], start: float
+        self,
+        client: httpx.AsyncClient,
+        request: Request,
+        prompt: str | list[int],
+        start: float,
+        slots: asyncio.Semaphore | None,
     ) -> RequestRecord:
-        """Wait for the request's arrival time, stream it within its deadline, and record it."""
+        """Wait for the request's arrival time and a free slot, stream it within its deadline, and
+        record it. A request still waiting for a slot when the run's bound passes is not sent."""
 
         def now() -> float:
             return time.perf_counter() - start
@@ -303,6 +245,22 @@ class LoadGenerator:
         if request.arrival_s > self.config.run_timeout_s:
             return RequestRecord(request, Status.NOT_SENT)
         await asyncio.sleep(max(0.0, request.arrival_s - now()))
+        if slots is None:
+            return await self._send(client, request, prompt, now)
+        try:
+            async with asyncio.timeout(max(self.config.run_timeout_s - now(), 0.0)):
+                await slots.acquire()
+        except TimeoutError:
+            return RequestRecord(request, Status.NOT_SENT)
+        try:
+            return await self._send(client, request, prompt, now)
+        finally:
+            slots.release()
+
+    async def _send(
+        self, client: httpx.AsyncClient, request: Request, prompt: str | list[int], now: Callable[[], float]
+    ) -> RequestRecord:
+        """Stream the request now, within its deadline and the run's bound, and record how it went."""
         seen = _Observed(send_s=now())
         budget = min(self.config.request_timeout_s, self.config.run_timeout_s - seen.send_s)
         status, error = Status.OK, None
@@ -328,6 +286,7 @@ class LoadGenerator:
             finish_reason=seen.finish_reason,
             http_status=seen.http_status,
             error=error,
+            prompt_tokens=seen.prompt_tokens,
         )
 
     async def _stream(
@@ -348,7 +307,9 @@ class LoadGenerator:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        if self.config.ignore_eos:
+            body["ignore_eos"] = True
+        async with client.stream("POST", self.config.endpoint, json=body) as response:
             seen.http_status = response.status_code
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
@@ -378,41 +339,8 @@ def _absorb(chunk: dict, seen: _Observed, at_s: float) -> None:
         seen.chunk_times_s.append(at_s)
         seen.finish_reason = choices[0].get("finish_reason") or seen.finish_reason
     usage = chunk.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        seen.generated = usage["completion_tokens"]
-
-
-# -- the script: replay a trace file against a running deployment ---------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Replay a trace (CSV or JSON, the planner's format) open-loop.")
-    parser.add_argument("--url", required=True, help="Base URL of the API, e.g. http://127.0.0.1:8000.")
-    parser.add_argument("--trace", type=Path, required=True, help="Trace file (arrival_s,prompt_len,new_tokens).")
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct", help="Model id the API serves.")
-    parser.add_argument("--model-folder", type=Path, default=None, help="Checkpoint folder (for its tokenizer).")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--request-timeout-s", type=float, default=300.0)
-    parser.add_argument("--run-timeout-s", type=float, default=3600.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="Write the records and metrics as JSON here.")
-    args = parser.parse_args(argv)
-
-    from dejavu_common.settings import Settings
-    from dejavu_common.tokenizer import Tokenizer
-
-    folder = args.model_folder or Settings().model.folder
-    builder = PromptBuilder(Tokenizer.from_pretrained(folder), seed=args.seed)
-    config = ClientConfig(
-        args.url, args.model, args.api_key, args.request_timeout_s, args.run_timeout_s, seed=args.seed
-    )
-    records = LoadGenerator(config, lambda r: builder.text(r.prompt_len, r.rid)).run_sync(Trace.load(args.trace))
-    metrics = RunMetrics.of(records)
-    print(json.dumps(metrics.to_json(), indent=1))
-    if args.out is not None:
-        args.out.write_text(json.dumps({"metrics": metrics.to_json(), "records": [r.to_json() for r in records]}))
-    return 0 if metrics.errors == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if isinstance(usage, dict):
+        if isinstance(usage.get("completion_tokens"), int):
+            seen.generated = usage["completion_tokens"]
+        if isinstance(usage.get("prompt_tokens"), int):
+            seen.prompt_tokens = usage["prompt_tokens"]

@@ -1,101 +1,28 @@
-"""The open-loop load generator against a fake OpenAI-compatible streaming server with known delays.
+"""The load generator against a fake OpenAI-compatible streaming server with known delays (conftest).
 
-The fake server (FastAPI + uvicorn in a thread of the test process) streams ``max_tokens`` chunks:
-the first after ``FIRST_S``, the others ``TOKEN_S`` apart. Its prompt selects a behaviour: ``busy``
-answers 503, ``broken`` sends an error event after two tokens, ``no-usage`` omits the usage chunk.
 The checks are of the client's bookkeeping and arithmetic: the bounds the sleeps guarantee, and
 generous upper bounds only to catch a wrong formula, never to judge speed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import statistics
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from benchmarks.loadgen import (
-    ClientConfig,
-    LoadGenerator,
-    PromptBuilder,
-    RequestRecord,
-    RunMetrics,
-    Status,
-    percentile,
-    poisson_arrivals,
-)
+from benchmarks.dataset import arrival_times
+from benchmarks.loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord, Status
+from benchmarks.metrics import RunMetrics, percentile
 from dejavu_planner.trace import Request as TraceRequest
 from dejavu_planner.trace import Trace
 
-FIRST_S = 0.3
-TOKEN_S = 0.05
+from .conftest import FIRST_S, MODEL, TOKEN_S
+
 SLACK_S = 2.0  # generous: scheduling noise on a loaded 2-core machine, never a speed judgement
-MODEL = "fake-model"
-
-
-def _sse(body: dict) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-
-def fake_app() -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        prompt, n = body["prompt"], body["max_tokens"]
-        if prompt == "busy":
-            error = {"message": "queue full", "type": "server_error", "param": None, "code": "queue_full"}
-            return JSONResponse({"error": error}, status_code=503)
-        with_usage = body.get("stream_options", {}).get("include_usage") and prompt != "no-usage"
-
-        async def events() -> AsyncIterator[bytes]:
-            await asyncio.sleep(FIRST_S)
-            for i in range(n):
-                if i:
-                    await asyncio.sleep(TOKEN_S)
-                if prompt == "broken" and i == 2:
-                    yield _sse({"error": {"message": "worker lost", "code": "generation_failed"}})
-                    yield b"data: [DONE]\n\n"
-                    return
-                finish = "length" if i == n - 1 else None
-                yield _sse({"object": "text_completion", "choices": [{"text": " t", "finish_reason": finish}]})
-            if with_usage:
-                usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-                yield _sse({"object": "text_completion", "choices": [], "usage": usage})
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def fake_url() -> Iterator[str]:
-    """The fake server on a free port, served by uvicorn in a thread; stopped after the module."""
-    server = uvicorn.Server(uvicorn.Config(fake_app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the fake server did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture
@@ -126,18 +53,21 @@ def test_records_match_the_servers_known_delays(fake_url: str) -> None:
         assert record.send_s <= record.chunk_times_s[0] and record.chunk_times_s[-1] <= record.end_s
     many = records[0]
     assert TOKEN_S * 0.9 <= many.tpot_s <= TOKEN_S + SLACK_S
-    assert many.tpot_s == pytest.approx((many.chunk_times_s[-1] - many.chunk_times_s[0]) / 9)
-    assert records[2].tpot_s is None  # one token: no time per output token after the first
+    assert many.tpot_s == pytest.approx((many.e2e_s - many.ttft_s) / 9)
+    assert len(many.itl_s) == 9 and all(gap >= TOKEN_S * 0.9 for gap in many.itl_s)
+    assert records[2].tpot_s is None and records[2].itl_s == ()  # one token: nothing after the first
 
     metrics = RunMetrics.of(records)
-    assert (metrics.requests, metrics.completed, metrics.errors, metrics.timeouts) == (3, 3, 0, 0)
-    assert metrics.generated_tokens == 16 == metrics.requested_tokens
-    makespan = max(r.end_s for r in records) - min(r.send_s for r in records)
-    assert metrics.makespan_s == pytest.approx(makespan)
-    assert metrics.throughput_tok_s == pytest.approx(16 / makespan)
-    assert metrics.request_throughput_s == pytest.approx(3 / makespan)
+    assert (metrics.requests, metrics.completed, metrics.failed, metrics.timeouts) == (3, 3, 0, 0)
+    assert metrics.total_output_tokens == 16 == metrics.requested_output_tokens
+    assert metrics.total_input_tokens == 3  # the fake server reports one prompt token per text prompt
+    duration = max(r.end_s for r in records) - min(r.send_s for r in records)
+    assert metrics.duration_s == pytest.approx(duration)
+    assert metrics.output_throughput == pytest.approx(16 / duration)
+    assert metrics.total_token_throughput == pytest.approx(19 / duration)
+    assert metrics.request_throughput == pytest.approx(3 / duration)
     assert metrics.normalized_latency_s.median == pytest.approx(records[1].normalized_latency_s)
-    assert metrics.ttft_s.count == 3 and metrics.tpot_s.count == 2
+    assert (metrics.ttft_s.count, metrics.tpot_s.count, metrics.itl_s.count) == (3, 2, 13)
 
 
 def test_generated_count_falls_back_to_chunks_without_usage(fake_url: str) -> None:
@@ -152,7 +82,7 @@ def test_errors_are_recorded_not_raised(fake_url: str) -> None:
     assert broken.status is Status.STREAM_ERROR and "worker lost" in broken.error
     assert len(broken.chunk_times_s) == 2
     metrics = RunMetrics.of([busy, broken])
-    assert (metrics.completed, metrics.errors, metrics.generated_tokens) == (0, 2, 0)
+    assert (metrics.completed, metrics.failed, metrics.total_output_tokens) == (0, 2, 0)
     assert metrics.normalized_latency_s.median is None
 
 
@@ -177,7 +107,7 @@ def test_the_run_bound_stops_sends_and_streams(silent_url: str) -> None:
     assert records[0].status is Status.TIMEOUT and records[0].end_s < 30
     assert records[1].status is Status.NOT_SENT and records[1].send_s is None
     metrics = RunMetrics.of(records)
-    assert (metrics.errors, metrics.timeouts) == (2, 1)
+    assert (metrics.failed, metrics.timeouts) == (2, 1)
 
 
 def test_trace_replay_respects_arrival_times(fake_url: str, tmp_path: Path) -> None:
@@ -196,9 +126,9 @@ def test_trace_replay_respects_arrival_times(fake_url: str, tmp_path: Path) -> N
 
 def test_poisson_arrivals_are_seeded_with_the_right_mean() -> None:
     rate = 4.0
-    times = poisson_arrivals(20_000, rate, seed=7)
-    assert times == poisson_arrivals(20_000, rate, seed=7)
-    assert times != poisson_arrivals(20_000, rate, seed=8)
+    times = arrival_times(20_000, rate, seed=7)
+    assert times == arrival_times(20_000, rate, seed=7)
+    assert times != arrival_times(20_000, rate, seed=8)
     gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
     assert all(g >= 0 for g in gaps)
     assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.03)
@@ -224,13 +154,13 @@ def test_metrics_of_synthetic_records() -> None:
         RequestRecord(TraceRequest(2, 2.0, 10, 4), Status.TIMEOUT, 2.0, (), 6.0, 0, error="deadline"),
     ]
     metrics = RunMetrics.of(records)
-    assert metrics.makespan_s == 6.0  # from the first send to the timed-out request's end
-    assert metrics.generated_tokens == 5 and metrics.throughput_tok_s == pytest.approx(5 / 6)
+    assert metrics.duration_s == 6.0  # from the first send to the timed-out request's end
+    assert metrics.total_output_tokens == 5 and metrics.output_throughput == pytest.approx(5 / 6)
     assert metrics.normalized_latency_s.median == pytest.approx(0.75)
     assert metrics.normalized_latency_s.p99 == pytest.approx(0.5 + 0.5 * 0.99)
     assert metrics.ttft_s.median == pytest.approx(0.75) and metrics.tpot_s.median == pytest.approx(0.75)
-    assert (metrics.completed, metrics.errors, metrics.timeouts, metrics.requested_tokens) == (2, 1, 1, 9)
-    assert json.loads(json.dumps(metrics.to_json()))["e2e_s"]["median"] == pytest.approx(2.0)
+    assert (metrics.completed, metrics.failed, metrics.timeouts, metrics.requested_output_tokens) == (2, 1, 1, 9)
+    assert json.loads(json.dumps(metrics.to_json()))["median_e2el_ms"] == pytest.approx(2000.0)
 
 
 @pytest.mark.model

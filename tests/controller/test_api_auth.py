@@ -61,10 +61,11 @@ def test_auth_is_checked_before_the_body(anonymous: TestClient):
     assert response.status_code == 401
 
 
-def test_probes_stay_open(anonymous: TestClient):
+def test_probes_stay_open_and_metrics_need_a_key(anonymous: TestClient):
     assert anonymous.get("/health").status_code == 200
     assert anonymous.get("/ready").status_code == 200
-    assert anonymous.get("/metrics").status_code == 200
+    assert anonymous.get("/metrics").status_code == 401  # it lists worker ids, states and recovery timings
+    assert anonymous.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.com", "192.168.0.1"])

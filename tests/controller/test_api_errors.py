@@ -104,9 +104,14 @@ def test_malformed_json_is_a_400(client: TestClient):
     assert_error(response, 400)
 
 
-def test_json_without_content_type_is_accepted(client: TestClient):
-    response = client.post("/v1/completions", content=b'{"model": "%s", "prompt": "Hi"}' % MODEL.encode())
-    assert response.status_code == 200
+def test_json_without_content_type_is_refused(client: TestClient, backend: ScriptedBackend):
+    # Not a "simple" cross-origin request: a web page cannot make a browser send it without a CORS preflight.
+    body = b'{"model": "%s", "prompt": "Hi"}' % MODEL.encode()
+    for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        assert_error(client.post("/v1/completions", content=body, headers=headers), 415, None, "unsupported_media_type")
+    assert backend.requests == []
+    json_utf8 = {"Content-Type": "application/json; charset=utf-8"}
+    assert client.post("/v1/completions", content=body, headers=json_utf8).status_code == 200
 
 
 def test_unknown_route_and_method_use_the_error_body(client: TestClient):

@@ -69,6 +69,21 @@ def test_assembly_replacement_and_epochs(redis_url: str) -> None:
     asyncio.run(scenario())
 
 
+def test_a_record_that_claims_another_worker_is_skipped(redis_url: str) -> None:
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        registry = Registry(r, ControllerSettings(prompt_depth=1, token_depth=1), n_layers=4)
+        await _register(r, "t0", WorkerRole.TOKEN)
+        forged = WorkerInfo(worker_id="t0", role=WorkerRole.TOKEN, host="h", pid=2, instance="x", data_address="")
+        await r.hset(keys.worker("t9"), mapping={"info": forged.encode(), "state": "serving", "epoch": 0})
+        await r.sadd(keys.WORKERS, "t9")
+        await r.set(keys.worker_lease("t9"), "1", px=5000)
+        assert set(await registry.workers()) == {"t0"}
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_colocated_mode_needs_no_prompt_workers(redis_url: str) -> None:
     async def scenario() -> None:
         r = aioredis.Redis.from_url(redis_url)
@@ -82,3 +97,19 @@ def test_colocated_mode_needs_no_prompt_workers(redis_url: str) -> None:
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_context_is_capped_at_the_models_own_position_limit(tmp_path) -> None:
+    import json
+
+    from dejavu_controller.model_info import context_limit
+
+    for name, config, expected in [
+        ("llama", {"max_position_embeddings": 8192}, 2048),
+        ("gpt2", {"n_positions": 1024}, 1024),
+        ("bloom", {}, 2048),  # ALiBi: no position limit of its own
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        assert context_limit(folder, 2048) == expected

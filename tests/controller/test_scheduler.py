@@ -20,7 +20,7 @@ def _req(i: int, n_prompt: int = 3, max_tokens: int = 5, arrival: float = 0.0) -
 
 
 def _sched(tb=4, pb=4, outstanding=2, bound=100, wait=0.05) -> Scheduler:
-    return Scheduler(SchedulerLimits(tb, pb, outstanding, bound, wait))
+    return Scheduler(SchedulerLimits(tb, pb, outstanding * tb, bound, wait))  # outstanding: microbatches
 
 
 def test_full_microbatch_forms_at_once_and_geometry_is_left_padded() -> None:
@@ -138,3 +138,28 @@ def test_an_error_finish_fails_the_request() -> None:
     assert r.status is RequestStatus.FAILED and r.done
     assert r.events.get_nowait().finish_reason is FinishReason.ERROR
     assert not r.deliver(1, 5, None)  # nothing after the failure reaches the client
+
+
+def test_chat_requests_without_max_tokens_share_a_microbatch() -> None:
+    s = Scheduler(SchedulerLimits(4, 4, 64, 100, 0.0, max_len=100))
+    for i, n in enumerate([10, 3, 40, 25]):  # no max_tokens: each asked for the rest of the context
+        s.admit(_req(i, n_prompt=n, max_tokens=100 - n))
+    (mb,) = s.form(now=1.0)
+    assert len(mb.requests) == 4 and mb.spec.prompt_len == 40 and mb.spec.max_len == 100
+    # A request with an explicit budget that would not fit beside a longer prompt still waits apart.
+    s.admit(_req(4, n_prompt=40, max_tokens=10))
+    s.admit(_req(5, n_prompt=5, max_tokens=90))
+    a, b = s.form(now=1.0)
+    assert [len(a.requests), len(b.requests)] == [1, 1]
+
+
+def test_outstanding_requests_bound_dispatch_and_finished_rows_free_room() -> None:
+    s = Scheduler(SchedulerLimits(2, 2, 4, 100, 0.0))
+    for i in range(8):
+        s.admit(_req(i))
+    assert [len(m.requests) for m in s.form(now=1.0)] == [2, 2]
+    assert s.form(now=1.0) == [] and s.outstanding_rows == 4
+    first = s.active[min(s.active)]
+    first.finished_rows.update({0, 1})  # the workers finished both rows: room for one more microbatch
+    assert s.outstanding_rows == 2
+    assert [len(m.requests) for m in s.form(now=1.0)] == [2]

@@ -54,11 +54,20 @@ def serve(endpoint: Endpoint, transport: UcxTransport) -> None:
                 time.sleep(cmd["interval_s"])
         elif op == "send_corrupt":  # a correctly sealed header, then one payload byte flipped on the way out
             payload = np.arange(cmd["nbytes"], dtype=np.uint8)
+            key = secret_key(sys.argv[1])
             header = Header(Channel.TOKENS).with_payload(
-                memoryview(payload), epoch=endpoint.epoch, seq=0, sender="peer"
+                memoryview(payload), key, epoch=endpoint.epoch, seq=time.time_ns(), sender="peer"
             )
             payload[0] ^= 0xFF
-            transport.send_message(DRIVER, header.pack(secret_key(sys.argv[1])), payload).wait(10)
+            transport.send_message(DRIVER, header.pack(key), payload).wait(10)
+        elif op == "replay":  # one correctly sealed message, sent `count` times (as an on-path recorder would)
+            payload = np.arange(cmd["nbytes"], dtype=np.uint8)
+            key = secret_key(sys.argv[1])
+            header = Header(Channel(cmd["channel"])).with_payload(
+                memoryview(payload), key, epoch=endpoint.epoch, seq=time.time_ns(), sender="peer"
+            )
+            for _ in range(cmd["count"]):
+                transport.send_message(DRIVER, header.pack(key), payload).wait(10)
         else:
             reply(endpoint, {"error": f"unknown op {op}"})
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from dejavulib.endpoint import Endpoint
 from dejavulib.errors import IntegrityError, PeerError, TransferTimeout, TransportUnavailable
+from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header, secret_key
 from dejavulib.streamer import Streamer
 from dejavulib.transport.ucx import satisfies
@@ -34,8 +37,9 @@ def test_tensors_round_trip_per_channel(ucx_peer) -> None:
 
 def test_wrong_secret_is_rejected_and_counted(ucx_peer) -> None:
     payload = np.arange(64, dtype=np.uint8)
-    forged = Header(Channel.CONTROL).with_payload(memoryview(payload), epoch=0, seq=0, sender="driver")
-    ucx_peer.transport.send_message("peer", forged.pack(secret_key("not-the-secret")), payload).wait(10)
+    wrong = secret_key("not-the-secret")
+    forged = Header(Channel.CONTROL).with_payload(memoryview(payload), wrong, epoch=0, seq=0, sender="driver")
+    ucx_peer.transport.send_message("peer", forged.pack(wrong), payload).wait(10)
     ucx_peer.command(op="stats")
     stats = ucx_peer.reply()
     assert stats["rejected_auth"] == 1, stats
@@ -60,6 +64,81 @@ def test_corrupted_payload_raises_integrity_error(ucx_peer) -> None:
     ucx_peer.command(op="send_corrupt", nbytes=100_000)
     with pytest.raises(IntegrityError):
         ucx_peer.endpoint.recv(Channel.TOKENS, 10)
+
+
+def test_a_replayed_message_is_delivered_once(ucx_peer) -> None:
+    ucx_peer.command(op="replay", channel=int(Channel.TOKENS), nbytes=64, count=3)
+    assert ucx_peer.endpoint.recv(Channel.TOKENS, 10).payload.tolist() == list(range(64))
+    deadline = time.monotonic() + 10
+    while ucx_peer.endpoint.stats["rejected_replay"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ucx_peer.endpoint.stats["rejected_replay"] == 2
+    with pytest.raises(TransferTimeout):
+        ucx_peer.endpoint.recv(Channel.TOKENS, 0.2)
+
+
+def test_an_unauthenticated_peer_cannot_make_the_receiver_allocate() -> None:
+    """Oversized "headers" and a forged header announcing 64 MiB: the receiver sizes no buffer for them."""
+    from dejavulib.transport.ucx import KIND_HEADER_ONLY, UcxTransport, make_tag, peer_hash
+
+    victim = Endpoint(UcxTransport("victim"), "the-secret")
+    rogue = UcxTransport("rogue")
+    try:
+        rogue.connect("victim", victim.address)
+        big = np.ones(64 << 20, np.uint8)
+        wrong = secret_key("not-the-secret")
+        forged = Header(Channel.KV_PROMPT).with_payload(memoryview(big), wrong, epoch=0, seq=1, sender="rogue")
+        tracemalloc.start()
+        rogue._submit(  # a 1 MiB message posing as a header
+            lambda: rogue._post_send(
+                rogue._ep("victim"), big[: 1 << 20], make_tag(KIND_HEADER_ONLY, peer_hash("rogue"), 7), lambda e: None
+            ),
+            Handle(),
+        )
+        handle = rogue.send_message("victim", forged.pack(wrong), big)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (
+            victim.stats["rejected_auth"] == 1 and not victim.transport._refused and victim.transport._pending == []
+        ):
+            time.sleep(0.01)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert victim.stats["rejected_auth"] == 1 and not victim.transport._refused
+        assert peak < 4 << 20, f"the receiver allocated {peak} bytes"
+        assert victim.stats["delivered"] == 0
+        with contextlib.suppress(TransferTimeout, PeerError):
+            handle.wait(1)
+    finally:
+        tracemalloc.stop()
+        rogue.close()
+        victim.close()
+
+
+def test_a_refused_header_without_payload_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forged header whose payload never comes costs the receiver a bounded memory for a bounded time."""
+    from dejavulib.transport import ucx
+    from dejavulib.transport.ucx import KIND_HEADER, UcxTransport, make_tag, peer_hash
+
+    monkeypatch.setattr(ucx, "_REFUSED_TTL_S", 0.3)
+    victim = Endpoint(UcxTransport("victim"), "the-secret")
+    rogue = UcxTransport("rogue")
+    try:
+        rogue.connect("victim", victim.address)
+        wrong = secret_key("not-the-secret")
+        head = np.frombuffer(Header(Channel.TOKENS).pack(wrong), np.uint8)
+        for seq in range(3):
+            tag = make_tag(KIND_HEADER, peer_hash("rogue"), seq)
+            rogue._submit(lambda t=tag: rogue._post_send(rogue._ep("victim"), head, t, lambda e: None), Handle())
+        deadline = time.monotonic() + 10
+        while victim.stats["rejected_auth"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert victim.stats["rejected_auth"] == 3
+        while victim.transport._refused and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not victim.transport._refused
+    finally:
+        rogue.close()
+        victim.close()
 
 
 def test_killed_receiver_gives_timeout_not_hang(fresh_ucx_peer) -> None:

@@ -40,3 +40,49 @@ def test_mixed_lengths_match_single_requests(family: str, tiny_checkpoints: dict
         alone = run(pipeline, [prompt], continuations[row : row + 1])
         for step, (b, a) in enumerate(zip(batched, alone, strict=True)):
             torch.testing.assert_close(b[row], a[0], atol=1e-4, rtol=0, msg=f"row {row}, step {step}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_decode_of_microbatches_matches_each_alone(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """Iteration-level batching: microbatches at different lengths and steps share one decode call,
+    each attending over its own cache, and compute what each computes alone."""
+    from dejavu_engine.stage import Stage
+    from dejavu_engine.stage_io import StageIO
+
+    folder = tiny_checkpoints[family]
+    n_layers = Pipeline(folder, 1).spec.num_layers
+    stages = [Stage(folder, (0, 2)), Stage(folder, (2, n_layers))]
+    generator = torch.Generator().manual_seed(5)
+    groups = [[9, 4], [3], [6, 6, 2]]  # prompt lengths per microbatch
+    state = []
+    for lengths in groups:
+        geometry = BatchGeometry.for_prompts(lengths)
+        ids = torch.zeros(len(lengths), geometry.cur_len, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            ids[row, geometry.pad_lens[row] :] = torch.randint(3, 300, (n,), generator=generator)
+        caches = [s.allocate_cache(len(lengths), geometry.cur_len + STEPS) for s in stages]
+        io = StageIO(input_ids=ids)
+        for stage, cache in zip(stages, caches, strict=True):
+            io = stage.prefill(io, cache, geometry)
+        state.append((geometry, caches))
+    # The second microbatch runs one step alone first: the groups are at different steps.
+    tokens = torch.randint(3, 300, (sum(len(g) for g in groups), STEPS + 1), generator=generator)
+    geometry, caches = state[1]
+    state[1] = (geometry.advance(), caches)
+    io = StageIO(input_ids=tokens[2:3, STEPS : STEPS + 1])
+    for stage, cache in zip(stages, caches, strict=True):
+        io = stage.decode(io, cache, state[1][0])
+    clones = [(g, [type(c)(c.layout, c.k.clone(), c.v.clone()) for c in cs]) for g, cs in state]
+    for step in range(STEPS - 1):
+        state = [(g.advance(), cs) for g, cs in state]
+        clones = [(g.advance(), cs) for g, cs in clones]
+        io = StageIO(input_ids=tokens[:, step : step + 1])
+        for s, stage in enumerate(stages):
+            io = stage.decode_groups(io, [(cs[s], g) for g, cs in state])
+        row = 0
+        for g, cs in clones:
+            alone = StageIO(input_ids=tokens[row : row + g.batch, step : step + 1])
+            for s, stage in enumerate(stages):
+                alone = stage.decode(alone, cs[s], g)
+            torch.testing.assert_close(io.logits[row : row + g.batch], alone.logits, atol=1e-4, rtol=0)
+            row += g.batch

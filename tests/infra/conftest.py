@@ -25,9 +25,9 @@ def read_env_file(path: Path) -> dict[str, str]:
     return {key: value for key, value in pairs}
 
 
-def generate_secrets(path: Path) -> dict[str, str]:
-    """Run infra/secrets/generate.sh into ``path`` and return what it wrote."""
-    subprocess.run(["sh", str(GENERATE), str(path)], check=True, capture_output=True, timeout=30)
+def generate_secrets(path: Path, *worker_ids: str) -> dict[str, str]:
+    """Run infra/secrets/generate.sh into ``path`` (for ``worker_ids``, or its defaults) and return what it wrote."""
+    subprocess.run(["sh", str(GENERATE), str(path), *worker_ids], check=True, capture_output=True, timeout=30)
     return read_env_file(path)
 
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Stand-in for values that only exist at run time (a pod's own IP address).
+# Stand-ins for values that only exist at run time (a pod's own IP address and name).
 POD_IP_STAND_IN = "10.0.0.7"
+POD_NAME_STAND_IN = "pod-0"
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def k8s_env(docs: list[dict[str, Any]], where: str = "k8s") -> Iterator[EnvVar]:
     """The ``env`` of every container of rendered manifests, secret references resolved.
 
     A ``secretKeyRef`` takes its value from a Secret among ``docs`` (KeyError if none has it); a
-    ``fieldRef`` to the pod IP gets a stand-in address. Other references raise ValueError.
+    ``fieldRef`` to the pod IP or name gets a stand-in. Other references raise ValueError.
     """
     secrets = _secret_values(docs)
     for doc in docs:
@@ -80,6 +81,8 @@ def k8s_env(docs: list[dict[str, Any]], where: str = "k8s") -> Iterator[EnvVar]:
                     yield EnvVar(label, item["name"], secrets[key])
                 elif ref.get("fieldRef", {}).get("fieldPath") == "status.podIP":
                     yield EnvVar(label, item["name"], POD_IP_STAND_IN)
+                elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+                    yield EnvVar(label, item["name"], POD_NAME_STAND_IN)
                 else:
                     raise ValueError(f"{label}: unsupported env source {item}")
 

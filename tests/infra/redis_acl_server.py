@@ -22,13 +22,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def password_variable(user: str) -> str:
+    """The variable start.sh reads ``user``'s password from."""
+    return "REDIS_PASSWORD_" + user.upper().replace("-", "_").replace(".", "_")
+
+
 class AclRedis:
     """redis-server with DejaVu's redis.conf and rendered ACL users, on a free loopback port.
 
-    ``passwords`` maps user name to password. The process is this object's: ``stop`` ends it by PID.
+    ``passwords`` maps user name to password (``worker-<id>`` users come from the ids in ``worker_ids``).
+    The process is this object's: ``stop`` ends it by PID.
     """
 
-    def __init__(self, workdir: Path, passwords: Mapping[str, str]) -> None:
+    def __init__(self, workdir: Path, passwords: Mapping[str, str], worker_ids: tuple[str, ...] = ()) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server not found on PATH; run `make setup`")
         self.port = _free_port()
@@ -36,7 +42,9 @@ class AclRedis:
         self.data_dir.mkdir()
         self.acl_file = workdir / "users.acl"
         env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_")}
-        env.update({f"REDIS_PASSWORD_{user.upper()}": pw for user, pw in passwords.items()})
+        env.update({password_variable(user): pw for user, pw in passwords.items()})
+        if worker_ids:
+            env["REDIS_WORKER_IDS"] = ",".join(worker_ids)
         env.update(REDIS_DATA_DIR=str(self.data_dir), REDIS_ACL_FILE=str(self.acl_file))
         # start.sh execs redis-server, so this PID is the server's.
         self.proc = subprocess.Popen(

@@ -61,9 +61,20 @@ def test_redis_is_password_protected_and_persistent(compose: dict[str, Any]) -> 
     mounts = {m.split(":")[1]: m.split(":")[0] for m in redis["volumes"]}
     assert (COMPOSE_FILE.parent / mounts["/etc/dejavu/redis"]).resolve() == INFRA / "redis"
     assert mounts["/data"] in compose["volumes"]
-    assert set(redis["environment"]) == {"REDIS_PASSWORD_CONTROLLER", "REDIS_PASSWORD_WORKER", "REDIS_PASSWORD_ADMIN"}
-    users = {s["environment"].get("DEJAVU_REDIS__USERNAME") for n, s in compose["services"].items() if n != "redis"}
-    assert users == {"controller", "worker"}
+    workers = {n: s for n, s in compose["services"].items() if n not in ("redis", "controller")}
+    ids = {
+        f"{'p' if 'prompt' in n else 't'}-{s['hostname']}" for n, s in workers.items()
+    }  # as the workers name themselves
+    assert set(redis["environment"]["REDIS_WORKER_IDS"].split(",")) == ids
+    per_worker = {"REDIS_PASSWORD_WORKER_" + i.upper().replace("-", "_") for i in ids}
+    assert (
+        set(redis["environment"])
+        == {"REDIS_PASSWORD_CONTROLLER", "REDIS_PASSWORD_ADMIN", "REDIS_WORKER_IDS"} | per_worker
+    )
+    assert compose["services"]["controller"]["environment"]["DEJAVU_REDIS__USERNAME"] == "controller"
+    # Each worker logs in as its own user: no shared worker credential in a Compose deployment.
+    users = {s["environment"]["DEJAVU_REDIS__USERNAME"] for s in workers.values()}
+    assert users == {f"worker-{i}" for i in ids}
 
 
 def test_every_required_variable_comes_from_generate_sh(secrets_env: dict[str, str]) -> None:

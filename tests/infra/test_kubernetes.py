@@ -111,7 +111,32 @@ def test_credentials_come_from_the_generated_secret(rendered: list[dict[str, Any
     assert refs and all(r["name"] == name and r["key"] in secret["data"] for r in refs)
     # Nothing secret is written out as a plain value.
     plain = [e for d in rendered if d["kind"] != "Secret" for e in _env_items(d) if "value" in e]
-    assert not [e for e in plain if re.search(r"PASSWORD|SECRET|CREDENTIAL|API_KEYS", e["name"])]
+    secret_names = r"PASSWORD|SECRET|CREDENTIAL|API_KEYS|SIGNING_KEY"
+    assert not [e for e in plain if re.search(secret_names, e["name"]) and not e["name"].endswith("_FILE")]
+
+
+def test_each_worker_pod_gets_only_its_own_redis_password(rendered: list[dict[str, Any]]) -> None:
+    sets = by_kind(rendered, "StatefulSet")
+    redis_env = {e["name"]: e for e in containers(sets["redis"])[0]["env"]}
+    ids = []
+    for name in ("prompt-worker", "token-worker", "token-worker-spare"):
+        pod = sets[name]["spec"]["template"]["spec"]
+        ids += [f"{name[0]}-{name}-{i}" for i in range(sets[name]["spec"]["replicas"])]  # '<p|t>-<pod name>'
+        assert pod["automountServiceAccountToken"] is False
+        secret_volumes = {v["name"] for v in pod["volumes"] if "secret" in v}
+        (init,) = pod["initContainers"]
+        assert {m["name"] for m in init["volumeMounts"]} & secret_volumes  # the init container reads them...
+        for container in pod["containers"]:  # ...the worker never mounts them
+            assert not {m["name"] for m in container.get("volumeMounts", [])} & secret_volumes, name
+            env = {e["name"]: e for e in container["env"]}
+            assert env["DEJAVU_REDIS__USERNAME"]["value"] == f"worker-{name[0]}-$(POD_NAME)"
+            assert "DEJAVU_REDIS__PASSWORD" not in env
+            assert env["DEJAVU_REDIS__PASSWORD_FILE"]["value"].startswith("/run/dejavu/")
+    # Redis makes a user for exactly these pods, each with its password from the Secret.
+    assert redis_env["REDIS_WORKER_IDS"]["value"].split(",") == ids
+    for worker_id in ids:
+        variable = "REDIS_PASSWORD_WORKER_" + worker_id.upper().replace("-", "_")
+        assert redis_env[variable]["valueFrom"]["secretKeyRef"]["key"] == variable
 
 
 def _env_items(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from .redis_acl_server import START, AclRedis
+from .redis_acl_server import START, AclRedis, password_variable
 
-PASSWORDS = {"controller": "c0ntroller-pw", "worker": "w0rker-pw", "admin": "adm1n-pw"}
+WORKER_IDS = ("t-w1", "t-w2")
+PASSWORDS = {
+    "controller": "c0ntroller-pw",
+    "worker-t-w1": "w0rker-1-pw",
+    "worker-t-w2": "w0rker-2-pw",
+    "admin": "adm1n-pw",
+}
 
 LEASE = "dejavu:worker:t-w1:lease"
 SET_LEASE = "return redis.call('SET', KEYS[1], ARGV[1], 'PX', 1500)"
@@ -32,20 +38,22 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ("controller", ("HGETALL", "dejavu:wm:0")),
     ("controller", ("SMEMBERS", "dejavu:worker:index")),
     ("controller", ("DEL", "dejavu:tok:1", "dejavu:mb:1", "dejavu:mb:1:cancel")),
-    ("worker", ("HSET", "dejavu:worker:t-w1", "state", "idle")),
-    ("worker", ("SADD", "dejavu:worker:index", "t-w1")),
-    ("worker", ("SET", LEASE, "1", "PX", "1500")),
-    ("worker", ("EVAL", SET_LEASE, "1", LEASE, "1")),
-    ("worker", ("GET", "dejavu:topology")),
-    ("worker", ("GET", "dejavu:topology:epoch")),
-    ("worker", ("GET", "dejavu:mb:1")),
-    ("worker", ("SMEMBERS", "dejavu:mb:1:cancel")),
-    ("worker", ("GET", "dejavu:ctl:resume")),
-    ("worker", ("XREAD", "COUNT", "32", "STREAMS", "dejavu:admin:commands", "0")),
-    ("worker", ("XADD", "dejavu:q:ready", "*", "ready", "r")),
-    ("worker", ("XADD", "dejavu:tok:1", "*", "step", "s")),
-    ("worker", ("HSET", "dejavu:wm:0", "1", "5")),
-    ("worker", ("PUBLISH", "dejavu:ctl:topology", "1")),
+    ("worker-t-w1", ("HSET", "dejavu:worker:t-w1", "state", "idle")),
+    ("worker-t-w1", ("SADD", "dejavu:worker:index", "t-w1")),
+    ("worker-t-w1", ("SET", LEASE, "1", "PX", "1500")),
+    ("worker-t-w1", ("GET", "dejavu:topology")),
+    ("worker-t-w1", ("GET", "dejavu:topology:epoch")),
+    ("worker-t-w1", ("GET", "dejavu:mb:1")),
+    ("worker-t-w1", ("SMEMBERS", "dejavu:mb:1:cancel")),
+    ("worker-t-w1", ("GET", "dejavu:ctl:resume")),
+    ("worker-t-w1", ("XREAD", "COUNT", "32", "STREAMS", "dejavu:admin:commands", "0")),
+    ("worker-t-w1", ("XADD", "dejavu:q:ready", "*", "ready", "r")),
+    ("worker-t-w1", ("XADD", "dejavu:tok:1", "*", "step", "s")),
+    ("worker-t-w1", ("HSET", "dejavu:wm:0", "1", "5")),
+    ("worker-t-w1", ("PUBLISH", "dejavu:ctl:topology", "1")),
+    ("worker-t-w1", ("HGET", "dejavu:worker:t-w2", "info")),  # a peer's data-plane address
+    ("worker-t-w1", ("PTTL", "dejavu:worker:t-w2:lease")),
+    ("worker-t-w1", ("SREM", "dejavu:worker:index", "t-w1")),
     ("admin", ("XADD", "dejavu:admin:commands", "MAXLEN", "~", "1000", "*", "cmd", "c")),
     ("admin", ("SISMEMBER", "dejavu:worker:index", "t-w1")),
     ("admin", ("HGETALL", "dejavu:worker:t-w1")),
@@ -64,15 +72,27 @@ DENIED: list[tuple[str, tuple[str, ...]]] = [
     ("controller", ("CONFIG", "GET", "*")),
     ("controller", ("KEYS", "*")),
     ("controller", ("ACL", "LIST")),
-    ("worker", ("SET", "dejavu:topology", "{}")),
-    ("worker", ("INCR", "dejavu:topology:epoch")),
-    ("worker", ("SET", "dejavu:mb:1", "{}")),
-    ("worker", ("SET", "dejavu:ctl:resume", "{}")),
-    ("worker", ("XADD", "dejavu:admin:commands", "*", "cmd", "forged")),
-    ("worker", ("EVAL", SET_LEASE, "1", "dejavu:topology", "1")),
-    ("worker", ("PUBLISH", "dejavu:admin:x", "1")),
-    ("worker", ("GET", "other:key")),
-    ("worker", ("FLUSHDB",)),
+    ("worker-t-w1", ("SET", "dejavu:topology", "{}")),
+    ("worker-t-w1", ("INCR", "dejavu:topology:epoch")),
+    ("worker-t-w1", ("SET", "dejavu:mb:1", "{}")),
+    ("worker-t-w1", ("SET", "dejavu:ctl:resume", "{}")),
+    ("worker-t-w1", ("XADD", "dejavu:admin:commands", "*", "cmd", "forged")),
+    ("worker-t-w1", ("EVAL", SET_LEASE, "1", "dejavu:topology", "1")),
+    ("worker-t-w1", ("EVAL", SET_LEASE, "1", LEASE, "1")),  # Lua is unused: revoked even on the worker's own keys
+    ("worker-t-w1", ("EVALSHA", "0" * 40, "1", LEASE)),
+    ("worker-t-w1", ("SCRIPT", "LOAD", SET_LEASE)),
+    ("controller", ("EVAL", SET_LEASE, "1", "dejavu:topology", "1")),
+    ("controller", ("FUNCTION", "LIST")),
+    ("worker-t-w1", ("PUBLISH", "dejavu:admin:x", "1")),
+    ("worker-t-w1", ("GET", "other:key")),
+    ("worker-t-w1", ("FLUSHDB",)),
+    # One worker's user cannot touch another worker's record or lease (redirect its KV traffic, fail it).
+    ("worker-t-w2", ("HSET", "dejavu:worker:t-w1", "info", "{}")),
+    ("worker-t-w2", ("DEL", "dejavu:worker:t-w1")),
+    ("worker-t-w2", ("DEL", LEASE)),
+    ("worker-t-w2", ("SET", LEASE, "1", "PX", "99999999")),
+    ("worker-t-w2", ("PEXPIRE", LEASE, "1")),
+    ("worker-t-w2", ("RENAME", LEASE, "dejavu:worker:t-w2:lease")),
     ("admin", ("SET", "dejavu:topology", "{}")),
     ("admin", ("HSET", "dejavu:worker:t-w1", "state", "dead")),
     ("admin", ("DEL", LEASE)),
@@ -84,7 +104,7 @@ DENIED: list[tuple[str, tuple[str, ...]]] = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
-    srv = AclRedis(tmp_path_factory.mktemp("acl-redis"), PASSWORDS)
+    srv = AclRedis(tmp_path_factory.mktemp("acl-redis"), PASSWORDS, WORKER_IDS)
     try:
         yield srv
     finally:
@@ -116,9 +136,21 @@ def test_role_may_not(server: AclRedis, case: tuple[str, tuple[str, ...]]) -> No
 
 
 def test_a_wrong_password_is_refused(server: AclRedis) -> None:
-    c = redis.Redis(port=server.port, username="worker", password="guess", socket_timeout=5)
-    with c, pytest.raises(redis.AuthenticationError):
-        c.ping()
+    for user, password in (("worker-t-w1", "guess"), ("worker-t-w1", PASSWORDS["worker-t-w2"]), ("worker", "x")):
+        c = redis.Redis(port=server.port, username=user, password=password, socket_timeout=5)
+        with c, pytest.raises(redis.AuthenticationError):
+            c.ping()  # ...and there is no shared worker user
+
+
+@pytest.mark.parametrize("ids", ["", "t-w1,bad*id"])
+def test_start_refuses_no_worker_user_and_glob_ids(tmp_path: Path, ids: str) -> None:
+    env = {"PATH": "/usr/bin:/bin", "REDIS_ACL_FILE": str(tmp_path / "acl"), "REDIS_DATA_DIR": str(tmp_path)}
+    env.update({password_variable(u): pw for u, pw in PASSWORDS.items()})
+    env["REDIS_WORKER_IDS"] = ids
+    env[password_variable("worker-bad*id")] = "pw"
+    result = subprocess.run(["sh", str(START)], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert ("no worker could log in" if not ids else "is not a worker id") in result.stderr
 
 
 def test_acl_file_holds_digests_only_and_the_data_is_persisted(server: AclRedis) -> None:
@@ -131,7 +163,8 @@ def test_acl_file_holds_digests_only_and_the_data_is_persisted(server: AclRedis)
 
 def test_start_refuses_a_user_without_password(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "REDIS_ACL_FILE": str(tmp_path / "acl"), "REDIS_DATA_DIR": str(tmp_path)}
-    env.update({f"REDIS_PASSWORD_{u.upper()}": pw for u, pw in PASSWORDS.items() if u != "admin"})
+    env.update({password_variable(u): pw for u, pw in PASSWORDS.items() if u != "admin"})
+    env["REDIS_WORKER_IDS"] = ",".join(WORKER_IDS)
     result = subprocess.run(["sh", str(START)], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "REDIS_PASSWORD_ADMIN" in result.stderr
@@ -143,10 +176,26 @@ def test_the_services_client_logs_in_as_its_user(server: AclRedis) -> None:
     from dejavu_common.redis_client import sync_client
     from dejavu_common.settings import RedisSettings
 
-    settings = RedisSettings(url=f"redis://127.0.0.1:{server.port}/0", username="worker", password=PASSWORDS["worker"])
+    url = f"redis://127.0.0.1:{server.port}/0"
+    settings = RedisSettings(url=url, username="worker-t-w1", password=PASSWORDS["worker-t-w1"])
     c = sync_client(settings)
     with c:
-        assert c.set(keys.worker_lease("t-acl"), "1", px=1500)
-        assert c.exists(keys.worker_lease("t-acl")) == 1
+        assert c.set(keys.worker_lease("t-w1"), "1", px=1500)
+        assert c.exists(keys.worker_lease("t-w1")) == 1
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            c.set(keys.worker_lease("t-w2"), "1", px=1500)
+
+
+def test_a_worker_reads_its_password_from_a_file(server: AclRedis, tmp_path: Path) -> None:
+    """How a Kubernetes worker logs in: its init container wrote its own password to a file."""
+    from dejavu_common import keys
+    from dejavu_common.redis_client import sync_client
+    from dejavu_common.settings import RedisSettings
+
+    secret = tmp_path / "redis-password"
+    secret.write_text(PASSWORDS["worker-t-w2"] + "\n")
+    url = f"redis://127.0.0.1:{server.port}/0"
+    with sync_client(RedisSettings(url=url, username="worker-t-w2", password_file=secret)) as c:
+        assert c.set(keys.worker_lease("t-w2"), "1", px=1500)
         with pytest.raises(redis.exceptions.NoPermissionError):
             c.set(keys.TOPOLOGY, "{}")

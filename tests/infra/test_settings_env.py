@@ -108,19 +108,31 @@ def _holders(env: Iterable[EnvVar], name: str) -> dict[str, str]:
 
 
 def assert_credentials_reach_only_their_users(env: list[EnvVar], credentials: dict[str, str]) -> None:
-    """API keys: the controller; data-plane secret and admin credential: the workers (which verify admin
-    commands); each Redis user's password: its processes."""
-    processes = {v.where.split(":", 1)[1] for v in env}
+    """API keys: the controller; data-plane secret and admin verify key: the workers (which verify admin
+    commands); the admin signing key: nobody; each Redis user's password: its processes."""
+    processes = {v.where.split(":", 1)[1] for v in env if v.name.startswith("DEJAVU_")}  # not init containers
     controller = {p for p in processes if "controller" in p}
     workers = {p for p in processes if "worker" in p}
     assert len(controller) == 1 and len(workers) >= 3
     assert set(_holders(env, "DEJAVU_CONTROLLER__API_KEYS")) == controller
     assert set(_holders(env, "DEJAVU_TRANSPORT__SECRET")) == workers
-    assert set(_holders(env, "DEJAVU_ADMIN__CREDENTIAL")) == workers
-    assert set(_holders(env, "DEJAVU_ADMIN__CREDENTIAL").values()) == {credentials["ADMIN_CREDENTIAL"]}
+    assert set(_holders(env, "DEJAVU_ADMIN__VERIFY_KEY")) == workers
+    assert set(_holders(env, "DEJAVU_ADMIN__VERIFY_KEY").values()) == {credentials["ADMIN_VERIFY_KEY"]}
+    assert not _holders(env, "DEJAVU_ADMIN__SIGNING_KEY")
+    assert credentials["ADMIN_SIGNING_KEY"] not in {v.value for v in env}
     passwords = _holders(env, "DEJAVU_REDIS__PASSWORD")
+    users = _holders(env, "DEJAVU_REDIS__USERNAME")
     assert {passwords[p] for p in controller} == {credentials["REDIS_PASSWORD_CONTROLLER"]}
-    assert {passwords[p] for p in workers} == {credentials["REDIS_PASSWORD_WORKER"]}
+    files = _holders(env, "DEJAVU_REDIS__PASSWORD_FILE")
+    for p in workers:  # its own Redis user, and its own password: from the env (Compose) or a file (Kubernetes)
+        assert users[p].startswith("worker-"), p
+        if p in files:  # written by the pod's init container, the only one that mounts the passwords
+            assert p not in passwords and "$(POD_NAME)" in users[p], p
+            continue
+        variable = "REDIS_PASSWORD_" + users[p].upper().replace("-", "_").replace(".", "_")
+        assert passwords[p] == credentials[variable], p
+    named = [users[p] for p in workers if p not in files]  # (a pod's user carries its own pod name)
+    assert len(set(named)) == len(named), "two workers share a Redis user"
 
 
 def test_compose_credentials_reach_only_their_users(compose: dict[str, Any], secrets_env: dict[str, str]) -> None:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import secrets
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import redis
+from pydantic import SecretStr
+
 from dejavu_cli.launcher import Launcher
+from dejavu_common import keys
+from dejavu_common.admin import generate_keypair
 from dejavu_common.settings import Mode, Settings
 
 
@@ -30,7 +38,10 @@ def cluster_settings(
     **overrides: dict,
 ) -> Settings:
     base = Settings()
+    signing, verify = generate_keypair()  # the tests sign admin orders; the launcher gives workers `verify`
     parts = {
+        "admin": base.admin.model_copy(update={"signing_key": SecretStr(signing), "verify_key": verify}),
+        "transport": base.transport.model_copy(update={"secret": SecretStr(secrets.token_hex(32))}),
         "redis": base.redis.model_copy(update={"url": redis_url}),
         "model": base.model.model_copy(update={"path": model}),
         "engine": base.engine.model_copy(update={"torch_threads": 1}),
@@ -61,12 +72,40 @@ def running(
         launcher.start()
         launcher.wait_ready(ready_timeout_s)
         yield launcher
+        assert_kv_released(settings.redis.url)
     except BaseException:
         launcher.stop()
         print(f"process logs kept in {launcher.log_dir}")
         raise
     launcher.stop()
     shutil.rmtree(launcher.log_dir, ignore_errors=True)
+
+
+def kv_held(redis_url: str) -> dict[str, dict]:
+    """What each live worker reports holding (caches and replicas) as of its last heartbeat."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        out = {}
+        for raw in client.smembers(keys.WORKERS):
+            worker = raw.decode()
+            held = client.get(keys.worker_kv(worker))
+            if held is not None and client.exists(keys.worker_lease(worker)):
+                out[worker] = json.loads(held)
+        return out
+    finally:
+        client.close()
+
+
+def assert_kv_released(redis_url: str, timeout_s: float = 20.0) -> None:
+    """Memory accounting: once every request has ended, every worker holds no microbatch's KV."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = kv_held(redis_url)
+        if all(h["microbatches"] == 0 and h["bytes"] == 0 for h in held.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV still held {timeout_s} s after the last request: {held}")
+        time.sleep(0.25)
 
 
 def logs(launcher: Launcher, tail: int | None = 3000) -> str:

@@ -18,17 +18,18 @@ class Reference:
         self.tokenizer = Tokenizer.from_pretrained(model)
         self.pipeline = Pipeline(model, 1)
         self.eos = self.pipeline.spec.eos_token_ids | self.tokenizer.eos_token_ids
-        self._cache: dict[tuple[str, int, bool], str] = {}
+        self._cache: dict[tuple[str, int, bool, bool], str] = {}
 
-    def text(self, prompt: str, max_tokens: int, chat: bool = False) -> str:
-        key = (prompt, max_tokens, chat)
+    def text(self, prompt: str, max_tokens: int, chat: bool = False, ignore_eos: bool = False) -> str:
+        key = (prompt, max_tokens, chat, ignore_eos)
         if key not in self._cache:
             ids = (
                 self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
                 if chat
                 else self.tokenizer.encode(prompt)
             )
-            request = Request(tuple(ids), StopCriteria(max_tokens, self.eos), SamplingParams())
+            stop = StopCriteria(max_tokens, self.eos, ignore_eos=ignore_eos)
+            request = Request(tuple(ids), stop, SamplingParams())
             (completion,), _ = generate_batch(self.pipeline, [request])
             self._cache[key] = self.tokenizer.decode(completion.token_ids)
         return self._cache[key]

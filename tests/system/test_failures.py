@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from dejavu_common import keys
 from dejavu_common.admin import sign
-from dejavu_common.messages import AdminAction
+from dejavu_common.messages import AdminAction, WorkerInfo
 from dejavu_common.settings import Mode, Settings
 from dejavu_engine.checkpoint import ensure_default_model
 
@@ -134,7 +134,9 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
         r = Round(launcher, settings)
         r.wait_tokens(6)
         paused = _holder(settings, 2)
-        cmd = sign(paused, AdminAction.PAUSE_HEARTBEATS, settings.admin.credential.get_secret_value(), seconds=4.0)
+        info = WorkerInfo.decode(client.hget(keys.worker(paused), "info"))
+        signing = settings.admin.signing_key.get_secret_value()
+        cmd = sign(signing, paused, info.instance, AdminAction.PAUSE_HEARTBEATS, seconds=4.0)
         client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
         _check(r.finish(), reference, launcher)
         # 2. Two non-adjacent failures at once.

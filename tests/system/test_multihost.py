@@ -94,6 +94,7 @@ def test_every_hop_crosses_a_network_interface_and_a_cut_link_is_recovered() -> 
         def env(host: str) -> dict[str, str]:
             e = {k: v for k, v in os.environ.items() if not k.startswith("DEJAVU_")}
             e.update(settings.to_env())
+            e.pop("DEJAVU_ADMIN__SIGNING_KEY", None)  # no process but the admin tool signs commands
             e["DEJAVU_TRANSPORT__HOST"] = hosts[host]
             e["UCX_TLS"] = "tcp"  # no shared memory between "hosts"
             e["UCX_NET_DEVICES"] = net.interface(host)

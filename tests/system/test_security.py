@@ -3,21 +3,28 @@
 - a data-plane peer with a wrong secret, or with the right secret but a stale epoch, sends tokens,
   activations and KV to every worker;
 - malformed entries land on every Redis stream the services read;
-- an admin command signed without the admin credential orders a worker to die.
+- an admin command signed with a key that is not the deployment's (a worker's own verify key
+  included) orders a worker to die, and a genuine command is replayed;
+- an unauthenticated client streams a 64 MiB body at the API and reads /metrics without a key: the
+  controller answers 401 and its peak memory does not grow by the body.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import redis
 from openai import OpenAI
+from pydantic import SecretStr
 
 from dejavu_common import keys
-from dejavu_common.admin import sign
+from dejavu_common.admin import generate_keypair, sign
 from dejavu_common.messages import AdminAction, Topology, WorkerInfo
 from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model
@@ -29,6 +36,8 @@ from .cluster import cluster_settings, logs, running
 from .reference import Reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
+
+API_KEY = "sk-security-test"
 
 
 def _rogue_sends(settings: Settings, secret: str, epoch: int) -> None:
@@ -46,11 +55,44 @@ def _rogue_sends(settings: Settings, secret: str, epoch: int) -> None:
         ep.close()
 
 
+def _peak_rss_growth(pid: int, action) -> int:
+    """Bytes by which ``pid``'s peak resident memory (VmHWM) rises above its resident memory during ``action``."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the high-water mark to the current RSS
+
+    def field(name: str) -> int:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(name))
+        return int(line.split()[1]) * 1024
+
+    before = field("VmRSS:")
+    action()
+    return field("VmHWM:") - before
+
+
+def _unauthenticated_big_body(api_url: str) -> None:
+    def body():
+        for _ in range(1024):  # 64 MiB
+            yield b" " * (64 << 10)
+
+    with httpx.Client(timeout=30) as http:
+        assert http.get(api_url + "/metrics").status_code == 401
+        with contextlib.suppress(httpx.TransportError):  # the server may close while we still write
+            response = http.post(
+                api_url + "/v1/completions", content=body(), headers={"Content-Type": "application/json"}
+            )
+            assert response.status_code == 401
+
+
 def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> None:
     model = ensure_default_model(Settings())
     reference = Reference(model)
     settings = cluster_settings(
-        redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
+        redis_url,
+        model,
+        prompt_depth=1,
+        token_depth=2,
+        prompt_microbatch=2,
+        token_microbatch=2,
+        controller={"api_keys": [SecretStr(API_KEY)]},
     )
     with running(settings) as launcher:
         client = redis.Redis.from_url(settings.redis.url)
@@ -61,10 +103,23 @@ def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> N
         for stream in (keys.PROMPT_QUEUE, keys.COLOCATED_QUEUE, keys.READY_QUEUE, keys.ADMIN_STREAM):
             client.xadd(stream, {"task": b"{bad", "done": b"[]", "cmd": b"{}"})
         client.xadd(keys.tokens(12345), {"step": b"nonsense"})
-        forged = sign("t0", AdminAction.KILL, "not-the-admin-credential")
-        client.xadd(keys.ADMIN_STREAM, {"cmd": forged.encode()})
+        instance = WorkerInfo.decode(client.hget(keys.worker("t0"), "info")).instance
+        for key in (generate_keypair()[0], settings.admin.verify_key):  # a stranger's key, a worker's key
+            forged = sign(key, "t0", instance, AdminAction.KILL)
+            client.xadd(keys.ADMIN_STREAM, {"cmd": forged.encode()})
+        # A genuine, harmless order (a pause shorter than the lease), then the same entry again.
+        pause = sign(settings.admin.signing_key.get_secret_value(), "t1",
+                     WorkerInfo.decode(client.hget(keys.worker("t1"), "info")).instance,
+                     AdminAction.PAUSE_HEARTBEATS, seconds=0.3)  # fmt: skip
+        client.xadd(keys.ADMIN_STREAM, {"cmd": pause.encode()})
+        time.sleep(1.0)
+        client.xadd(keys.ADMIN_STREAM, {"cmd": pause.encode()})
+        controller = launcher.child("controller").proc.pid
+        growth = _peak_rss_growth(controller, lambda: _unauthenticated_big_body(launcher.api_url))
+        print(f"controller peak RSS growth during a 64 MiB unauthenticated body: {growth} bytes")
+        assert growth < 16 << 20, f"the controller's peak memory grew by {growth} bytes"
 
-        api = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=180, max_retries=0)
+        api = OpenAI(base_url=launcher.api_url + "/v1", api_key=API_KEY, timeout=180, max_retries=0)
         for prompt in ("The capital of France is", "def fibonacci(n):"):
             r = api.completions.create(model=settings.model.name, prompt=prompt, max_tokens=8, temperature=0)
             assert r.choices[0].text == reference.text(prompt, 8), logs(launcher)
@@ -73,6 +128,8 @@ def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> N
         # The forged kill is read by a worker's heartbeat thread, asynchronously to the requests above.
         # Search whole logs: the line can be followed by more than a tail's worth of UCX protocol tables.
         deadline = time.monotonic() + 30
-        while "bad credential" not in logs(launcher, tail=None) and time.monotonic() < deadline:
+        while "bad signature" not in logs(launcher, tail=None) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "bad credential" in logs(launcher, tail=None), logs(launcher)  # the forged kill was refused
+        text = logs(launcher, tail=None)
+        assert text.count("bad signature") == 2, logs(launcher)  # both forged kills were refused
+        assert text.count("pause-heartbeats 0.3") == 1 and "replayed" in text, logs(launcher)

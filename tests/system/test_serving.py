@@ -76,6 +76,19 @@ def _check_outputs(launcher, settings, reference: Reference, n_requests: int) ->
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == reference.text("Say hello.", 12, chat=True)
+    # ignore_eos (vLLM's extension): the model's answer ends by EOS within 40 tokens; ignoring it, the
+    # request runs to max_tokens with the same tokens as the engine ignoring EOS.
+    for ignore_eos, finish in ((False, "stop"), (True, "length")):
+        r = client.chat.completions.create(
+            model=settings.model.name,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": ignore_eos},
+        )
+        assert r.choices[0].finish_reason == finish
+        assert r.choices[0].message.content == reference.text("Say hello.", 40, chat=True, ignore_eos=ignore_eos)
+    assert r.usage.completion_tokens == 40
 
 
 def test_disaggregated_1p_2t_sixteen_concurrent_requests_and_bad_input(redis_url, model, reference) -> None:

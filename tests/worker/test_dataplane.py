@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage, TokenReturn, frame, unframe
+from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, TokenReturn, frame, unframe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
@@ -18,8 +18,11 @@ def test_stage_message_round_trip(dtype) -> None:
 
 
 def test_token_return_and_kv_chunk_round_trip() -> None:
-    ret = TokenReturn(mb_id=1, step=4, tokens=(5, 0, 7), done=False)
+    ret = TokenReturn(cohort=1, members=(Returned(3, 4, (5, 0, 7), False), Returned(9, 1, (2,), True)))
     assert TokenReturn.decode(ret.encode()) == ret
+    x = torch.randn(3, 1, 8)
+    cohort = StageMessage(Kind.DECODE, mb_id=0, step=0, tensor=x, members=((3, 4, 2), (9, 1, 1)))
+    assert StageMessage.decode(cohort.encode()).members == ((3, 4, 2), (9, 1, 1))
     k, v = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 3, 4, 8)
     c = KVChunk(mb_id=2, layers=(5, 6), rows=(2, 4), positions=(3, 7), k=k, v=v)
     back = KVChunk.decode(c.encode())
@@ -34,6 +37,24 @@ def test_token_return_and_kv_chunk_round_trip() -> None:
 def test_malformed_payloads_raise_value_error(payload) -> None:
     with pytest.raises(ValueError):
         unframe(payload)
+
+
+def test_a_pass_of_kv_chunks_travels_as_one_message() -> None:
+    from dejavu_worker.dataplane import decode_chunks, encode_chunks
+
+    chunks = [
+        KVChunk(3, (4, 6), (0, 2), (9, 10), torch.randn(2, 2, 3, 1, 8), torch.randn(2, 2, 3, 1, 8), step=5),
+        KVChunk(7, (4, 6), (0, 1), (0, 4), torch.randn(2, 1, 3, 4, 8), torch.randn(2, 1, 3, 4, 8), step=0),
+    ]
+    back = decode_chunks(encode_chunks(chunks))
+    assert [(c.mb_id, c.layers, c.rows, c.positions, c.step) for c in back] == [
+        (3, (4, 6), (0, 2), (9, 10), 5),
+        (7, (4, 6), (0, 1), (0, 4), 0),
+    ]
+    for a, b in zip(chunks, back, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    (single,) = decode_chunks(chunks[0].encode())  # a lone chunk still decodes
+    assert single.mb_id == 3 and torch.equal(single.k, chunks[0].k)
 
 
 def test_the_endpoint_forgets_sends_that_completed_or_ran_past_their_deadline() -> None:

@@ -48,3 +48,29 @@ def test_replay_rebuilds_state() -> None:
     b.replay(history)
     assert b.generated == a.generated and b.finished == a.finished
     assert b.step(2, [7, 7]) == a.step(2, [7, 7])
+
+
+def test_ignore_eos_keeps_the_row_going_but_stop_tokens_still_stop() -> None:
+    rows = tuple(
+        RowSpec(
+            request_id=f"r{i}",
+            prompt_ids=(1, 1, 1, 1),
+            sampling=SamplingSpec(max_tokens=3, seed=i, stop_token_ids=(9,), ignore_eos=ignore),
+        )
+        for i, ignore in enumerate((True, True, False))
+    )
+    t = RowTracker(MicrobatchSpec(mb_id=3, rows=rows, prompt_len=4, max_len=7), eos_ids=frozenset({EOS}))
+    e0 = t.step(0, [EOS, EOS, EOS])
+    assert e0.tokens == (EOS, EOS, EOS) and e0.finished == (None, None, FinishReason.STOP)
+    e1 = t.step(1, [EOS, 9, 5])
+    assert e1.tokens == (EOS, 9, -1) and e1.finished == (None, FinishReason.STOP, None)
+    e2 = t.step(2, [EOS, 5, 5])
+    assert e2.finished == (FinishReason.LENGTH, None, None)  # max_tokens reached past two EOS
+    assert t.done and t.generated == [3, 2, 1]
+
+
+def test_sampling_spec_carries_ignore_eos_and_old_messages_decode() -> None:
+    spec = SamplingSpec(max_tokens=4, seed=1, ignore_eos=True)
+    assert SamplingSpec.decode(spec.encode()) == spec
+    old = b'{"v": 1, "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 1, "stop_token_ids": []}'
+    assert SamplingSpec.decode(old).ignore_eos is False

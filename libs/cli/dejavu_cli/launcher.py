@@ -1,9 +1,12 @@
 """Local process supervisor behind ``dejavu up``: Redis, the controller and the workers on one host.
 
-Every child gets the launcher's settings as ``DEJAVU_*`` variables. The launcher writes a state file
-(PIDs) so ``dejavu down`` can stop a system started elsewhere, restarts a worker that crashes (as
-the paper's recovery step 1 allows: "the crashed process restarted by the launcher"), and stops
-every child by PID on exit.
+Every child gets the launcher's settings as ``DEJAVU_*`` variables, except the admin signing key:
+without a configured admin key pair the launcher makes one, hands workers only the verify key and
+keeps the signing key in its private run directory (:mod:`.rundir`), where ``dejavu admin`` finds it.
+The launcher writes a state file (PIDs) there so ``dejavu down`` can stop a system started elsewhere,
+gives a Redis it starts its password in a private config file (never on a command line), restarts a
+worker that crashes (as the paper's recovery step 1 allows: "the crashed process restarted by the
+launcher"), and stops every child by PID on exit.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -24,12 +28,17 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import redis
+from pydantic import SecretStr
 
-from dejavu_common.settings import Mode, Settings
+from dejavu_cli.rundir import read_private, run_dir, write_private
+from dejavu_common.admin import generate_keypair
+from dejavu_common.settings import DEV_DATA_PLANE_SECRET, Mode, Settings
 
 log = logging.getLogger("dejavu.launcher")
 
-STATE_FILE = Path(tempfile.gettempdir()) / "dejavu-up.json"
+STATE_NAME = "up.json"
+ADMIN_KEY_NAME = "admin.env"  # DEJAVU_ADMIN__SIGNING_KEY=... of the running local deployment
+_CHILD_SECRETS = ("DEJAVU_ADMIN__SIGNING_KEY",)  # no child signs admin commands
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Launcher:
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
+        self._ensure_secrets()
         self._ensure_redis()
         c = self.settings.controller
         n_prompt = 0 if c.mode is Mode.COLOCATED else c.prompt_depth
@@ -83,6 +93,8 @@ class Launcher:
     def _env(self, child: Child) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEJAVU_")}
         env.update(self.settings.to_env())
+        for name in _CHILD_SECRETS:
+            env.pop(name, None)
         env["PYTHONUNBUFFERED"] = "1"
         if self.pin_cpus and child.name != "controller":
             env["DEJAVU_ENGINE__CPU_AFFINITY"] = json.dumps(self._cores_of(child))
@@ -115,8 +127,10 @@ class Launcher:
             raise RuntimeError("redis-server is not installed (run `make setup`)")
         argv = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
         pw = self.settings.redis.password
-        if pw is not None:
-            argv += ["--requirepass", pw.get_secret_value()]
+        if pw is not None:  # in a 0600 file, not on the command line that `ps` shows every user
+            config = run_dir() / f"redis-{port}.conf"
+            write_private(config, f"requirepass {pw.get_secret_value()}\n")
+            argv.insert(1, str(config))  # redis-server takes the config file as its first argument
         self.redis_proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while not _redis_answers(url, self.settings):
@@ -125,9 +139,24 @@ class Launcher:
             time.sleep(0.05)
         log.info("started redis-server (pid %d) on port %d", self.redis_proc.pid, port)
 
+    def _ensure_secrets(self) -> None:
+        """Replace the public development data-plane secret by a fresh one, and without a configured verify
+        key make an admin key pair for this deployment (see the module docstring)."""
+        transport = self.settings.transport
+        if transport.secret.get_secret_value() == DEV_DATA_PLANE_SECRET:
+            fresh = transport.model_copy(update={"secret": SecretStr(secrets.token_hex(32))})
+            self.settings = self.settings.model_copy(update={"transport": fresh})
+        admin = self.settings.admin
+        if admin.verify_key is not None:
+            return
+        signing, verify = generate_keypair()
+        write_private(run_dir() / ADMIN_KEY_NAME, f"DEJAVU_ADMIN__SIGNING_KEY={signing}\n")
+        update = {"signing_key": SecretStr(signing), "verify_key": verify}
+        self.settings = self.settings.model_copy(update={"admin": admin.model_copy(update=update)})
+
     def _write_state(self) -> None:
         pids = [c.proc.pid for c in self.children if c.proc] + ([self.redis_proc.pid] if self.redis_proc else [])
-        STATE_FILE.write_text(json.dumps({"launcher": os.getpid(), "pids": pids}))
+        write_private(run_dir() / STATE_NAME, json.dumps({"launcher": os.getpid(), "pids": pids}))
 
     # -- run ---------------------------------------------------------------------------------
     @property
@@ -178,8 +207,8 @@ class Launcher:
         terminate_all([c.proc for c in reversed(self.children) if c.proc is not None])
         if self.redis_proc is not None:
             terminate_all([self.redis_proc])
-        if STATE_FILE.exists():
-            STATE_FILE.unlink()
+        for name in (STATE_NAME, ADMIN_KEY_NAME):
+            (run_dir() / name).unlink(missing_ok=True)
 
 
 def terminate_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -197,9 +226,11 @@ def terminate_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
 
 def stop_from_state_file() -> int:
     """``dejavu down``: SIGTERM the launcher recorded in the state file (it stops its children)."""
-    if not STATE_FILE.exists():
+    state_file = run_dir() / STATE_NAME
+    text = read_private(state_file)  # refuses a file another user could have written
+    if text is None:
         return 0
-    state = json.loads(STATE_FILE.read_text())
+    state = json.loads(text)
     stopped = 0
     for pid in [state["launcher"], *state["pids"]]:
         try:
@@ -207,7 +238,7 @@ def stop_from_state_file() -> int:
             stopped += 1
         except ProcessLookupError:
             pass
-    STATE_FILE.unlink(missing_ok=True)
+    state_file.unlink(missing_ok=True)
     return stopped
 
 

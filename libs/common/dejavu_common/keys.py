@@ -23,6 +23,12 @@ def worker(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+def worker_kv(worker_id: str) -> str:
+    """String with a TTL: JSON ``{"bytes": B, "microbatches": N}``, the KV a token worker holds (its caches
+    and replicas), renewed with every heartbeat; 0 and 0 once every microbatch it held is released."""
+    return f"{PREFIX}:worker:{worker_id}:kv"
+
+
 def worker_lease(worker_id: str) -> str:
     """String with a TTL: present while the worker is alive; its value is the worker's epoch view."""
     return f"{PREFIX}:worker:{worker_id}:lease"

@@ -91,6 +91,7 @@ class SamplingSpec(Message):
     top_k: int = Field(0, ge=0)
     seed: int
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # EOS ids do not stop the row (stop_token_ids still do); old messages lack it
 
 
 class RowSpec(Message):
@@ -197,10 +198,14 @@ class AdminAction(str, enum.Enum):
 
 
 class AdminCommand(Message):
-    """An admin order for one worker; ``mac`` is HMAC-SHA256 of the other fields with the admin credential."""
+    """An admin order for one worker instance; ``signature`` is Ed25519 over the other fields
+    (``dejavu_common.admin``), ``command_id`` its single-use nonce, valid ``issued_at``..``expires_at``."""
 
-    command_id: str
-    worker_id: str
+    command_id: str = Field(min_length=16, max_length=64)
+    worker_id: str = Field(max_length=128)
+    instance: str = Field(max_length=128)
     action: AdminAction
-    seconds: float = 0.0
-    mac: str
+    seconds: float = Field(0.0, ge=0.0, le=86_400.0)
+    issued_at: float
+    expires_at: float
+    signature: str = Field(max_length=128)

@@ -22,7 +22,9 @@ def _kwargs(settings: RedisSettings) -> dict:
     }
     if settings.username is not None:
         kw["username"] = settings.username
-    if settings.password is not None:
+    if settings.password_file is not None:  # e.g. written for this pod alone by its init container
+        kw["password"] = settings.password_file.read_text().strip()
+    elif settings.password is not None:
         kw["password"] = settings.password.get_secret_value()
     return kw
 

@@ -14,10 +14,14 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from pathlib import Path
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Public, for single-host development only: dejavu_common.exposure refuses it on any other address.
+DEV_DATA_PLANE_SECRET = "dejavu-dev-secret"
 
 
 def default_cache_dir() -> Path:
@@ -32,6 +36,9 @@ class RedisSettings(BaseModel):
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (redis://[user:pass@]host:port/db).")
     username: str | None = Field(None, description="ACL user name; overrides the one in the URL.")
     password: SecretStr | None = Field(None, description="ACL password; overrides the one in the URL.")
+    password_file: Path | None = Field(
+        None, description="File holding the ACL password (read when a client is made); overrides `password`."
+    )
     socket_timeout_s: float = Field(5.0, gt=0, le=120, description="Deadline of one Redis command.")
     connect_timeout_s: float = Field(3.0, gt=0, le=120, description="Deadline of one connection attempt.")
     retries: int = Field(3, ge=0, le=20, description="Retries (exponential backoff) for retryable Redis errors.")
@@ -77,6 +84,18 @@ class ControllerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Bind address of the REST API.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the REST API (0: any free port).")
     api_keys: list[SecretStr] = Field(default_factory=list, description="Accepted bearer API keys.")
+    max_body_bytes: int = Field(
+        2 << 20, ge=1 << 10, le=1 << 30, description="Largest request body; a longer one is refused (413) unread."
+    )
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Concurrent connections and requests; more are answered 503."
+    )
+    max_prompt_chars: int = Field(
+        200_000,
+        ge=16,
+        le=1 << 26,
+        description="Longest prompt text (all chat messages together), checked before tokenizing (400 beyond).",
+    )
     mode: Mode = Field(Mode.DISAGGREGATED, description="Disaggregated prompt/token pipelines or colocated baseline.")
     prompt_depth: int = Field(1, ge=1, le=256, description="D_p: stages of the prompt pipeline.")
     token_depth: int = Field(1, ge=1, le=256, description="D_t: stages of the token pipeline.")
@@ -84,6 +103,14 @@ class ControllerSettings(BaseModel):
     token_microbatch: int = Field(4, ge=1, le=1024, description="Requests per token microbatch.")
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="How long a partial microbatch waits for more.")
     queue_bound: int = Field(256, ge=1, le=1_000_000, description="Waiting requests before the API answers 503.")
+    max_running: int = Field(
+        64,
+        ge=1,
+        le=65_536,
+        description="Requests the token pipeline decodes at once, all its D_t cohorts together (each cohort "
+        "takes up to max_running / D_t); the controller dispatches that many plus what the prompt pipeline "
+        "may run ahead (D_p prompt microbatches).",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
     max_stalled_repairs: int = Field(
         3,
@@ -111,7 +138,16 @@ class TransportSettings(BaseModel):
     )
     deadline_s: float = Field(10.0, gt=0, le=3600, description="Deadline of one transfer.")
     max_inflight_bytes: int = Field(256 << 20, ge=1 << 16, description="Back-pressure bound of the streamer.")
-    secret: SecretStr = Field(SecretStr("dejavu-dev-secret"), description="Per-deployment data-plane secret.")
+    max_message_bytes: int = Field(
+        4 << 30,
+        ge=1 << 16,
+        le=1 << 40,
+        description="Largest payload a worker accepts from an authenticated peer (larger: dropped unread).",
+    )
+    secret: SecretStr = Field(
+        SecretStr(DEV_DATA_PLANE_SECRET),
+        description="Per-deployment data-plane secret; the public default is refused beyond loopback.",
+    )
     host: str = Field("127.0.0.1", description="Address this worker's data plane is reachable at.")
 
 
@@ -128,7 +164,10 @@ class RecoverySettings(BaseModel):
     heartbeat_interval_s: float = Field(0.25, gt=0, le=60, description="Lease renewal period.")
     lease_ttl_s: float = Field(1.5, gt=0, le=600, description="A worker whose lease is older is failed.")
     replication: Replication = Field(Replication.MEMORY, description="Where token stages replicate their KV.")
-    replica_dir: Path = Field(Path("/tmp/dejavu-replicas"), description="Folder of on-disk replicas.")
+    replica_dir: Path = Field(
+        default_factory=lambda: default_cache_dir() / "replicas",
+        description="Folder of on-disk replicas (created 0700; refused if other users could write it).",
+    )
     drain_timeout_s: float = Field(
         20.0,
         ge=0,
@@ -145,10 +184,31 @@ class SwapSettings(BaseModel):
     device_kv_budget_bytes: int | None = Field(None, ge=1, description="Device memory available for KV.")
 
 
-class AdminSettings(BaseModel):
-    """The Redis-based admin tool."""
+# An Ed25519 key as base64 of its raw 32 bytes.
+_ED25519_KEY = r"^[A-Za-z0-9+/]{43}=$"
 
-    credential: SecretStr = Field(SecretStr("dejavu-admin-dev"), description="Shared admin credential.")
+
+class AdminSettings(BaseModel):
+    """The Redis-based admin tool: Ed25519 keys (base64 of raw 32 bytes) and the rules of a command."""
+
+    signing_key: SecretStr | None = Field(
+        None, description="Private key that signs admin commands; only the admin tool holds it."
+    )
+    verify_key: str | None = Field(
+        None,
+        pattern=_ED25519_KEY,
+        description="Public key workers check commands with; None: workers refuse every command.",
+    )
+    command_ttl_s: float = Field(30.0, gt=0, le=3600, description="How long a signed command stays valid.")
+    clock_skew_s: float = Field(5.0, ge=0, le=300, description="Tolerated clock difference, admin host to worker.")
+    max_pause_s: float = Field(300.0, gt=0, le=86_400, description="Longest pause-heartbeats a worker obeys.")
+
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_key_shape(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not re.fullmatch(_ED25519_KEY, value.get_secret_value()):
+            raise ValueError("admin.signing_key must be base64 of 32 bytes (see `dejavu admin keygen`)")
+        return value
 
 
 class Settings(BaseSettings):

@@ -1,17 +1,20 @@
 """A message channel for the serving layer: authenticated, epoch-fenced, per-channel receive queues.
 
 ``Endpoint`` wraps a ``MessageTransport`` (UCX between processes, fake in tests). ``send`` seals a
-``Header`` (size, crc32, epoch, sequence, sender, HMAC with the deployment secret) and starts the
-transfer; ``recv(channel)`` blocks until a message on that channel arrives.
+``Header`` (size, payload MAC, epoch, sequence, sender, header MAC with the deployment secret) and
+starts the transfer; ``recv(channel)`` blocks until a message on that channel arrives.
 
 Thread-safety: every method may be called from any thread; different threads may wait on different
 channels at once; messages of one channel from one sender are received in send order.
 
 Failure behaviour:
 
-* a message whose header MAC does not verify (wrong secret, corrupted header) or whose epoch is older
-  than ``set_epoch``'s is dropped, logged and counted in ``stats``; it is never delivered;
-* a payload that does not match its header's checksum/size raises ``IntegrityError`` from ``recv``;
+* a message whose header MAC does not verify (wrong secret, corrupted header), whose epoch is older
+  than ``set_epoch``'s, whose (sender, epoch, seq) was seen before (a replay, :mod:`dejavulib.replay`)
+  or whose payload is over ``max_message_bytes`` is dropped, logged and counted in ``stats`` before the
+  transport sizes any buffer for its payload; it is never delivered;
+* a payload that does not match its header's size and MAC raises ``IntegrityError`` from ``recv``,
+  before any of its bytes is interpreted;
 * ``recv`` raises ``TransferTimeout`` past its deadline; ``send``'s handle fails with ``PeerError``
   or ``TransferTimeout`` (its deadline). A dead peer never blocks either call beyond its deadline.
 """
@@ -31,6 +34,7 @@ from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, IntegrityError, TransferTimeout
 from dejavulib.handle import Handle
 from dejavulib.header import Channel, DType, Header, secret_key, sender_field
+from dejavulib.replay import ReplayGuard
 from dejavulib.transport.base import MessageTransport
 
 if TYPE_CHECKING:
@@ -68,21 +72,35 @@ def describe(payload: Buffer) -> tuple[DType, tuple[int, ...]]:
     return DType.from_name(name), tuple(payload.shape)
 
 
+#: Largest payload an endpoint accepts by default (a whole stage's KV of a long microbatch fits).
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+
+
 class Endpoint:
     """See the module docstring."""
 
-    def __init__(self, transport: MessageTransport, secret: str | bytes, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        transport: MessageTransport,
+        secret: str | bytes,
+        epoch: int = 0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.transport = transport
         self._key = secret_key(secret)
         self._epoch = epoch
+        self.max_message_bytes = max_message_bytes
+        self._replay = ReplayGuard()
         self._queues: dict[Channel, collections.deque[tuple[Header, np.ndarray]]] = {
             c: collections.deque() for c in Channel
         }
         self._cond = threading.Condition()
-        self._seq = 0
+        # Wall-clock nanoseconds: a restarted sender (same id, same epoch) numbers above its predecessor,
+        # so receivers do not take its messages for replays.
+        self._seq = time.time_ns()
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
-        transport.set_message_sink(self._on_message)
+        transport.set_message_sink(self._admit, self._on_message)
 
     @property
     def self_id(self) -> str:
@@ -107,6 +125,7 @@ class Endpoint:
                 kept = collections.deque(m for m in queue if m[0].epoch >= epoch)
                 self.stats["rejected_stale_epoch"] += len(queue) - len(kept)
                 self._queues[channel] = kept
+        self._replay.forget_before(epoch)
 
     def send(self, peer_id: str, header: Header, payload: Buffer | None = None, deadline_s: float = 10.0) -> Handle:
         """Seal ``header`` for ``payload`` and start sending; returns at once.
@@ -122,7 +141,8 @@ class Endpoint:
             header = replace(header, dtype=dtype, shape=shape)
         with self._cond:
             seq, self._seq = self._seq, self._seq + 1
-        sealed = header.with_payload(memoryview(data), epoch=self._epoch, seq=seq, sender=sender_field(self.self_id))
+        sender = sender_field(self.self_id)
+        sealed = header.with_payload(memoryview(data), self._key, epoch=self._epoch, seq=seq, sender=sender)
         inner = self.transport.send_message(peer_id, sealed.pack(self._key), data)
         outer = Handle(data.nbytes, deadline_s)
         inner.add_done_callback(lambda h: outer.set_done(h.error))
@@ -130,7 +150,7 @@ class Endpoint:
 
     def recv(self, channel: Channel, deadline_s: float) -> Message:
         """The next message on ``channel``; ``TransferTimeout`` if none within ``deadline_s``,
-        ``IntegrityError`` if its payload does not match its header (the message is consumed)."""
+        ``IntegrityError`` if its payload does not match its header's size and MAC (the message is consumed)."""
         end = time.monotonic() + deadline_s
         with self._cond:
             while not self._queues[channel]:
@@ -143,7 +163,7 @@ class Endpoint:
             queue = self._queues[channel]
             header, payload = queue.popleft()
         try:
-            header.verify_payload(memoryview(payload))
+            header.verify_payload(memoryview(payload), self._key)
         except IntegrityError:
             self.stats["integrity_errors"] += 1
             raise
@@ -161,19 +181,38 @@ class Endpoint:
             self._cond.notify_all()
         self.transport.close()
 
-    def _on_message(self, raw_header: bytes, payload: np.ndarray) -> None:
-        """Runs on the transport's thread: authenticate, fence by epoch, enqueue. Never raises."""
+    def _admit(self, raw_header: bytes) -> Header | None:
+        """Runs on the transport's thread before any payload buffer is sized: the header, authenticated,
+        if its message may be received; None to drop it. Never raises."""
         try:
             header = Header.unpack(raw_header, self._key)
         except IntegrityError as exc:
             self.stats["rejected_auth"] += 1
             log.warning("dropped a message on %s: %s", self.self_id, exc)
-            return
+            return None
+        if header.epoch < self._epoch:
+            self.stats["rejected_stale_epoch"] += 1
+            log.warning("dropped a %s message of epoch %d from %r (current epoch %d)", header.channel.name,
+                        header.epoch, header.sender, self._epoch)  # fmt: skip
+            return None
+        if header.nbytes > self.max_message_bytes:
+            self.stats["rejected_size"] += 1
+            log.warning("dropped a %s message of %d bytes from %r (limit %d)", header.channel.name, header.nbytes,
+                        header.sender, self.max_message_bytes)  # fmt: skip
+            return None
+        if not self._replay.accept(header.sender, header.epoch, header.seq):
+            self.stats["rejected_replay"] += 1
+            log.warning("dropped a replayed %s message (seq %d, epoch %d) from %r", header.channel.name,
+                        header.seq, header.epoch, header.sender)  # fmt: skip
+            return None
+        return header
+
+    def _on_message(self, header: Header, payload: np.ndarray) -> None:
+        """Runs on the transport's thread with an admitted header: fence by epoch (it may have moved
+        since admission), enqueue. Never raises."""
         with self._cond:
             if header.epoch < self._epoch:
                 self.stats["rejected_stale_epoch"] += 1
-                log.warning("dropped a %s message of epoch %d from %r (current epoch %d)", header.channel.name,
-                            header.epoch, header.sender, self._epoch)  # fmt: skip
                 return
             self._queues[header.channel].append((header, payload))
             self.stats["delivered"] += 1

@@ -5,7 +5,7 @@
 * ``TransferTimeout`` (retryable: the peer may be slow or dead; our deadlines are the only dead-peer
   detector because UCX endpoint error handling is off for shared-memory speed),
 * ``PeerError`` (the peer is unknown, unreachable or its endpoint failed),
-* ``IntegrityError`` (a payload does not match its header's checksum or size: never retry blindly),
+* ``IntegrityError`` (a payload does not match its header's MAC or size: never retry blindly),
 * ``TransportUnavailable`` (configuration asks for a transport this host cannot provide: fatal).
 """
 
@@ -33,7 +33,7 @@ class PeerError(TransferError):
 
 
 class IntegrityError(DejaVuLibError):
-    """A received payload does not match its header (checksum, size or dtype)."""
+    """A received payload does not match its header (MAC, size or dtype)."""
 
 
 class ProtocolError(DejaVuLibError):

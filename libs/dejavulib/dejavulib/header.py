@@ -1,10 +1,15 @@
-"""The fixed binary header every DejaVuLib message carries, and its seal (checksum + HMAC).
+"""The fixed binary header every DejaVuLib message carries, and its seal (two MACs).
 
 Layout (little endian, ``Header.SIZE`` bytes): magic, version, channel, dtype code, flags (which K/V),
-ndim, dims[4], microbatch, step, layers, rows, positions, user, payload byte count, payload crc32,
-sender epoch, sequence number, sender id (32 bytes, utf-8, NUL padded) and a 16-byte HMAC-SHA256 of
-all preceding bytes keyed by the per-deployment secret (the "auth token digest"). The HMAC proves the
-sender knows the secret and protects the header; the crc32 in it protects the payload.
+ndim, dims[4], microbatch, step, layers, rows, positions, user, payload byte count, payload MAC
+(16 bytes), sender epoch, sequence number, sender id (32 bytes, utf-8, NUL padded) and a 16-byte
+HMAC-SHA256 of all preceding bytes keyed by the per-deployment secret.
+
+The payload MAC is HMAC-SHA256 (truncated to 16 bytes) of the payload under the same key, and the
+header MAC covers it, so together they authenticate header + payload: changing a payload byte needs
+the key, unlike a checksum, which an on-path attacker can recompute. The header is checked on its own
+first (:meth:`Header.unpack`), so a receiver sizes no payload buffer for an unauthenticated sender;
+the payload is checked (:meth:`Header.verify_payload`) before any of its bytes is interpreted.
 No pickle: ``pack``/``unpack`` are ``struct`` only.
 """
 
@@ -14,13 +19,12 @@ import enum
 import hashlib
 import hmac
 import struct
-import zlib
 from dataclasses import dataclass, replace
 
 from dejavulib.errors import IntegrityError
 
 MAGIC = 0x554A5644  # b"DVJU" little endian
-VERSION = 1
+VERSION = 2  # 2: a payload MAC instead of a crc32
 SENDER_BYTES = 32
 
 
@@ -36,7 +40,8 @@ def sender_field(peer_id: str) -> str:
 
 
 MAC_BYTES = 16
-_BODY = struct.Struct(f"<IHBBBB4IIIHHHHIIQQIQQ{SENDER_BYTES}s")
+_BODY = struct.Struct(f"<IHBBBB4IIIHHHHIIQQ{MAC_BYTES}sQQ{SENDER_BYTES}s")
+_PAYLOAD_DOMAIN = b"dejavu-payload\x00"  # a payload MAC is never a valid header MAC, and back
 
 
 class Channel(enum.IntEnum):
@@ -71,9 +76,11 @@ class DType(enum.IntEnum):
         return cls[name.removeprefix("torch.").upper()]
 
 
-def checksum(data: memoryview | bytes) -> int:
-    """crc32 of a payload (zlib's, hardware accelerated on this machine)."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+def payload_mac(key: bytes, data: memoryview | bytes) -> bytes:
+    """The payload's MAC under ``key`` (hashlib releases the GIL while it hashes a large payload)."""
+    mac = hmac.new(key, _PAYLOAD_DOMAIN, hashlib.sha256)
+    mac.update(data)
+    return mac.digest()[:MAC_BYTES]
 
 
 def secret_key(secret: str | bytes) -> bytes:
@@ -97,7 +104,7 @@ class Header:
     positions: tuple[int, int] = (0, 0)
     user: int = 0
     nbytes: int = 0
-    crc32: int = 0
+    mac: bytes = bytes(MAC_BYTES)  # the payload's
     epoch: int = 0
     seq: int = 0
     sender: str = ""
@@ -110,9 +117,10 @@ class Header:
         if len(self.sender.encode()) > SENDER_BYTES:
             raise ValueError(f"sender id longer than {SENDER_BYTES} bytes: {self.sender!r}")
 
-    def with_payload(self, payload: memoryview, *, epoch: int, seq: int, sender: str) -> Header:
-        """This header completed for ``payload``: size, checksum, epoch, sequence, sender."""
-        return replace(self, nbytes=payload.nbytes, crc32=checksum(payload), epoch=epoch, seq=seq, sender=sender)
+    def with_payload(self, payload: memoryview, key: bytes, *, epoch: int, seq: int, sender: str) -> Header:
+        """This header completed for ``payload``: size, payload MAC under ``key``, epoch, sequence, sender."""
+        mac = payload_mac(key, payload)
+        return replace(self, nbytes=payload.nbytes, mac=mac, epoch=epoch, seq=seq, sender=sender)
 
     def pack(self, key: bytes) -> bytes:
         """Serialize and seal with ``key`` (from :func:`secret_key`)."""
@@ -120,7 +128,7 @@ class Header:
         body = _BODY.pack(
             MAGIC, VERSION, int(self.channel), int(self.dtype), self.which, len(self.shape), *dims,
             self.microbatch, self.step, *self.layers, *self.rows, *self.positions, self.user,
-            self.nbytes, self.crc32, self.epoch, self.seq, self.sender.encode(),
+            self.nbytes, self.mac, self.epoch, self.seq, self.sender.encode(),
         )  # fmt: skip
         return body + hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]
 
@@ -144,12 +152,12 @@ class Header:
         return cls(
             channel=channel, dtype=dtype, which=f[4], shape=tuple(f[6 : 6 + ndim]), microbatch=f[10], step=f[11],
             layers=(f[12], f[13]), rows=(f[14], f[15]), positions=(f[16], f[17]), user=f[18], nbytes=f[19],
-            crc32=f[20], epoch=f[21], seq=f[22], sender=f[23].rstrip(b"\x00").decode(),
+            mac=f[20], epoch=f[21], seq=f[22], sender=f[23].rstrip(b"\x00").decode(errors="replace"),
         )  # fmt: skip
 
-    def verify_payload(self, payload: memoryview) -> None:
-        """Raise ``IntegrityError`` unless ``payload`` has this header's size and checksum."""
+    def verify_payload(self, payload: memoryview, key: bytes) -> None:
+        """Raise ``IntegrityError`` unless ``payload`` has this header's size and its MAC under ``key``."""
         if payload.nbytes != self.nbytes:
             raise IntegrityError(f"payload of {payload.nbytes} bytes, header says {self.nbytes}")
-        if checksum(payload) != self.crc32:
-            raise IntegrityError(f"payload checksum mismatch (seq {self.seq} from {self.sender!r})")
+        if not hmac.compare_digest(payload_mac(key, payload), self.mac):
+            raise IntegrityError(f"payload MAC mismatch (seq {self.seq} from {self.sender!r}): forged or corrupted")

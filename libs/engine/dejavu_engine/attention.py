@@ -7,6 +7,7 @@ filled prefix ``[0, cur_len)`` of the cache, never over ``max_len``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
@@ -49,15 +50,26 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Sequence[torch.Tensor],
+    v_cache: torch.Tensor | Sequence[torch.Tensor],
     ctx: ForwardContext,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Write ``k``/``v`` (``[batch, kv_heads, n, head_dim]``) into the layer's cache at
     ``[ctx.start, ctx.cur_len)`` and attend ``q`` (``[batch, heads, n, head_dim]``) over the filled
     prefix. Returns ``[batch, n, heads * head_dim]``.
+
+    With ``ctx.groups``, ``k_cache``/``v_cache`` hold one layer cache per group, and each group's rows
+    attend over their own cache and length only (one attention call per group).
     """
+    if ctx.groups is not None:
+        assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
+        outs = [
+            attend(q[a:b], k[a:b], v[a:b], kc, vc, group_ctx, scale)
+            for (a, b, group_ctx), kc, vc in zip(ctx.groups, k_cache, v_cache, strict=True)
+        ]
+        return torch.cat(outs)
+    assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
     k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
     v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
     keys = k_cache[:, :, : ctx.cur_len]

@@ -44,6 +44,12 @@ class ForwardContext:
     additive float tensor ``[batch, heads, n, cur_len]``. ``positions`` ``[batch, n]`` are per-row
     token positions (index minus the row's left padding). ``rope`` holds ``(cos, sin)`` for rotary
     families.
+
+    ``groups`` is set when one call batches several microbatches, each with its own cache and
+    geometry (iteration-level batching in the token stages): rows ``[a, b)`` belong to group ``g``
+    and attend in that group's cache with that group's context ``(a, b, ctx_g)``. ``positions`` and
+    ``rope`` then cover every row (what the projections need); ``geometry``, ``start``, ``mask`` and
+    ``causal`` are group 0's, and attention never reads them.
     """
 
     geometry: BatchGeometry
@@ -52,10 +58,32 @@ class ForwardContext:
     mask: torch.Tensor | None
     causal: bool
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    groups: tuple[tuple[int, int, ForwardContext], ...] | None = None
 
     @property
     def cur_len(self) -> int:
         return self.geometry.cur_len
+
+    @classmethod
+    def grouped(cls, contexts: list[ForwardContext]) -> ForwardContext:
+        """One context for a call over several groups of rows, each with its own cache and context."""
+        groups, row = [], 0
+        for ctx in contexts:
+            groups.append((row, row + ctx.geometry.batch, ctx))
+            row += ctx.geometry.batch
+        first = contexts[0]
+        rope = None
+        if first.rope is not None:
+            rope = tuple(torch.cat([c.rope[i] for c in contexts]) for i in range(2))  # type: ignore[index]
+        return cls(
+            first.geometry,
+            first.start,
+            torch.cat([c.positions for c in contexts]),
+            first.mask,
+            first.causal,
+            rope,  # type: ignore[arg-type]
+            tuple(groups),
+        )
 
 
 class Family(ABC):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +37,16 @@ class KVCache:
             torch.zeros(layout.shape, dtype=dtype, device=device),
             torch.zeros(layout.shape, dtype=dtype, device=device),
         )
+
+    def grown(self, max_len: int) -> KVCache:
+        """A cache of ``max_len`` positions holding this one's positions (``max_len`` >= this one's)."""
+        old = self.layout.max_len
+        if max_len < old:
+            raise ValueError(f"a cache grows: {max_len} < {old} positions")
+        bigger = KVCache.allocate(replace(self.layout, max_len=max_len), self.k.device)
+        bigger.k[:, :, :, :old].copy_(self.k)
+        bigger.v[:, :, :, :old].copy_(self.v)
+        return bigger
 
     @property
     def device(self) -> torch.device:

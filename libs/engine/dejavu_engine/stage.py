@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dejavu_engine.families import family_for
-from dejavu_engine.family import Weights
+from dejavu_engine.family import ForwardContext, Weights
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache, torch_dtype
 from dejavu_engine.stage_io import StageIO
@@ -139,6 +139,40 @@ class Stage:
         if self._input(io).shape[1] != 1:
             raise ValueError("decode feeds exactly one token per row")
         return self.forward(io, cache, geometry, on_layer_done)
+
+    @torch.inference_mode()
+    def decode_groups(self, io: StageIO, groups: list[tuple[KVCache, BatchGeometry]]) -> StageIO:
+        """One decode step of several microbatches in one call (iteration-level batching).
+
+        Group ``g`` brings its own cache and geometry; the rows of ``io`` are the groups' rows in
+        order. The projections and MLPs run once over every row; each group attends over its own
+        cache and length only. Equivalent to :meth:`decode` of each group alone.
+        """
+        if len(groups) == 1:
+            return self.decode(io, *groups[0])
+        x = self._input(io)
+        if x.shape[1] != 1:
+            raise ValueError("decode feeds exactly one token per row")
+        if x.shape[0] != sum(g.batch for _, g in groups):
+            raise ValueError(f"{x.shape[0]} rows for groups of {[g.batch for _, g in groups]} rows")
+        dtype = torch_dtype(self.dtype)
+        contexts = []
+        for cache, geometry in groups:
+            self._check(cache, geometry, geometry.batch, 1)
+            contexts.append(self.family.context(geometry, 1, self.device, dtype))
+        ctx = ForwardContext.grouped(contexts)
+        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        for index, w in enumerate(self._layer_w):
+            hidden = self.family.layer(
+                w,
+                hidden,
+                [cache.k[index] for cache, _ in groups],  # type: ignore[arg-type]  # grouped: one per group
+                [cache.v[index] for cache, _ in groups],  # type: ignore[arg-type]
+                ctx,
+            )
+        if not self.is_last:
+            return StageIO(hidden=hidden)
+        return StageIO(logits=self.logits(hidden))
 
     def _input(self, io: StageIO) -> torch.Tensor:
         x = io.input_ids if self.is_first else io.hidden

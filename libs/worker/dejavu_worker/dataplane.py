@@ -2,9 +2,10 @@
 
 Three kinds of traffic, each on its own channel so different threads can wait on each:
 
-- stage messages (ACTIVATION): a pass of microbatch ``mb_id`` at ``step`` moving down a pipeline —
-  PREFILL / DECODE carry hidden states, RELEASE frees the microbatch's caches;
-- token returns (TOKENS): the last token stage hands stage 0 the step's tokens;
+- stage messages (ACTIVATION): a pass moving down a pipeline — PREFILL / DECODE carry hidden states,
+  RELEASE frees a microbatch's caches. A token pipeline's pass is a *cohort step*: it batches several
+  microbatches (``members``: each one's id and step, in row order), iteration-level batching;
+- token returns (TOKENS): the last token stage hands stage 0 a cohort step's tokens, per member;
 - prompt KV (KV_PROMPT): a region of a prompt stage's cache, addressed to rows and positions of a
   token microbatch, moved as one buffered transfer.
 
@@ -76,35 +77,61 @@ def _np(dtype: torch.dtype) -> Any:
 
 @dataclass(frozen=True)
 class StageMessage:
+    """One pass down a pipeline. In the token pipeline ``members`` lists (microbatch, step, rows) of
+    each group of rows of ``tensor``, in row order, and ``mb_id`` is stage 0's cohort slot; a prompt
+    pipeline's pass and RELEASE name one microbatch (or prompt task) in ``mb_id``."""
+
     kind: Kind
     mb_id: int
     step: int
     tensor: torch.Tensor | None = None
     meta: dict[str, Any] | None = None
+    members: tuple[tuple[int, int, int], ...] = ()
 
     def encode(self) -> bytes:
-        return frame({"kind": self.kind.value, "mb": self.mb_id, "step": self.step, "x": self.meta or {}}, self.tensor)
+        meta = {"kind": self.kind.value, "mb": self.mb_id, "step": self.step, "x": self.meta or {}}
+        if self.members:
+            meta["members"] = [list(m) for m in self.members]
+        return frame(meta, self.tensor)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> StageMessage:
         meta, tensor = unframe(payload)
-        return cls(Kind(meta["kind"]), int(meta["mb"]), int(meta["step"]), tensor, meta.get("x") or {})
+        members = tuple((int(mb), int(step), int(rows)) for mb, step, rows in meta.get("members", ()))
+        return cls(Kind(meta["kind"]), int(meta["mb"]), int(meta["step"]), tensor, meta.get("x") or {}, members)
 
 
 @dataclass(frozen=True)
-class TokenReturn:
+class Returned:
+    """One microbatch's part of a token return: its step, the tokens to feed at its next step, and
+    whether it is done (every row finished, or the microbatch failed)."""
+
     mb_id: int
     step: int
     tokens: tuple[int, ...]
     done: bool
 
+
+@dataclass(frozen=True)
+class TokenReturn:
+    """What stage 0 learns at the end of cohort ``cohort``'s step: one :class:`Returned` per member.
+    ``cohort == -1``: members a later stage failed on their own, outside any step's completion."""
+
+    cohort: int
+    members: tuple[Returned, ...]
+
     def encode(self) -> bytes:
-        return frame({"mb": self.mb_id, "step": self.step, "tokens": list(self.tokens), "done": self.done}, None)
+        members = [[m.mb_id, m.step, list(m.tokens), m.done] for m in self.members]
+        return frame({"cohort": self.cohort, "members": members}, None)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> TokenReturn:
         meta, _ = unframe(payload)
-        return cls(int(meta["mb"]), int(meta["step"]), tuple(int(t) for t in meta["tokens"]), bool(meta["done"]))
+        members = tuple(
+            Returned(int(mb), int(step), tuple(int(t) for t in tokens), bool(done))
+            for mb, step, tokens, done in meta["members"]
+        )
+        return cls(int(meta["cohort"]), members)
 
 
 @dataclass(frozen=True)
@@ -150,3 +177,53 @@ class KVChunk:
             int(meta.get("step", 0)),
             str(meta.get("role", "")),
         )
+
+
+def encode_chunks(chunks: list[KVChunk]) -> bytes:
+    """Several KV chunks as one message (one buffered copy): a pass's replication of every member."""
+    metas, parts = [], []
+    for c in chunks:
+        both = torch.stack((c.k, c.v))
+        metas.append(
+            {
+                "mb": c.mb_id,
+                "layers": list(c.layers),
+                "rows": list(c.rows),
+                "positions": list(c.positions),
+                "step": c.step,
+                "shape": list(both.shape),
+            }
+        )
+        parts.append(both.reshape(-1))
+    return frame({"chunks": metas}, torch.cat(parts))
+
+
+def decode_chunks(payload: memoryview | bytes) -> list[KVChunk]:
+    """Inverse of :func:`encode_chunks`; a single :class:`KVChunk` message decodes as a list of one."""
+    meta, flat = unframe(payload)
+    if "chunks" not in meta:
+        return [KVChunk.decode(payload)]
+    if flat is None or flat.dim() != 1:
+        raise ValueError("a chunk batch carries one flat tensor")
+    out, offset = [], 0
+    for m in meta["chunks"]:
+        shape = [int(d) for d in m["shape"]]
+        n = int(np.prod(shape))
+        if len(shape) != 6 or shape[0] != 2 or offset + n > flat.numel():
+            raise ValueError(f"chunk shape {shape} does not fit the batch")
+        both = flat[offset : offset + n].view(shape)
+        offset += n
+        out.append(
+            KVChunk(
+                int(m["mb"]),
+                tuple(m["layers"]),
+                tuple(m["rows"]),
+                tuple(m["positions"]),
+                both[0],
+                both[1],
+                int(m["step"]),
+            )
+        )
+    if offset != flat.numel():
+        raise ValueError("bytes left over after the last chunk")
+    return out

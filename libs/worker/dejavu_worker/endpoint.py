@@ -2,7 +2,8 @@
 
 Peers' endpoint addresses come from the registry in Redis (``WorkerInfo.data_address``). Payloads
 are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVuLib adds the sealed
-header (size, crc32, epoch fencing, sender authentication with the deployment secret).
+header (size, payload MAC, epoch fencing, replay refusal, sender authentication with the deployment
+secret) and bounds payloads by ``transport.max_message_bytes``.
 
 Sends are asynchronous: :meth:`send` returns once the transfer is queued, and keeps the payload alive
 until the transfer completes. A failed or timed-out send is logged when noticed; the controller's
@@ -21,11 +22,12 @@ import numpy as np
 import redis
 
 from dejavu_common import keys
+from dejavu_common.exposure import check_data_plane
 from dejavu_common.fatal import die
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
 from dejavulib.endpoint import Endpoint
-from dejavulib.errors import TransferError, TransferTimeout, TransportUnavailable
+from dejavulib.errors import PeerError, TransferError, TransferTimeout, TransportUnavailable
 from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header
 
@@ -47,7 +49,9 @@ def _transport(settings: TransportSettings, worker_id: str):
         raise ValueError(f"workers in separate processes need the 'ucx' transport, not {settings.kind!r}")
     from dejavulib.transport.ucx import UcxTransport
 
-    transport = UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require)
+    transport = UcxTransport(
+        worker_id, progress=settings.ucx_progress, require=settings.ucx_require, host=settings.host
+    )
     # A worker without its I/O thread can neither send nor receive: end it, so its lease expires.
     transport.on_failure = lambda exc: die(f"UCX I/O thread of {worker_id}", exc)
     return transport
@@ -55,9 +59,14 @@ def _transport(settings: TransportSettings, worker_id: str):
 
 class DataEndpoint:
     def __init__(self, settings: TransportSettings, worker_id: str) -> None:
+        check_data_plane(settings)  # no public default secret beyond loopback
         self.settings = settings
         self.worker_id = worker_id
-        self._ep = Endpoint(_transport(settings, worker_id), settings.secret.get_secret_value())
+        self._ep = Endpoint(
+            _transport(settings, worker_id),
+            settings.secret.get_secret_value(),
+            max_message_bytes=settings.max_message_bytes,
+        )
         self._addresses: dict[str, bytes] = {}
         self._inflight: collections.deque[tuple[Handle, np.ndarray]] = collections.deque()
         # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
@@ -89,7 +98,7 @@ class DataEndpoint:
                 try:
                     self._connect(client, peer)
                     break
-                except (TransferError, TransportUnavailable) as exc:
+                except (PeerError, TransportUnavailable) as exc:
                     if time.monotonic() + delay > deadline:
                         raise
                     log.warning("connecting to %s failed (%s): retrying in %.2f s", peer, exc, delay)
@@ -99,8 +108,11 @@ class DataEndpoint:
     def _connect(self, client: redis.Redis, peer: str) -> None:
         raw = client.hget(keys.worker(peer), "info")
         if raw is None:
-            raise TransferError(f"peer {peer!r} is not registered")
-        address = base64.b64decode(WorkerInfo.decode(raw).data_address)
+            raise PeerError(f"peer {peer!r} is not registered")
+        info = WorkerInfo.decode(raw)
+        if info.worker_id != peer:  # each worker's Redis user writes only its own record
+            raise TransferError(f"the record of peer {peer!r} claims to be worker {info.worker_id!r}")
+        address = base64.b64decode(info.data_address)
         if self._addresses.get(peer) != address:
             self._addresses.pop(peer, None)  # a failed attempt leaves no address behind
             self._ep.connect(peer, address)

@@ -7,6 +7,7 @@ thread never touches torch or the data plane; it only updates fields the serving
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ import redis
 from pydantic import ValidationError
 
 from dejavu_common import keys
-from dejavu_common.admin import verify
+from dejavu_common.admin import AdminRejected, CommandVerifier
 from dejavu_common.fatal import die
 from dejavu_common.messages import AdminAction, AdminCommand, Topology, WorkerState
 from dejavu_common.settings import Settings
@@ -27,11 +28,20 @@ log = logging.getLogger("dejavu.worker.heartbeat")
 
 
 class Heartbeat(threading.Thread):
-    def __init__(self, settings: Settings, client: redis.Redis, worker_id: str) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, worker_id: str, instance: str) -> None:
         super().__init__(name=f"heartbeat-{worker_id}", daemon=True)
         self.settings = settings
         self.redis = client
         self.worker_id = worker_id
+        admin = settings.admin
+        self.commands = CommandVerifier(
+            admin.verify_key,
+            worker_id,
+            instance,
+            max_ttl_s=admin.command_ttl_s,
+            max_pause_s=admin.max_pause_s,
+            clock_skew_s=admin.clock_skew_s,
+        )
         self.topology: Topology | None = None
         self.topology_changed = threading.Event()
         self.draining = threading.Event()
@@ -40,6 +50,7 @@ class Heartbeat(threading.Thread):
         self._admin_cursor = "$"
         self._kv_bytes: dict[str, int] = {}
         self._kv_lock = threading.Lock()
+        self.kv_held: Callable[[], tuple[int, int]] | None = None  # (bytes, microbatches) this worker holds
         # Writes this worker's registry record again; called when a beat finds it gone (Redis restarted empty).
         self.register: Callable[[], None] | None = None
         self.drain_deadline: float | None = None  # monotonic time a drain gives up waiting for a hand-over
@@ -93,6 +104,10 @@ class Heartbeat(threading.Thread):
             counts, self._kv_bytes = self._kv_bytes, {}
         for purpose, n in counts.items():
             pipe.hincrby(keys.KV_BYTES, purpose, n)
+        if self.kv_held is not None:
+            held_bytes, held_mbs = self.kv_held()
+            held = json.dumps({"bytes": held_bytes, "microbatches": held_mbs})
+            pipe.set(keys.worker_kv(self.worker_id), held, px=4 * ttl_ms)
         pipe.hexists(keys.worker(self.worker_id), "info")  # a record without info is no registration
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
@@ -128,10 +143,12 @@ class Heartbeat(threading.Thread):
         except (KeyError, ValidationError) as exc:
             log.error("rejected malformed admin command: %s", exc)
             return
-        if cmd.worker_id != self.worker_id:
+        if not self.commands.addressed_here(cmd):
             return
-        if not verify(cmd, self.settings.admin.credential.get_secret_value()):
-            log.error("rejected admin command %s: bad credential", cmd.command_id)
+        try:
+            self.commands.check(cmd)
+        except AdminRejected as exc:
+            log.error("rejected admin command %s: %s", cmd.command_id, exc)
             return
         log.warning("admin command: %s %s", cmd.action.value, cmd.seconds or "")
         if cmd.action is AdminAction.KILL:

@@ -151,7 +151,7 @@ class WorkerProcess(abc.ABC):
             spare=self.spare,
         )
         self.register()
-        self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id)
+        self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id, self.info.instance)
         self.heartbeat.register = self.register
         if self.endpoint is not None:
             self.endpoint.count_kv = self.heartbeat.add_kv_bytes
@@ -187,6 +187,8 @@ class WorkerProcess(abc.ABC):
         while not self.stopping.is_set():
             try:
                 self.info = self.info.model_copy(update={"instance": uuid.uuid4().hex})
+                if self.heartbeat is not None:  # admin commands name the instance they are for
+                    self.heartbeat.commands.instance = self.info.instance
                 self._reported = (WorkerState.IDLE, self._reported[1])
                 self.register()
                 log.warning("Redis is back after %.1f s: registered again as instance %s", waited, self.info.instance)

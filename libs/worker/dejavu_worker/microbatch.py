@@ -48,6 +48,25 @@ class MicrobatchState:
         """Geometry of the forward pass producing step ``step`` (0: the prefill; s >= 1: decode step s)."""
         return BatchGeometry(self.spec.pad_lens, self.spec.prompt_len + step)
 
+    def ensure_capacity(self, positions: int) -> None:
+        """Grow the cache to hold ``positions`` positions (at most the spec's ``max_len``): caches start
+        at the prompt plus a little and double as tokens are written, so nothing is reserved for a
+        budget the request never uses. Call with no pass of this microbatch running."""
+        with self.lock:
+            capacity = self.cache.layout.max_len
+            if positions > capacity:
+                self.cache = self.cache.grown(min(self.spec.max_len, max(positions, 2 * capacity)))
+
+    def write(self, layers: tuple[int, int], rows: tuple[int, int], positions: tuple[int, int], k, v) -> None:
+        """Copy K/V of global ``layers`` x ``rows`` x ``positions`` into the cache (any thread)."""
+        with self.lock:
+            if positions[1] > self.cache.layout.max_len:
+                self.cache = self.cache.grown(min(self.spec.max_len, max(positions[1], 2 * self.cache.layout.max_len)))
+            local = self.cache.local(layers[0])
+            sl = (slice(local, local + layers[1] - layers[0]), slice(*rows), slice(None), slice(*positions))
+            self.cache.k[sl].copy_(k)
+            self.cache.v[sl].copy_(v)
+
     def add_prompt_cells(self, layers: tuple[int, int], rows: tuple[int, int]) -> None:
         """Record a received prompt-KV chunk; sets ``complete`` (and ``done_step = 0``) once every
         (layer, row) of this stage arrived. Idempotent: a re-sent chunk counts once."""

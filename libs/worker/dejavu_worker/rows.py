@@ -1,10 +1,11 @@
 """Per-row progress of a token microbatch at a sampling stage: what each step emits and when rows stop.
 
 Pure Python. Step 0 is the first token (sampled by the last prompt stage, or by the last token stage
-in colocated mode); decode step ``s`` emits token ``s``. A row stops on an EOS or stop token, at
-``max_tokens``, when its slot of the cache is full, or when the controller cancelled it; a stopped
-row emits -1 from then on. The state after step ``s`` is a pure function of the tokens emitted so
-far, so a resumed microbatch rebuilds it from the token history.
+in colocated mode); decode step ``s`` emits token ``s``. A row stops on an EOS (unless its request
+has ``ignore_eos``) or one of its stop tokens, at ``max_tokens``, when its slot of the cache is full,
+or when the controller cancelled it; a stopped row emits -1 from then on. The state after step ``s``
+is a pure function of the tokens emitted so far, so a resumed microbatch rebuilds it from the token
+history.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class RowTracker:
 
     def _finish(self, row: int, token: int, step: int) -> FinishReason | None:
         sampling = self.spec.rows[row].sampling
-        if token in self.eos_ids or token in sampling.stop_token_ids:
+        if token in sampling.stop_token_ids or (token in self.eos_ids and not sampling.ignore_eos):
             return FinishReason.STOP
         if self.generated[row] >= sampling.max_tokens:
             return FinishReason.LENGTH

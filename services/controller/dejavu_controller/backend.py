@@ -36,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids
+    ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class TokenEvent:
 class BackendStats:
     queue_depth: int = 0
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> state
+    kv_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker id -> (KV bytes, microbatches)
 
 
 class QueueFullError(Exception):

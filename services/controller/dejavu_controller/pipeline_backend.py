@@ -33,6 +33,7 @@ from dejavu_controller.backend import (
     NotReadyError,
     TokenEvent,
 )
+from dejavu_controller.model_info import context_limit
 from dejavu_controller.registry import Registry, WorkerView
 from dejavu_controller.repair import Repair
 from dejavu_controller.request import Request, RequestStatus
@@ -57,10 +58,10 @@ class PipelineBackend:
             SchedulerLimits(
                 token_microbatch=c.token_microbatch,
                 prompt_microbatch=c.token_microbatch if colocated else c.prompt_microbatch,
-                max_outstanding=c.token_depth + (0 if colocated else c.prompt_depth),
+                max_outstanding_rows=_outstanding_rows(settings),
                 queue_bound=c.queue_bound,
                 batch_wait_s=c.batch_wait_ms / 1000.0,
-                max_len=settings.engine.max_context,
+                max_len=context_limit(settings.model.folder, settings.engine.max_context),
             )
         )
         self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE
@@ -116,6 +117,7 @@ class PipelineBackend:
         return BackendStats(
             queue_depth=self.scheduler.queue_depth,
             workers={w: ("alive:" if v.alive else "dead:") + v.state.value for w, v in self._workers.items()},
+            kv_held={w: (v.kv_bytes, v.kv_microbatches) for w, v in self._workers.items()},
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -133,6 +135,7 @@ class PipelineBackend:
                 top_k=p.top_k,
                 seed=seed,
                 stop_token_ids=p.stop_token_ids,
+                ignore_eos=p.ignore_eos,
             ),
         )
         self.scheduler.admit(req)  # QueueFullError propagates before the first event
@@ -394,6 +397,16 @@ class PipelineBackend:
         self._stream_ids.pop(mb_id, None)
         await self.redis.delete(keys.tokens(mb_id), keys.microbatch_cancel(mb_id), keys.microbatch(mb_id))
         self._wake.set()
+
+
+def _outstanding_rows(settings: Settings) -> int:
+    """Requests dispatched at once: what the token pipeline decodes plus what the prompt pipeline may run
+    ahead. With swapping, a cohort holds one microbatch, so D_t + D_p microbatches, as in the paper."""
+    c = settings.controller
+    ahead = 0 if c.mode is Mode.COLOCATED else c.prompt_depth * c.prompt_microbatch
+    if settings.swap.enabled:
+        return (c.token_depth + (0 if c.mode is Mode.COLOCATED else c.prompt_depth)) * c.token_microbatch
+    return c.max_running + ahead
 
 
 def _fatal_if_ended(task: asyncio.Task) -> None:

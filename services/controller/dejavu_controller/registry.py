@@ -8,6 +8,7 @@ is not in the newest topology is fenced.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ class WorkerView:
     alive: bool
     state: WorkerState
     epoch: int  # the epoch the worker last reported its state at
+    kv_bytes: int = 0  # KV the worker holds (token workers: caches and replicas), as of its last heartbeat
+    kv_microbatches: int = 0
     seen: int = 0  # the newest topology epoch the worker has accepted (it accepts only newer ones)
 
 
@@ -54,19 +57,25 @@ class Registry:
         for wid in ids:
             pipe.hgetall(keys.worker(wid))
             pipe.exists(keys.worker_lease(wid))
+            pipe.get(keys.worker_kv(wid))
         raw = await pipe.execute()
         out: dict[str, WorkerView] = {}
         for i, wid in enumerate(ids):
-            record, alive = raw[2 * i], bool(raw[2 * i + 1])
+            record, alive, kv = raw[3 * i], bool(raw[3 * i + 1]), raw[3 * i + 2]
             try:
                 info = WorkerInfo.decode(record[b"info"])
                 state = WorkerState(record.get(b"state", b"starting").decode())
                 epoch = int(record.get(b"epoch", b"0"))
                 seen = int(record.get(b"seen", b"0"))
-            except (KeyError, ValueError) as exc:
+                held = json.loads(kv) if kv is not None else {}
+                kv_bytes, kv_mbs = int(held.get("bytes", 0)), int(held.get("microbatches", 0))
+            except (KeyError, ValueError, AttributeError) as exc:
                 log.warning("skipping malformed worker record %s: %s", wid, exc)
                 continue
-            out[wid] = WorkerView(info=info, alive=alive, state=state, epoch=epoch, seen=seen)
+            if info.worker_id != wid:  # only worker <wid>'s Redis user may write its record: this one is forged
+                log.warning("skipping worker record %s: it claims to be worker %s", wid, info.worker_id)
+                continue
+            out[wid] = WorkerView(info, alive, state, epoch, kv_bytes, kv_mbs, seen)
         return out
 
     def assemble(self, workers: dict[str, WorkerView]) -> Topology | None:

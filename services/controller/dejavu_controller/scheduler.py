@@ -1,13 +1,15 @@
 """Microbatch formation and slot accounting (pure logic; no I/O, no asyncio).
 
 Requests wait in FIFO order; a token microbatch is formed from up to ``token_microbatch`` of them
-when that many are waiting, or when the oldest has waited ``batch_wait_ms``. At most
-``max_outstanding`` token microbatches exist at a time: the token pipeline keeps D_t of them in
-flight and the prompt pipeline may run ahead by D_p more, whose caches wait in the token workers'
-host memory. When a microbatch completes, its slot goes to the next one (microbatch-level
-replacement, as in the paper). Rows of new token microbatches are packed, in order, into prompt
-microbatches of up to ``prompt_microbatch`` rows, so a prompt microbatch can feed several token
-microbatches (split) or several prompt microbatches one token microbatch (merge).
+when that many are waiting, or when the oldest has waited ``batch_wait_ms``, as long as fewer than
+``max_outstanding_rows`` requests are dispatched and unfinished: the token pipeline decodes up to
+``max_running`` of them at once (its stage 0 batches microbatches into D_t cohorts whose membership
+changes at every step: iteration-level batching), and the prompt pipeline may run ahead by D_p prompt
+microbatches, whose caches wait in the token workers' memory. A microbatch is the unit of admission,
+of token streams and of recovery; it leaves the token pipeline the step its last row finishes. Rows
+of new token microbatches are packed, in order, into prompt microbatches of up to
+``prompt_microbatch`` rows, so a prompt microbatch can feed several token microbatches (split) or
+several prompt microbatches one token microbatch (merge).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from dejavu_controller.request import Request, RequestStatus
 class SchedulerLimits:
     token_microbatch: int
     prompt_microbatch: int
-    max_outstanding: int
+    max_outstanding_rows: int  # requests dispatched and not finished (a microbatch forms below it)
     queue_bound: int
     batch_wait_s: float
-    max_len: int = 1 << 30  # cache positions a microbatch may span (longest prompt + largest budget)
+    max_len: int = 1 << 30  # cache positions a microbatch may span: the model's context
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Scheduler:
         self.drop_cancelled()
         formed: list[Microbatch] = []
         b = self.limits.token_microbatch
-        while self.waiting and len(self.active) < self.limits.max_outstanding:
+        while self.waiting and self.outstanding_rows < self.limits.max_outstanding_rows:
             full = len(self.waiting) >= b
             stale = now - self.waiting[0].arrival >= self.limits.batch_wait_s
             if not (full or stale):
@@ -114,17 +116,28 @@ class Scheduler:
             formed.append(mb)
         return formed
 
+    @property
+    def outstanding_rows(self) -> int:
+        """Requests of the active microbatches the workers have not finished."""
+        return sum(len(mb.requests) - len(mb.finished_rows) for mb in self.active.values())
+
     def _fits(self, reqs: list[Request]) -> bool:
-        """Left padding aligns every row to the longest prompt: the microbatch's cache spans the longest
-        prompt plus the largest token budget, which must stay within ``max_len``."""
-        span = max(len(r.prompt_ids) for r in reqs) + max(r.sampling.max_tokens for r in reqs)
-        return span <= self.limits.max_len
+        """Left padding aligns every row to the longest prompt, so a row's last position is the longest
+        prompt plus its budget, which must stay within ``max_len``. A request that asked for the whole
+        context (no ``max_tokens``: its budget is ``max_len`` minus its prompt) fits anyway: it gets
+        what fits, and finishes with ``length`` where the microbatch's cache ends."""
+        longest = max(len(r.prompt_ids) for r in reqs)
+        return all(
+            longest + r.sampling.max_tokens <= self.limits.max_len
+            or len(r.prompt_ids) + r.sampling.max_tokens >= self.limits.max_len
+            for r in reqs
+        )
 
     def _make(self, reqs: list[Request]) -> Microbatch:
         mb_id = self._next_mb
         self._next_mb += 1
         prompt_len = max(len(r.prompt_ids) for r in reqs)
-        max_len = prompt_len + max(r.sampling.max_tokens for r in reqs)
+        max_len = min(prompt_len + max(r.sampling.max_tokens for r in reqs), self.limits.max_len)
         for row, r in enumerate(reqs):
             r.mb_id, r.row = mb_id, row
             r.transition(RequestStatus.SCHEDULED)

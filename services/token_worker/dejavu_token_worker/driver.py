@@ -1,17 +1,23 @@
-"""Token stage 0's loop: admission into D_t slots, round-robin steps, token returns.
+"""Token stage 0's loop: iteration-level batching of microbatches in D_t cohorts, round-robin.
 
-Up to D_t microbatches are in flight. A free slot takes the next microbatch whose prompt is done
-(disaggregated: announced on the READY stream; colocated: claimed from the colocated queue and
-prefilled here). A microbatch's next step starts when the last stage has returned the previous
-step's tokens; when every row is done its caches are released along the pipeline and the slot
-goes to the next microbatch (microbatch-level replacement).
+The token pipeline keeps up to D_t *cohorts* in flight, one per stage, as the paper keeps D_t
+microbatches. A cohort is a set of microbatches whose membership changes at its step boundary:
+when a cohort's step returns, finished microbatches leave (their caches are released along the
+pipeline at once) and microbatches whose prompt is done join (disaggregated: announced on the READY
+stream; colocated: claimed from the colocated queue and prefilled in the cohort's next pass). Each
+member is at its own step; one pass batches every member's active rows, each attending over its own
+cache and length. New members go to the cohort with the fewest rows, up to ``cohort_rows`` rows each
+(balanced cohorts keep every stage busy); with swapping a cohort holds one microbatch, whose cache is
+prefetched while another cohort computes.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
+import math
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import redis
 import torch
@@ -25,8 +31,33 @@ from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner, history
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.microbatch import MicrobatchState
 
 log = logging.getLogger("dejavu.token_worker.driver")
+
+
+@dataclass
+class Member:
+    """A microbatch in a cohort: the step it runs next, the tokens it feeds at that step, its rows."""
+
+    step: int
+    feed: tuple[int, ...]
+    rows: int
+
+
+@dataclass
+class Cohort:
+    """One of the D_t batches in flight. ``pass_members`` are the microbatches of the pass in flight
+    (``None``: the cohort is at its step boundary)."""
+
+    index: int
+    members: dict[int, Member] = field(default_factory=dict)
+    pass_members: tuple[int, ...] | None = None
+    rows: int = 0
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pass_members is not None
 
 
 class Driver:
@@ -39,18 +70,25 @@ class Driver:
         pos: Position,
         ready: ReadyPrompts | None,
         deadline_s: float,
+        max_running: int = 64,
+        release: Callable[[int], None] | None = None,
     ) -> None:
         self.runner = runner
+        self.release = release or runner.release  # frees a microbatch's cache (and replica) on this stage
         self.endpoint = endpoint
         self.redis = client
         self.worker_id = worker_id
         self.pos = pos
         self.ready = ready
         self.deadline_s = deadline_s
-        self.inflight: dict[int, tuple[int, ...]] = {}  # mb -> tokens to feed at its next step
-        self.next_step: dict[int, int] = {}
-        self.runnable: collections.deque[int] = collections.deque()
+        self.cohorts = [Cohort(i) for i in range(pos.depth)]
+        self.cohort_rows = max(1, math.ceil(max_running / pos.depth))
+        # With swapping only one microbatch's cache is resident per computing cohort.
+        self.max_members = 1 if runner.swap is not None else 1 << 30
+        self.runnable: deque[int] = deque(c.index for c in self.cohorts)  # cohorts at their boundary, in turn
+        self._waiting: deque[tuple[int, Member]] = deque()  # microbatches not yet in a cohort, in order
 
+    # -- membership -----------------------------------------------------------------------------
     def resume(self, points: dict[int, int]) -> None:
         """Re-admit microbatches after recovery, each at the step it resumes from."""
         for mb, step in sorted(points.items()):
@@ -62,9 +100,8 @@ class Driver:
             if all(any(e.finished[r] is not None for e in entries) for r in range(n_rows)):
                 self._release_everywhere(mb)
                 continue
-            self.inflight[mb], self.next_step[mb] = tuple(self._latest_tokens(entries)), step
-            self.runnable.append(mb)
-        log.info("resumed microbatches %s", {m: self.next_step[m] for m in self.inflight})
+            self._waiting.append((mb, Member(step, tuple(self._latest_tokens(entries)), n_rows)))
+        log.info("resumed microbatches %s", {mb: m.step for mb, m in self._waiting})
 
     @staticmethod
     def _latest_tokens(entries) -> list[int]:
@@ -76,133 +113,194 @@ class Driver:
                     out[r] = t
         return out
 
+    def _place(self, cohort: Cohort) -> None:
+        """Let waiting and newly ready microbatches join ``cohort`` (at its boundary), in order, up to its
+        fair share of every row in the pipeline (balanced cohorts keep every stage equally busy) and at
+        most ``cohort_rows``. An empty cohort always takes the next one."""
+        while self._poll_ready():
+            pass
+        total = sum(c.rows for c in self.cohorts) + sum(m.rows for _, m in self._waiting)
+        share = min(self.cohort_rows, math.ceil(total / len(self.cohorts)))
+        while self._waiting and len(cohort.members) < self.max_members:
+            mb, member = self._waiting[0]
+            if cohort.members and cohort.rows + member.rows > share:
+                return
+            self._waiting.popleft()
+            cohort.members[mb] = member
+            cohort.rows += member.rows
+
+    def _poll_ready(self) -> bool:
+        """Move one newly ready microbatch to the waiting line; False when there is none."""
+        if self.pos.colocated or self.ready is None:
+            return False
+        ready = self.ready.pop()
+        if ready is None:
+            return False
+        if ready.all_finished:
+            self._release_everywhere(ready.spec.mb_id)
+            return True
+        self._waiting.append((ready.spec.mb_id, Member(1, ready.first_tokens, len(ready.spec.rows))))
+        return True
+
+    # -- the loop ------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
         while not stop():
-            self._admit()
-            if self.runnable:
-                mb_id = self.runnable.popleft()
-                try:
-                    self._step(mb_id)
-                except STEP_FAILURES as exc:
-                    self._fail(mb_id, exc)
-                continue
+            started = False
+            for _ in range(len(self.runnable)):  # each cohort at its boundary, in turn
+                cohort = self.cohorts[self.runnable.popleft()]
+                if self._start_pass(cohort):
+                    started = True
+                else:
+                    self.runnable.append(cohort.index)
             if self.pos.depth == 1:
-                if not self.inflight and self.ready is not None:
-                    self.ready.poll(block_ms=5)
+                if not started and not self.pos.colocated and self.ready is not None:
+                    self.ready.poll(block_ms=5)  # nothing to run: wait briefly for a prompt to be done
                 continue
-            payload = self.endpoint.recv(Channel.TOKENS, timeout_s=0.005)
+            payload = self.endpoint.recv(Channel.TOKENS, timeout_s=0.0 if started else 0.005)
             if payload is not None:
                 self._returned(TokenReturn.decode(payload))
 
-    # -- admission ----------------------------------------------------------------------------
-    def _admit(self) -> None:
-        while len(self.inflight) < self.pos.depth:
-            if self.pos.colocated:
-                if not self._admit_colocated():
-                    return
-                continue
-            assert self.ready is not None
-            mb = self.ready.pop()
-            if mb is None:
-                return
-            if mb.all_finished:
-                self._release_everywhere(mb.spec.mb_id)
-                continue
-            self.inflight[mb.spec.mb_id], self.next_step[mb.spec.mb_id] = mb.first_tokens, 1
-            self.runnable.append(mb.spec.mb_id)
+    def _start_pass(self, cohort: Cohort) -> bool:
+        """Start ``cohort``'s next pass (a colocated prefill, or one decode step of every member).
+        Returns False when it has nothing to run."""
+        if self.pos.colocated and len(cohort.members) < self.max_members and cohort.rows < self.cohort_rows:
+            task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
+            if task is not None:
+                self._prefill(cohort, task)
+                return True
+        self._place(cohort)
+        if not cohort.members:
+            return False
+        states = self._runnable_states(cohort)
+        if not states:  # every member failed and left
+            self.runnable.append(cohort.index)
+            return True
+        ids = torch.tensor([[t] for mb in states for t in cohort.members[mb].feed], dtype=torch.long)
+        members = [(states[mb], cohort.members[mb].step) for mb in states]
+        cohort.pass_members = tuple(states)
+        try:
+            ret = self.runner.run(
+                self.pos, members, Kind.DECODE, StageIO(input_ids=ids), cohort.index, self._guess_next(cohort)
+            )
+        except STEP_FAILURES as exc:
+            cohort.pass_members = None
+            for mb in states:
+                self._fail(cohort, mb, exc)
+            self.runnable.append(cohort.index)
+            return True
+        if ret is not None:  # a one-stage pipeline: the tokens are here already
+            self._returned(ret)
+        return True
 
-    def _admit_colocated(self) -> bool:
+    def _runnable_states(self, cohort: Cohort) -> dict[int, MicrobatchState]:
+        """Members whose caches are ready (prompt KV complete); a member whose KV never completes, or
+        whose spec is gone, is failed here and leaves."""
+        states: dict[int, MicrobatchState] = {}
+        for mb in list(cohort.members):
+            try:
+                state = self.runner.state(mb)
+                state.wait_complete(self.deadline_s)
+                self.runner.replicate_prompt(state)
+            except STEP_FAILURES as exc:
+                self._fail(cohort, mb, exc)
+                continue
+            states[mb] = state
+        return states
+
+    def _guess_next(self, current: Cohort) -> int | None:
+        """The microbatch likely to run after this pass: the next cohort's first member. Stages use it
+        to prefetch swapped-out caches."""
+        for index in self.runnable:
+            cohort = self.cohorts[index]
+            if cohort is not current and cohort.members:
+                return next(iter(cohort.members))
+        return None
+
+    # -- colocated prefill -----------------------------------------------------------------------
+    def _claim_colocated(self, block: bool) -> PromptTask | None:
         resp = self.redis.xreadgroup(
-            keys.COLOCATED_GROUP,
-            self.worker_id,
-            {keys.COLOCATED_QUEUE: ">"},
-            count=1,
-            block=None if self.inflight else 5,
+            keys.COLOCATED_GROUP, self.worker_id, {keys.COLOCATED_QUEUE: ">"}, count=1, block=5 if block else None
         )
         entries = [e for _s, es in resp or [] for e in es]
         if not entries:
-            return False
+            return None
         entry_id, fields = entries[0]
         self.redis.xack(keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP, entry_id)
         try:
-            task = PromptTask.decode(fields[b"task"])
+            return PromptTask.decode(fields[b"task"])
         except (KeyError, ValidationError) as exc:
             log.error("dropped a malformed colocated task: %s", exc)
-            return True
+            return None
+
+    def _prefill(self, cohort: Cohort, task: PromptTask) -> None:
+        """The cohort's next pass prefills ``task``'s microbatch (its other members skip this pass)."""
         (piece,) = task.pieces  # a colocated task carries one whole token microbatch
-        self.runner.release(piece.mb_id)  # a re-run prompt starts from a clean cache
+        mb_id = piece.mb_id
+        self.runner.release(mb_id)  # a re-run prompt starts from a clean cache
         try:
-            state = self.runner.state(piece.mb_id)
+            state = self.runner.state(mb_id)
         except DeadlineExceeded as exc:
             log.error("dropped a colocated task: %s", exc)  # its microbatch is gone (a stale entry)
-            return True
+            self.runnable.append(cohort.index)
+            return
         spec = state.spec
         ids = torch.zeros((len(spec.rows), spec.prompt_len), dtype=torch.long)
         for r, row in enumerate(spec.rows):
             ids[r, spec.prompt_len - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
         state.mark_complete(0)
-        self.inflight[spec.mb_id], self.next_step[spec.mb_id] = (), 0
+        cohort.members[mb_id] = Member(0, (), len(spec.rows))
+        cohort.rows += len(spec.rows)
+        cohort.pass_members = (mb_id,)
         try:
-            self.runner.run(self.pos, state, Kind.PREFILL, 0, StageIO(input_ids=ids))
+            ret = self.runner.run(self.pos, [(state, 0)], Kind.PREFILL, StageIO(input_ids=ids), cohort.index)
         except STEP_FAILURES as exc:
-            self._fail(spec.mb_id, exc)
-            return True
-        if self.pos.depth == 1:
-            self._local_return(spec.mb_id)
-        return True
-
-    # -- steps --------------------------------------------------------------------------------
-    def _step(self, mb_id: int) -> None:
-        self.inflight[mb_id] = self.inflight.pop(mb_id)  # dict order = least recently run first
-        state = self.runner.state(mb_id)
-        state.wait_complete(self.deadline_s)
-        self.runner.replicate_prompt(state)
-        ids = torch.tensor([[t] for t in self.inflight[mb_id]], dtype=torch.long)
-        self.runner.run(
-            self.pos, state, Kind.DECODE, self.next_step[mb_id], StageIO(input_ids=ids), next_mb=self._guess_next(mb_id)
-        )
-        if self.pos.depth == 1:
-            self._local_return(mb_id)
-
-    def _guess_next(self, current: int) -> int | None:
-        """The microbatch likely to run after ``current``: the head of the queue, else the one that
-        has waited longest (round-robin). Stages use it to prefetch swapped-out caches."""
-        if self.runnable:
-            return self.runnable[0]
-        others = [mb for mb in self.inflight if mb != current]
-        return others[0] if others else None
-
-    def _local_return(self, mb_id: int) -> None:
-        """Single-stage pipeline: the step's tokens come back without a network hop."""
-        if self.runner.trackers[mb_id].done:
-            self._finish(mb_id)
+            cohort.pass_members = None
+            self._fail(cohort, mb_id, exc)
+            self.runnable.append(cohort.index)
             return
-        self.inflight[mb_id] = self.runner.last_tokens[mb_id]
-        self.next_step[mb_id] += 1
-        self.runnable.append(mb_id)
+        if ret is not None:
+            self._returned(ret)
 
+    # -- returns ---------------------------------------------------------------------------------
     def _returned(self, ret: TokenReturn) -> None:
-        if ret.mb_id not in self.inflight or ret.step != self.next_step[ret.mb_id]:
-            return  # a stale return (re-executed step after recovery)
-        if ret.done:
-            self._finish(ret.mb_id)
+        if ret.cohort < 0:  # members a later stage failed on their own
+            for r in ret.members:
+                for cohort in self.cohorts:
+                    if r.mb_id in cohort.members and cohort.members[r.mb_id].step == r.step:
+                        self._leave(cohort, r.mb_id)
             return
-        self.inflight[ret.mb_id] = ret.tokens
-        self.next_step[ret.mb_id] = ret.step + 1
-        self.runnable.append(ret.mb_id)
+        if not 0 <= ret.cohort < len(self.cohorts):
+            return
+        cohort = self.cohorts[ret.cohort]
+        if not cohort.in_flight:
+            return  # a stale return (a re-executed step after recovery)
+        if {r.mb_id for r in ret.members} - set(cohort.pass_members or ()):
+            return  # not this pass's return
+        for r in ret.members:
+            member = cohort.members.get(r.mb_id)
+            if member is None or member.step != r.step:
+                continue
+            if r.done:
+                self._leave(cohort, r.mb_id)
+            else:
+                member.step, member.feed = r.step + 1, r.tokens
+        cohort.pass_members = None
+        self.runnable.append(cohort.index)
 
-    def _fail(self, mb_id: int, error: Exception) -> None:
-        """One microbatch's step failed: fail its requests, free it everywhere, serve the others."""
-        self.runner.fail(mb_id, self.next_step.get(mb_id, 0), error)
-        self._finish(mb_id)
+    def _fail(self, cohort: Cohort, mb_id: int, error: Exception) -> None:
+        """One microbatch failed: fail its requests, free it everywhere, serve the others."""
+        member = cohort.members.get(mb_id)
+        self.runner.fail(mb_id, member.step if member is not None else 0, error)
+        self._leave(cohort, mb_id)
 
-    def _finish(self, mb_id: int) -> None:
-        self.inflight.pop(mb_id, None)
-        self.next_step.pop(mb_id, None)
+    def _leave(self, cohort: Cohort, mb_id: int) -> None:
+        member = cohort.members.pop(mb_id, None)
+        if member is not None:
+            cohort.rows -= member.rows
         self._release_everywhere(mb_id)
 
     def _release_everywhere(self, mb_id: int) -> None:
-        self.runner.release(mb_id)
+        self.release(mb_id)
         if self.pos.next_peer is not None:
             self.endpoint.send(self.pos.next_peer, Channel.ACTIVATION, StageMessage(Kind.RELEASE, mb_id, 0).encode())
 

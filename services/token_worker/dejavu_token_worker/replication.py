@@ -18,9 +18,10 @@ import redis
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.private import ensure_private_dir
 from dejavu_common.settings import Replication
 from dejavu_engine.kv_cache import KVCache
-from dejavu_worker.dataplane import KVChunk
+from dejavu_worker.dataplane import KVChunk, decode_chunks, encode_chunks
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.layout import KVLayout
@@ -37,20 +38,27 @@ class ReplicaSender:
 
     def send(self, state: MicrobatchState, step: int, positions: tuple[int, int]) -> None:
         """Replicate positions [positions) of ``state``'s cache, as of ``step``."""
-        if self.peer is None:
+        self.send_pass([(state, step, positions)])
+
+    def send_pass(self, written: list[tuple[MicrobatchState, int, tuple[int, int]]]) -> None:
+        """Replicate what one pass wrote, every member at once: one buffered copy, one message."""
+        if self.peer is None or not written:
             return
-        cache = state.cache
-        p0, p1 = positions
-        chunk = KVChunk(
-            mb_id=state.mb_id,
-            layers=cache.layout.layer_range,
-            rows=(0, cache.layout.batch),
-            positions=positions,
-            k=cache.k[:, :, :, p0:p1],
-            v=cache.v[:, :, :, p0:p1],
-            step=step,
-        )
-        self.endpoint.send(self.peer, Channel.KV_REPLICA, chunk.encode())
+        chunks = []
+        for state, step, (p0, p1) in written:
+            cache = state.cache
+            chunks.append(
+                KVChunk(
+                    mb_id=state.mb_id,
+                    layers=cache.layout.layer_range,
+                    rows=(0, cache.layout.batch),
+                    positions=(p0, p1),
+                    k=cache.k[:, :, :, p0:p1],
+                    v=cache.v[:, :, :, p0:p1],
+                    step=step,
+                )
+            )
+        self.endpoint.send(self.peer, Channel.KV_REPLICA, encode_chunks(chunks))
 
 
 class ReplicaStore:
@@ -77,6 +85,7 @@ class ReplicaStore:
         self.kv_heads, self.head_dim, self.dtype = head_geometry
         self.caches: dict[int, KVCache] = {}
         self.steps: dict[int, int] = {}
+        self.spans: dict[int, int] = {}  # each microbatch's whole span (its spec's max_len)
         self.lock = threading.Lock()
 
     def run(self, stop: threading.Event) -> None:
@@ -86,14 +95,15 @@ class ReplicaStore:
             if payload is None:
                 continue
             try:
-                self.store(KVChunk.decode(payload))
+                for chunk in decode_chunks(payload):
+                    self.store(chunk)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
                 log.error("dropped a replica chunk: %s", exc)
 
     def store(self, chunk: KVChunk) -> None:
         if tuple(chunk.layers) != self.source_layers:
             raise ValueError(f"replica chunk layers {chunk.layers} are not stage {self.source_stage}'s")
-        cache = self._cache(chunk.mb_id)
+        cache = self._cache(chunk.mb_id, chunk.positions[1])
         sl = (slice(None), slice(*chunk.rows), slice(None), slice(*chunk.positions))
         cache.k[sl].copy_(chunk.k)
         cache.v[sl].copy_(chunk.v)
@@ -103,18 +113,25 @@ class ReplicaStore:
             self.steps[chunk.mb_id] = max(self.steps.get(chunk.mb_id, -1), chunk.step)
         self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, chunk.step)
 
-    def _cache(self, mb_id: int) -> KVCache:
+    def _cache(self, mb_id: int, positions: int) -> KVCache:
+        """The replica of ``mb_id``, holding at least ``positions`` positions: like the primary, it starts
+        small and doubles up to the microbatch's span."""
         with self.lock:
             cache = self.caches.get(mb_id)
             if cache is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
                 a, b = self.source_layers
-                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, spec.max_len, self.head_dim, self.dtype, a)
+                size = min(spec.max_len, max(positions, spec.prompt_len + 64))
+                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
                 cache = self.caches[mb_id] = KVCache.allocate(layout, "cpu")
+                self.spans[mb_id] = spec.max_len
+            elif positions > cache.layout.max_len:
+                cache = cache.grown(min(self.spans[mb_id], max(positions, 2 * cache.layout.max_len)))
+                self.caches[mb_id] = cache
             return cache
 
     def _append_to_disk(self, chunk: KVChunk) -> None:
-        self.replica_dir.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.replica_dir)  # replicas are KV caches: not in a folder others can read or plant in
         path = self.replica_dir / f"stage{self.source_stage}-mb{chunk.mb_id}.kv"
         with path.open("ab") as f:
             f.write(chunk.encode())
@@ -123,5 +140,6 @@ class ReplicaStore:
         with self.lock:
             self.caches.pop(mb_id, None)
             self.steps.pop(mb_id, None)
+            self.spans.pop(mb_id, None)
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
         (self.replica_dir / f"stage{self.source_stage}-mb{mb_id}.kv").unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.replication import ReplicaSender
-from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
+from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
@@ -36,6 +36,9 @@ log = logging.getLogger("dejavu.token_worker")
 # its spec is gone, its values break the computation): the microbatch is failed to its clients and the
 # stage goes on serving the others. Transport errors (``DejaVuLibError``) are not among them.
 STEP_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, IndexError, RuntimeError)
+
+# Positions a new cache holds beyond the prompt; it doubles when decoding reaches its end.
+_INITIAL_ROOM = 64
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,6 @@ class StageRunner:
         self.deadline_s = deadline_s
         self.states: dict[int, MicrobatchState] = {}
         self.trackers: dict[int, RowTracker] = {}  # last stage only: per-row progress
-        self.last_tokens: dict[int, tuple[int, ...]] = {}  # single-stage pipelines: the step's tokens
         self.replicas: ReplicaSender | None = None
         self._lock = threading.Lock()
 
@@ -80,12 +82,11 @@ class StageRunner:
             st = self.states.get(mb_id)
             if st is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s)
-                layout = self.stage.kv_layout(len(spec.rows), spec.max_len)
-                cache = (
-                    self.swap.add(mb_id, layout)
-                    if self.swap is not None
-                    else self.stage.allocate_cache(len(spec.rows), spec.max_len)
-                )
+                if self.swap is not None:  # swapped caches keep their whole span (fixed device buffers)
+                    cache = self.swap.add(mb_id, self.stage.kv_layout(len(spec.rows), spec.max_len))
+                else:  # grows as tokens are written (MicrobatchState.ensure_capacity)
+                    initial = min(spec.max_len, spec.prompt_len + _INITIAL_ROOM)
+                    cache = self.stage.allocate_cache(len(spec.rows), initial)
                 st = MicrobatchState(spec, cache, expected_cells=self.stage.num_layers * len(spec.rows))
                 self.states[mb_id] = st
             return st
@@ -95,7 +96,6 @@ class StageRunner:
             if self.states.pop(mb_id, None) is not None and self.swap is not None:
                 self.swap.drop(mb_id)
         self.trackers.pop(mb_id, None)
-        self.last_tokens.pop(mb_id, None)
 
     def fail(self, mb_id: int, step: int, error: Exception) -> None:
         """Fail ``mb_id`` to its clients: publish an ERROR finish of every row at ``step`` on its token
@@ -119,48 +119,78 @@ class StageRunner:
 
     # -- one pass -----------------------------------------------------------------------------
     def run(
-        self, pos: Position, state: MicrobatchState, kind: Kind, step: int, io: StageIO, next_mb: int | None = None
-    ) -> TokenStep | None:
-        """Run this stage's layers for ``step`` of ``state`` and hand the result on.
+        self,
+        pos: Position,
+        members: list[tuple[MicrobatchState, int]],
+        kind: Kind,
+        io: StageIO,
+        cohort: int = -1,
+        next_mb: int | None = None,
+    ) -> TokenReturn | None:
+        """Run this stage's layers for one pass of ``members`` (each microbatch at its own step; rows of
+        ``io`` are the members' rows in order) and hand the result on.
 
-        ``next_mb`` is the microbatch stage 0 expects to run next: with swapping, its cache is
-        prefetched into the free device buffer while this step computes. Returns the step's token
-        entry on the last stage, None elsewhere.
+        A DECODE pass batches every member (iteration-level batching: each attends over its own cache
+        and length); a PREFILL pass has one member. ``next_mb`` is the microbatch stage 0 expects to run
+        next: with swapping, its cache is prefetched while this pass computes. Returns the pass's
+        :class:`TokenReturn` on the last stage (also sent to stage 0 when this is not stage 0).
         """
-        geometry = state.geometry(step)
-        cache = self._acquire(state, geometry.cur_len - (geometry.cur_len if kind is Kind.PREFILL else 1))
+        if kind is Kind.PREFILL and len(members) != 1:
+            raise ValueError("a prefill pass runs one microbatch")
+        geometries = [state.geometry(step) for state, step in members]
+        caches = [
+            self._acquire(state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1))
+            for (state, _), g in zip(members, geometries, strict=True)
+        ]
         if next_mb is not None:
             self.prefetch(next_mb)
         if kind is Kind.PREFILL:
-            out = self.stage.prefill(io, cache, geometry)
-            written = (0, geometry.cur_len)
+            out = self.stage.prefill(io, caches[0], geometries[0])
         else:
-            out = self.stage.decode(io, cache, geometry)
-            written = (geometry.cur_len - 1, geometry.cur_len)
-        if self.swap is not None:
-            self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
-        state.done_step = step
+            out = self.stage.decode_groups(io, list(zip(caches, geometries, strict=True)))
+        replicated = []
+        for (state, step), g in zip(members, geometries, strict=True):
+            written = (0, g.cur_len) if kind is Kind.PREFILL else (g.cur_len - 1, g.cur_len)
+            if self.swap is not None:
+                self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
+            state.done_step = step
+            replicated.append((state, step, written))
         if self.replicas is not None:
-            self.replicas.send(state, step, written)
+            self.replicas.send_pass(replicated)
+        steps = tuple((state.mb_id, step, len(state.spec.rows)) for state, step in members)
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
-            self.endpoint.send(
-                pos.next_peer, Channel.ACTIVATION, StageMessage(kind, state.mb_id, step, out.hidden).encode()
-            )
+            hint = {"next": next_mb} if next_mb is not None else None
+            msg = StageMessage(kind, cohort, 0, out.hidden, hint, members=steps)
+            self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
-        entry = self._sample(state, step, out.logits[:, -1])
-        feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
-        done = self.trackers[state.mb_id].done
-        if pos.is_first:
-            self.last_tokens[state.mb_id] = feed
-        else:
-            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(state.mb_id, step, feed, done).encode())
-        return entry
+        # Two Redis round trips per pass, whatever the number of members: cancellations, then tokens.
+        pipe = self.redis.pipeline(transaction=False)
+        for state, _ in members:
+            pipe.smembers(keys.microbatch_cancel(state.mb_id))
+        cancels = pipe.execute()
+        returned, entries, row = [], [], 0
+        for (state, step), cancelled in zip(members, cancels, strict=True):
+            n = len(state.spec.rows)
+            entry = self._sample(state, step, out.logits[row : row + n, -1], {int(x) for x in cancelled})
+            entries.append(entry)
+            row += n
+            feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
+            returned.append(Returned(state.mb_id, step, feed, self.trackers[state.mb_id].done))
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.xadd(keys.tokens(entry.mb_id), {"step": entry.encode()})
+        pipe.execute()
+        ret = TokenReturn(cohort, tuple(returned))
+        if not pos.is_first:
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
+        return ret
 
     def _acquire(self, state: MicrobatchState, filled: int) -> KVCache:
         """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache."""
         if self.swap is None:
+            state.ensure_capacity(filled + 1)
             return state.cache
         if self.swap.state(state.mb_id) is SwapState.HOST:  # not prefetched (a missed hint)
             self.swap.make_room(keep=state.mb_id)
@@ -191,8 +221,9 @@ class StageRunner:
             self.replicas.send(state, 0, (0, state.spec.prompt_len))
             state.prompt_replicated = True
 
-    def _sample(self, state: MicrobatchState, step: int, logits: torch.Tensor) -> TokenStep:
-        """Sample ``step``'s tokens, publish them on the token stream, and track finishes."""
+    def _sample(self, state: MicrobatchState, step: int, logits: torch.Tensor, cancelled: set[int]) -> TokenStep:
+        """Sample ``step``'s tokens and track finishes (``cancelled``: rows the controller cancelled);
+        the caller publishes the returned entry on the token stream."""
         spec = state.spec
         tracker = self.trackers.get(spec.mb_id)
         if tracker is None:
@@ -203,10 +234,7 @@ class StageRunner:
             for r in spec.rows
         ]
         sampled = sample(logits, params, [step] * len(spec.rows))
-        cancelled = {int(x) for x in self.redis.smembers(keys.microbatch_cancel(spec.mb_id))}
-        entry = tracker.step(step, sampled, cancelled)
-        self.redis.xadd(keys.tokens(spec.mb_id), {"step": entry.encode()})
-        return entry
+        return tracker.step(step, sampled, cancelled)
 
 
 def history(client: redis.Redis, mb_id: int, before_step: int) -> list[TokenStep]:

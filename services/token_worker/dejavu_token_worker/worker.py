@@ -12,6 +12,7 @@ import logging
 import threading
 
 import redis
+import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
@@ -26,7 +27,7 @@ from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage, TokenReturn
+from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
@@ -61,6 +62,8 @@ class TokenWorker(WorkerProcess):
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
             self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s)
+        if self.heartbeat is not None:
+            self.heartbeat.kv_held = self.kv_held
         log.info("loaded layers %s (%.1f MB)", assignment.layers, stage.param_bytes / 1e6)
 
     def serve(self, topology: Topology) -> None:
@@ -124,6 +127,8 @@ class TokenWorker(WorkerProcess):
                     pos,
                     self.ready,
                     self.settings.transport.deadline_s,
+                    self.settings.controller.max_running,
+                    self.release,
                 )
                 driver.resume(resume)
                 driver.run(self.epoch_changed)
@@ -134,6 +139,26 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
+    def release(self, mb_id: int) -> None:
+        """Free everything this stage holds of ``mb_id``: its cache and the replica kept of it."""
+        assert self.runner is not None
+        self.runner.release(mb_id)
+        if self.replica is not None:
+            self.replica.drop(mb_id)
+
+    def _release_all_but(self, keep: set[int]) -> None:
+        assert self.runner is not None
+        held = set(self.runner.states) | (set(self.replica.caches) if self.replica is not None else set())
+        for mb in held - keep:
+            self.release(mb)
+
+    def kv_held(self) -> tuple[int, int]:
+        """(bytes, microbatches) of KV this stage holds: caches and replicas (what memory accounting checks)."""
+        caches = [st.cache for st in list(self.runner.states.values())] if self.runner is not None else []
+        if self.replica is not None:
+            caches += list(self.replica.caches.values())
+        return sum(c.k.nbytes + c.v.nbytes for c in caches), len(caches)
+
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
         """Take part in the repair of this epoch, if it follows failures; the microbatches stage 0
@@ -143,11 +168,7 @@ class TokenWorker(WorkerProcess):
         if order is None:
             # A fresh pipeline (first start, or a restarted controller that cleared its work): nothing
             # to resume, and microbatch ids start over, so no old cache may survive.
-            for mb in list(self.runner.states):
-                self.runner.release(mb)
-            if self.replica is not None:
-                for mb in list(self.replica.caches):
-                    self.replica.drop(mb)
+            self._release_all_but(set())
             if self.ready is not None:
                 self.ready.reset()
             return {}
@@ -166,13 +187,11 @@ class TokenWorker(WorkerProcess):
             if self.epoch_changed():
                 return None  # a newer epoch: its own recovery takes over
             log.error("recovery at epoch %d failed (%s): dropping every in-flight microbatch", topology.epoch, exc)
-            for mb in list(self.runner.states):
-                self.runner.release(mb)
+            self._release_all_but(set())
             return {}
-        for mb in (*point.rerun, *point.dropped):
-            self.runner.release(mb)
-            if self.replica is not None:
-                self.replica.drop(mb)
+        # Only what resumes survives: re-run prompts start from clean caches, dropped microbatches are
+        # gone, and anything else held here (a release lost with the failed worker) would leak.
+        self._release_all_but(set(point.resume))
         if self.ready is not None:
             self.ready.forget(set(point.rerun))
             self.ready.ignored |= set(point.dropped)  # a late announcement of a failed microbatch is stale
@@ -215,8 +234,7 @@ class TokenWorker(WorkerProcess):
         )
         for chunk in primary:
             state = self.runner.state(chunk.mb_id)
-            state.cache.k.copy_(chunk.k)
-            state.cache.v.copy_(chunk.v)
+            state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
             state.mark_complete(chunk.step)
             state.prompt_replicated = True
         if self.replica is not None:
@@ -236,37 +254,49 @@ class TokenWorker(WorkerProcess):
                 log.error("dropped a malformed stage message: %s", exc)
                 continue
             if msg.kind is Kind.RELEASE:
-                self.runner.release(msg.mb_id)
-                if self.replica is not None:
-                    self.replica.drop(msg.mb_id)
+                self.release(msg.mb_id)
                 if pos.next_peer is not None:
                     self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
                 continue
             try:
-                self._follow_step(pos, msg)
+                self._follow_pass(pos, msg)
             except STEP_FAILURES as exc:
-                # This microbatch alone failed here: its clients get an error, stage 0 frees it
-                # along the pipeline, and this stage keeps serving the others.
-                self.runner.fail(msg.mb_id, msg.step, exc)
-                done = TokenReturn(msg.mb_id, msg.step, (), True)
-                self.endpoint.send(pos.first_peer, Channel.TOKENS, done.encode())
+                # The pass's values broke the computation here: its members' clients get errors, stage 0
+                # frees them along the pipeline, and this stage keeps serving the others.
+                for mb, step, _rows in msg.members:
+                    self.runner.fail(mb, step, exc)
+                failed = tuple(Returned(mb, step, (), True) for mb, step, _rows in msg.members)
+                self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
 
-    def _follow_step(self, pos: Position, msg: StageMessage) -> None:
-        assert self.runner is not None
-        state = self.runner.state(msg.mb_id)
-        if msg.kind is Kind.PREFILL:
-            state.mark_complete(0)
-        else:
-            state.wait_complete(self.settings.transport.deadline_s)
-            self.runner.replicate_prompt(state)
+    def _follow_pass(self, pos: Position, msg: StageMessage) -> None:
+        """Run one pass of a cohort here. A member whose prompt KV never completes (or whose spec is
+        gone) is failed on its own and leaves the pass; the others run."""
+        assert self.runner is not None and self.endpoint is not None and msg.tensor is not None
+        members, failed, kept, row = [], [], [], 0
+        for mb, step, rows in msg.members:
+            try:
+                state = self.runner.state(mb)
+                if msg.kind is Kind.PREFILL:
+                    state.mark_complete(0)
+                else:
+                    state.wait_complete(self.settings.transport.deadline_s)
+                    self.runner.replicate_prompt(state)
+                members.append((state, step))
+                kept.append(msg.tensor[row : row + rows])
+            except STEP_FAILURES as exc:
+                self.runner.fail(mb, step, exc)
+                failed.append(Returned(mb, step, (), True))
+            row += rows
+        if failed:
+            # With members left, stage 0 learns of these apart (cohort -1); else this ends the pass.
+            ret = TokenReturn(-1 if members else msg.mb_id, tuple(failed))
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
+        if not members:
+            return
         hint = (msg.meta or {}).get("next")
+        hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
         self.runner.run(
-            pos,
-            state,
-            msg.kind,
-            msg.step,
-            StageIO(hidden=msg.tensor),
-            next_mb=int(hint) if hint is not None else None,
+            pos, members, msg.kind, StageIO(hidden=hidden), msg.mb_id, next_mb=int(hint) if hint is not None else None
         )
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
@@ -282,11 +312,7 @@ class TokenWorker(WorkerProcess):
             try:
                 chunk = KVChunk.decode(payload)
                 state = self.runner.state(chunk.mb_id)
-                local = state.cache.local(chunk.layers[0])
-                n = chunk.layers[1] - chunk.layers[0]
-                sl = (slice(local, local + n), slice(*chunk.rows), slice(None), slice(*chunk.positions))
-                state.cache.k[sl].copy_(chunk.k)
-                state.cache.v[sl].copy_(chunk.v)
+                state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
                 state.add_prompt_cells(chunk.layers, chunk.rows)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
                 log.error("dropped a prompt KV chunk: %s", exc)

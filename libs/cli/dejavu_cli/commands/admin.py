@@ -1,7 +1,8 @@
 """``dejavu admin``: operations and failure injection over Redis.
 
-Commands are signed with the admin credential (``DEJAVU_ADMIN__CREDENTIAL``); workers refuse
-commands whose signature does not verify.
+Commands are Ed25519-signed with the admin signing key (``DEJAVU_ADMIN__SIGNING_KEY``), bound to the
+target worker's current instance and valid for ``admin.command_ttl_s``; workers hold only the verify
+key and refuse anything else (``dejavu_common.admin``). ``dejavu admin keygen`` prints a fresh pair.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d = sub.add_parser("drain", help="the worker finishes its work and leaves")
     d.add_argument("worker_id")
     d.set_defaults(func=_order, action="drain")
+    g = sub.add_parser("keygen", help="print a fresh Ed25519 admin key pair as DEJAVU_ADMIN__* lines")
+    g.set_defaults(func=_keygen)
 
 
 def _client(args: argparse.Namespace):
@@ -36,26 +39,56 @@ def _client(args: argparse.Namespace):
     settings = Settings()
     if args.redis_url:
         settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": args.redis_url})})
+    if settings.admin.signing_key is None and (key := _local_signing_key()) is not None:
+        settings = settings.model_copy(update={"admin": settings.admin.model_copy(update={"signing_key": key})})
     return settings, sync_client(settings.redis)
+
+
+def _local_signing_key():
+    """The signing key ``dejavu up`` made for the local deployment it runs, if any."""
+    from pydantic import SecretStr
+
+    from dejavu_cli.launcher import ADMIN_KEY_NAME
+    from dejavu_cli.rundir import read_private, run_dir
+
+    text = read_private(run_dir() / ADMIN_KEY_NAME)
+    if text is None:
+        return None
+    name, _, value = text.strip().partition("=")
+    return SecretStr(value) if name == "DEJAVU_ADMIN__SIGNING_KEY" and value else None
 
 
 def _order(args: argparse.Namespace) -> int:
     from dejavu_cli.main import CLIError
     from dejavu_common import keys
     from dejavu_common.admin import sign
-    from dejavu_common.messages import AdminAction
+    from dejavu_common.messages import AdminAction, WorkerInfo
 
     settings, client = _client(args)
-    if not client.sismember(keys.WORKERS, args.worker_id):
+    if settings.admin.signing_key is None:
+        raise CLIError("no admin signing key: set DEJAVU_ADMIN__SIGNING_KEY (see `dejavu admin keygen`)")
+    raw = client.hget(keys.worker(args.worker_id), "info")
+    if not client.sismember(keys.WORKERS, args.worker_id) or raw is None:
         raise CLIError(f"no registered worker {args.worker_id!r}")
     cmd = sign(
+        settings.admin.signing_key.get_secret_value(),
         args.worker_id,
+        WorkerInfo.decode(raw).instance,  # the order is void for any later restart of the worker
         AdminAction(args.action),
-        settings.admin.credential.get_secret_value(),
-        getattr(args, "seconds", 0.0),
+        seconds=getattr(args, "seconds", 0.0),
+        ttl_s=settings.admin.command_ttl_s,
     )
     client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()}, maxlen=1000, approximate=True)
     print(f"sent {args.action} to {args.worker_id} (command {cmd.command_id})")
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from dejavu_common.admin import generate_keypair
+
+    signing, verify = generate_keypair()
+    print(f"DEJAVU_ADMIN__SIGNING_KEY={signing}")
+    print(f"DEJAVU_ADMIN__VERIFY_KEY={verify}")
     return 0
 
 

@@ -14,23 +14,36 @@ Contract of the chunk primitives (paper Table 1, lowest level):
   while the same (sender, key) is being flushed may mix old and new bytes: order them (the serving layer
   does, through its messages).
 
-``MessageTransport`` adds whole messages (a header blob + a payload) from any peer, delivered to one
-sink callback; ``Endpoint`` builds verified, per-channel queues on it.
+``MessageTransport`` adds whole messages (a header blob + a payload) from any peer: each header is
+first offered to an admission callback, which authenticates it and says how many payload bytes to
+accept, and only then is a payload buffer sized; ``Endpoint`` builds verified, per-channel queues on it.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 from dejavulib.buffers import Buffer
 from dejavulib.handle import Handle
 
-MessageSink = Callable[[bytes, np.ndarray], None]
 KEY_LIMIT = 1 << 32
+#: Longest header blob a transport reads from a peer; a longer one is dropped unread.
+MAX_HEADER_BYTES = 1024
+
+
+class Admitted(Protocol):
+    """What admission returns for a header it accepts: at least the payload size to accept."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+MessageAdmit = Callable[[bytes], Admitted | None]
+MessageSink = Callable[[Admitted, np.ndarray], None]
 
 
 def check_key(key: int) -> None:
@@ -87,5 +100,11 @@ class MessageTransport(Transport):
         """
 
     @abc.abstractmethod
-    def set_message_sink(self, sink: MessageSink) -> None:
-        """Deliver each incoming message as ``sink(header, payload)``, called on the transport's own thread."""
+    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
+        """Handle incoming messages with these callbacks, both called on the transport's own thread.
+
+        For each message, ``admit(header)`` runs before anything is allocated for its payload (a header
+        over ``MAX_HEADER_BYTES`` is dropped unread); ``None`` drops the message. Otherwise exactly
+        ``admitted.nbytes`` payload bytes are received (a payload of another size is dropped unread)
+        and delivered as ``sink(admitted, payload)``.
+        """

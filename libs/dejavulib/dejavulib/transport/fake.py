@@ -11,7 +11,7 @@ import numpy as np
 from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, IntegrityError
 from dejavulib.handle import Handle
-from dejavulib.transport.base import MessageSink, MessageTransport, check_key
+from dejavulib.transport.base import MAX_HEADER_BYTES, MessageAdmit, MessageSink, MessageTransport, check_key
 from dejavulib.transport.directory import Directory
 from dejavulib.transport.slots import SlotStore
 
@@ -25,6 +25,7 @@ class FakeTransport(MessageTransport):
         super().__init__(self_id)
         self._slots: SlotStore[bytes] = SlotStore()
         self._peers: dict[str, bytes] = {}
+        self._admit: MessageAdmit | None = None
         self._sink: MessageSink | None = None
         self._closed = False
         self._address = _DIRECTORY.register(self)
@@ -56,12 +57,14 @@ class FakeTransport(MessageTransport):
 
     def send_message(self, peer_id: str, header: bytes, payload: np.ndarray) -> Handle:
         peer = self._peer(peer_id)
-        if peer._sink is not None:
-            peer._sink(bytes(header), np.array(payload, dtype=np.uint8, copy=True))
+        if peer._admit is not None and peer._sink is not None and len(header) <= MAX_HEADER_BYTES:
+            admitted = peer._admit(bytes(header))
+            if admitted is not None and admitted.nbytes == payload.nbytes:
+                peer._sink(admitted, np.array(payload, dtype=np.uint8, copy=True))
         return Handle.completed(payload.nbytes)
 
-    def set_message_sink(self, sink: MessageSink) -> None:
-        self._sink = sink
+    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
+        self._admit, self._sink = admit, sink
 
     def close(self) -> None:
         self._closed = True

@@ -14,6 +14,11 @@ then be long, and an idle transport costs next to no CPU — which matters where
 with the model's compute.
 
 Tags (64 bits): kind (4) | sender id hash (28) | key or sequence number (32).
+
+What a peer can make this transport allocate: a header is received only if it is at most
+``MAX_HEADER_BYTES`` long, and a payload buffer is sized only after the header passed admission (the
+endpoint authenticates it) and only if the payload's length is exactly what the header declared; any
+other message is received into a one-byte buffer, which UCX completes as truncated, and dropped.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import numpy as np
 from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, PeerError, TransferTimeout, TransportUnavailable
 from dejavulib.handle import Handle
-from dejavulib.transport.base import MessageSink, MessageTransport, check_key
+from dejavulib.transport.base import MAX_HEADER_BYTES, Admitted, MessageAdmit, MessageSink, MessageTransport, check_key
+from dejavulib.transport.interfaces import interface_of
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +53,13 @@ _IDLE_SLEEP_MIN_S = 0.00005
 _IDLE_SLEEP_MAX_S = 0.0005  # bounds the extra latency of the first message after a quiet spell
 _FRESH_S = 0.5  # requests younger than this keep the loop spinning; older ones (a dead peer's) do not
 _MAX_LOOP_FAILURES = 20  # I/O passes failing in a row before the transport declares itself dead
-_MAX_CONTROL_BYTES = 4096  # a header or hello is far smaller; a longer one is received truncated (an error)
 _EVENT_WAIT_MS = 100  # thread mode: longest epoll sleep (incoming traffic and our own ops wake it earlier)
 SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
 _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
+# Refused headers whose payloads are still to be discarded: at most this many, each for this long (a
+# payload follows its header at once; a "header" whose payload never comes must not cost probes forever).
+_REFUSED_MEMORY = 1024
+_REFUSED_TTL_S = 5.0
 
 
 def peer_hash(peer_id: str) -> int:
@@ -83,9 +92,13 @@ class _Pending:
 
 
 class UcxTransport(MessageTransport):
-    """See the module docstring. ``require`` names a transport that every connection must select."""
+    """See the module docstring. ``require`` names a transport that every connection must select;
+    ``host`` binds the data plane to the interface carrying that address (``UCX_NET_DEVICES``, unless
+    the environment sets it already; None or a wildcard: every interface)."""
 
-    def __init__(self, self_id: str, progress: str = "polling", require: str | None = None) -> None:
+    def __init__(
+        self, self_id: str, progress: str = "polling", require: str | None = None, host: str | None = None
+    ) -> None:
         super().__init__(self_id)
         import ucxx._lib.libucxx as ucx_api
         from ucxx._lib.arr import Array
@@ -95,9 +108,12 @@ class UcxTransport(MessageTransport):
         self._api, self._Array = ucx_api, Array
         self.progress_mode, self.require = progress, require
         self._hash = peer_hash(self_id)
-        self._context = ucx_api.UCXContext(
-            {"PROTO_INFO": "y"}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        )
+        config = {"PROTO_INFO": "y"}
+        device = interface_of(host) if host is not None and "UCX_NET_DEVICES" not in os.environ else None
+        if device is not None:
+            config["NET_DEVICES"] = device
+            log.info("UCX data plane of %s bound to %s (%s)", self_id, device, host)
+        self._context = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._context)
         self._wake_fd: int | None = None
         if progress == "thread":
@@ -111,7 +127,9 @@ class UcxTransport(MessageTransport):
         self._endpoints: dict[str, Any] = {}
         self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
         self._pending: list[_Pending] = []
-        self._awaiting_payload: list[tuple[int, int, bytes]] = []
+        self._awaiting_payload: list[tuple[int, int, Admitted]] = []
+        self._refused: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_REFUSED_MEMORY)
+        self._admit: MessageAdmit | None = None
         self._sink: MessageSink | None = None
         self._seq = 0
         self._seq_lock = threading.Lock()
@@ -213,8 +231,8 @@ class UcxTransport(MessageTransport):
             done.set_done(exc)
         return done
 
-    def set_message_sink(self, sink: MessageSink) -> None:
-        self._sink = sink
+    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
+        self._admit, self._sink = admit, sink
 
     def close(self) -> None:
         """Stop the I/O thread and cancel outstanding requests. Idempotent; never waits on a peer."""
@@ -352,40 +370,80 @@ class UcxTransport(MessageTransport):
             if probe.matched:
                 found = True
                 self._receive_probed(kind, probe)
-        still: list[tuple[int, int, bytes]] = []
-        for sender, seq, header in self._awaiting_payload:
+        still: list[tuple[int, int, Admitted]] = []
+        for sender, seq, admitted in self._awaiting_payload:
             probe = self._worker.tag_probe(self._api.UCXXTag(make_tag(KIND_PAYLOAD, sender, seq)), remove=True)
             if not probe.matched:
-                still.append((sender, seq, header))
+                still.append((sender, seq, admitted))
                 continue
             found = True
-            payload = np.empty(probe.length, np.uint8)
+            if probe.length != admitted.nbytes:  # not the payload its authenticated header declared
+                log.warning("dropped a payload of %d bytes whose header declared %d", probe.length, admitted.nbytes)
+                self._discard(probe)
+                continue
+            payload = np.empty(admitted.nbytes, np.uint8)
             request = self._worker.tag_recv_with_handle(self._Array(payload), probe)
-            self._pending.append(_Pending(request, self._deliver_cb(header, payload), (payload,)))
+            self._pending.append(_Pending(request, self._deliver_cb(admitted, payload), (payload,)))
         self._awaiting_payload = still
+        found |= self._discard_refused_payloads()
         return found
 
+    def _refuse(self, sender: int, seq: int) -> None:
+        """Remember a refused header, so the payload that follows it is discarded unread."""
+        self._refused.append((sender, seq, time.monotonic() + _REFUSED_TTL_S))
+
+    def _discard_refused_payloads(self) -> bool:
+        """Drop the payloads that follow refused headers, so UCX does not hold them forever."""
+        now = time.monotonic()
+        while self._refused and self._refused[0][2] < now:
+            self._refused.popleft()
+        found = False
+        for entry in list(self._refused):
+            sender, seq, _expiry = entry
+            probe = self._worker.tag_probe(self._api.UCXXTag(make_tag(KIND_PAYLOAD, sender, seq)), remove=True)
+            if probe.matched:
+                found = True
+                self._refused.remove(entry)
+                self._discard(probe)
+        return found
+
+    def _discard(self, probe: Any) -> None:
+        """Receive a probed message into one byte: UCX truncates it (and a rendezvous is never pulled)."""
+        sink = np.empty(1, np.uint8)
+        request = self._worker.tag_recv_with_handle(self._Array(sink), probe)
+        self._pending.append(_Pending(request, lambda _error: None, (sink,)))
+
     def _receive_probed(self, kind: int, probe: Any) -> None:
-        # The length is the sender's claim, unauthenticated: never allocate more than a header needs.
-        # A longer message is still received (to take it off UCX's queue), truncated, and fails.
-        length = min(probe.length, _MAX_CONTROL_BYTES)
-        buf = np.empty(max(length, 1), np.uint8)[:length]
+        limit = 1 if kind == KIND_HELLO else MAX_HEADER_BYTES
+        if probe.length > limit:
+            log.warning("dropped a %d-byte message posing as a header or hello (limit %d)", probe.length, limit)
+            self._discard(probe)
+            if kind == KIND_HEADER:
+                self._refuse((probe.sender_tag.value >> 32) & 0x0FFFFFFF, probe.sender_tag.value & 0xFFFFFFFF)
+            return
+        buf = np.empty(max(probe.length, 1), np.uint8)[: probe.length]
         tag = probe.sender_tag.value
         request = self._worker.tag_recv_with_handle(self._Array(buf), probe)
 
         def on_done(error: BaseException | None) -> None:
-            if error is not None or kind == KIND_HELLO:
+            if error is not None or kind == KIND_HELLO or self._admit is None:
                 return
-            if kind == KIND_HEADER_ONLY:
-                self._deliver_cb(buf.tobytes(), np.empty(0, np.uint8))(None)
+            admitted = self._admit(buf.tobytes())
+            sender, seq = (tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF
+            if admitted is None:
+                if kind == KIND_HEADER:
+                    self._refuse(sender, seq)
+            elif kind == KIND_HEADER_ONLY:
+                if admitted.nbytes == 0:
+                    self._deliver_cb(admitted, np.empty(0, np.uint8))(None)
             else:
-                self._awaiting_payload.append(((tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF, buf.tobytes()))
+                self._awaiting_payload.append((sender, seq, admitted))
 
         self._pending.append(_Pending(request, on_done, (buf,)))
 
-    def _deliver_cb(self, header: bytes, payload: np.ndarray) -> Callable[[BaseException | None], None]:
+    def _deliver_cb(self, admitted: Admitted, payload: np.ndarray) -> Callable[[BaseException | None], None]:
         def deliver(error: BaseException | None) -> None:
             if error is None and self._sink is not None:
-                self._sink(header, payload)
+                self._sink(admitted, payload)
 
         return deliver

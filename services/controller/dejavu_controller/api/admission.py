@@ -6,6 +6,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+import anyio
+
+from dejavu_common.tokenizer import TokenizerError
 from dejavu_controller.backend import GenerationRequest, SamplingParams
 
 from .errors import InvalidRequestError, NotFoundError
@@ -22,6 +25,35 @@ def check_model(gateway: Gateway, model: str) -> None:
     """404 unless ``model`` is the served model's id."""
     if model != gateway.model_name:
         raise NotFoundError(f"the model `{model}` does not exist", param="model", code="model_not_found")
+
+
+def check_prompt_chars(gateway: Gateway, chars: int, param: str) -> None:
+    """400 if a prompt text is longer than ``controller.max_prompt_chars``: checked before tokenizing,
+    so an oversized prompt costs no tokenizer time."""
+    limit = gateway.settings.controller.max_prompt_chars
+    if chars > limit:
+        raise InvalidRequestError(
+            f"the prompt has {chars} characters; this server accepts at most {limit}",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def encode_text(gateway: Gateway, text: str, param: str) -> list[int]:
+    """Token ids of a prompt text, bounded in length first and tokenized on a worker thread (a long
+    prompt never stalls the event loop, and so never the other requests' streams)."""
+    check_prompt_chars(gateway, len(text), param)
+    return await anyio.to_thread.run_sync(gateway.tokenizer.encode, text)
+
+
+async def encode_chat(gateway: Gateway, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation under the model's chat template, bounded and tokenized like
+    :func:`encode_text`; 400 (``param`` ``messages``) if the template rejects the conversation."""
+    check_prompt_chars(gateway, sum(len(m["content"]) for m in messages), "messages")
+    try:
+        return await anyio.to_thread.run_sync(gateway.tokenizer.apply_chat_template, list(messages))
+    except TokenizerError as exc:  # e.g. the template rejects the order of roles
+        raise InvalidRequestError(str(exc), param="messages") from exc
 
 
 def check_token_ids(gateway: Gateway, token_ids: Sequence[int], param: str) -> None:
@@ -64,5 +96,6 @@ def admit(
         top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "off"
         seed=body.seed,
         stop=body.stop_strings,
+        ignore_eos=body.ignore_eos,
     )
     return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=params)

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 from fastapi import Depends, FastAPI
@@ -22,6 +23,7 @@ from dejavu_common.tokenizer import Tokenizer
 from .auth import ApiKeyVerifier
 from .dependencies import require_api_key
 from .errors import install_error_handler
+from .guard import RequestGuard
 from .metrics import GatewayMetrics
 from .routers import chat, completions, health, metrics, models
 from .state import BackendFactory, Gateway
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: Tokenizer | None = None) -> FastAPI:
     """Build the gateway app; nothing starts until the ASGI server runs its lifespan.
+
+    Every request passes :class:`~.guard.RequestGuard` first (API key on every path but the probes,
+    JSON content type, body-size cap), before its body is read.
 
     ``tokenizer`` overrides loading one from ``settings.model.folder`` at startup. Raises
     :class:`~.auth.InsecureExposureError` if ``settings.controller.host`` is not loopback and no
@@ -61,7 +66,11 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
         description="OpenAI-compatible gateway of a DejaVu deployment (KV-cache streaming LLM serving).",
         version="0.1.0",
         lifespan=lifespan,
-        strict_content_type=False,  # a body sent with no Content-Type header at all is still read as JSON
+        strict_content_type=True,  # RequestGuard already refuses a body that is not declared JSON (415)
+    )
+    # Outermost: the key, content type and body size are checked before any other middleware or route.
+    app.add_middleware(
+        RequestGuard, verifier=verifier, metrics=gateway_metrics, max_body_bytes=settings.controller.max_body_bytes
     )
     app.state.metrics = gateway_metrics
     app.state.verifier = verifier
@@ -73,4 +82,26 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
     app.include_router(models.router, dependencies=keyed)
     app.include_router(completions.router, dependencies=keyed)
     app.include_router(chat.router, dependencies=keyed)
+    _document_served_model(app, settings.model.name)
     return app
+
+
+def _document_served_model(app: FastAPI, model: str) -> None:
+    """Make the schema say which ``model`` is served: the one value a request's ``model`` may take (a
+    client, or a fuzzer generating requests from the schema, learns it from the schema alone)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for component in schema.get("components", {}).get("schemas", {}).values():
+                field = component.get("properties", {}).get("model")
+                if field is not None and field.get("type") == "string":
+                    field["enum"] = [model]
+            for operation in schema.get("paths", {}).get("/v1/models/{model}", {}).values():
+                for parameter in operation.get("parameters", []):
+                    if parameter.get("name") == "model":
+                        parameter["schema"]["examples"] = [model]
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,37 +1,30 @@
-"""Bearer API keys: who may call the ``/v1`` endpoints, and whether the API may be exposed at all.
+"""Bearer API keys: who may call the API, and whether the API may be exposed at all.
 
-``/health``, ``/ready`` and ``/metrics`` stay open (orchestrators and Prometheus probe them); every
-``/v1`` route requires ``Authorization: Bearer <key>`` with one of ``controller.api_keys``. Keys are
-compared in constant time, against every configured key, so timing reveals neither a key's prefix
-nor which key matched.
+Only ``/health`` and ``/ready`` stay open (orchestrators probe them); every other path requires
+``Authorization: Bearer <key>`` with one of ``controller.api_keys`` (:mod:`.guard` applies it before
+the body is read). Keys are compared in constant time, against every configured key, so timing
+reveals neither a key's prefix nor which key matched.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 from collections.abc import Sequence
 
 from pydantic import SecretStr
 
+from dejavu_common.exposure import is_loopback
+
 from .errors import UnauthorizedError
+
+__all__ = ["ApiKeyVerifier", "InsecureExposureError", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
 
 class InsecureExposureError(ValueError):
     """The API would listen beyond loopback without any API key."""
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ::1; False for anything else (``0.0.0.0`` included)."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve anywhere
 
 
 class ApiKeyVerifier:

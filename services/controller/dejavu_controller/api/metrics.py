@@ -73,13 +73,22 @@ class _BackendCollector(Collector):
         workers = GaugeMetricFamily(
             "dejavu_worker_state", "1 for each worker's current state.", labels=["worker", "state"]
         )
+        kv_bytes = GaugeMetricFamily(
+            "dejavu_worker_kv_bytes_held", "KV bytes a worker holds (caches and replicas).", labels=["worker"]
+        )
+        kv_mbs = GaugeMetricFamily(
+            "dejavu_worker_kv_microbatches_held", "Microbatch caches and replicas a worker holds.", labels=["worker"]
+        )
         if backend is not None:
             stats = backend.stats()
             ready.add_metric([], 1.0 if backend.is_ready() else 0.0)
             depth.add_metric([], float(stats.queue_depth))
             for worker, state in sorted(stats.workers.items()):
                 workers.add_metric([worker, state], 1.0)
-        yield from (ready, depth, workers)
+            for worker, (held_bytes, held_mbs) in sorted(stats.kv_held.items()):
+                kv_bytes.add_metric([worker], float(held_bytes))
+                kv_mbs.add_metric([worker], float(held_mbs))
+        yield from (ready, depth, workers, kv_bytes, kv_mbs)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())  # families depend on the backend; describing none keeps registration lazy

@@ -20,6 +20,8 @@ def uvicorn_config(settings: Settings, backend_factory: BackendFactory) -> uvico
         log_level=settings.log_level.lower(),
         lifespan="on",
         timeout_graceful_shutdown=5,
+        # Connections and in-flight requests beyond this are answered 503 by uvicorn before the app runs.
+        limit_concurrency=settings.controller.max_connections,
     )
 
 

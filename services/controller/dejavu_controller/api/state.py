@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_controller.backend import Backend, GenerationRequest
+from dejavu_controller.model_info import context_limit
 
 from .generation import Generation
 from .metrics import GatewayMetrics, RuntimeMetrics
@@ -34,7 +35,8 @@ class Gateway:
 
     @property
     def max_context(self) -> int:
-        return self.settings.engine.max_context
+        """Positions a request may span: the configured bound, capped at the model's own limit."""
+        return context_limit(self.settings.model.folder, self.settings.engine.max_context)
 
     def generation(self, request: GenerationRequest) -> Generation:
         """A :class:`Generation` of ``request`` on this gateway's backend, tokenizer and metrics."""

@@ -8,11 +8,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from dejavu_common.tokenizer import TokenizerError
 from dejavu_controller.api import dispatch, sse
-from dejavu_controller.api.admission import admit, check_model, new_request_id
+from dejavu_controller.api.admission import admit, check_model, encode_chat, new_request_id
 from dejavu_controller.api.dependencies import GatewayDep
-from dejavu_controller.api.errors import InvalidRequestError
 from dejavu_controller.api.generation import TextDelta
 from dejavu_controller.api.schemas.chat import (
     AssistantMessage,
@@ -34,10 +32,7 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | StreamingResponse:
     """Answer a conversation; ``stream: true`` answers with server-sent events."""
     check_model(gateway, body.model)
-    try:
-        prompt_ids = gateway.tokenizer.apply_chat_template([m.as_template_message() for m in body.messages])
-    except TokenizerError as exc:  # e.g. the template rejects the order of roles
-        raise InvalidRequestError(str(exc), param="messages") from exc
+    prompt_ids = await encode_chat(gateway, [m.as_template_message() for m in body.messages])
     generation_request = admit(gateway, new_request_id("chatcmpl"), prompt_ids, body, body.token_limit, "messages")
     generation = gateway.generation(generation_request)
     created = int(time.time())

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from dejavu_controller.api import dispatch, sse
-from dejavu_controller.api.admission import admit, check_model, check_token_ids, new_request_id
+from dejavu_controller.api.admission import admit, check_model, check_token_ids, encode_text, new_request_id
 from dejavu_controller.api.dependencies import GatewayDep
 from dejavu_controller.api.generation import TextDelta
 from dejavu_controller.api.schemas.common import Usage
@@ -31,7 +31,7 @@ async def create_completion(
     """Complete a prompt (text or token ids); ``stream: true`` answers with server-sent events."""
     check_model(gateway, body.model)
     if isinstance(body.prompt, str):
-        prompt_ids = gateway.tokenizer.encode(body.prompt)
+        prompt_ids = await encode_text(gateway, body.prompt, "prompt")
     else:
         prompt_ids = list(body.prompt)
         check_token_ids(gateway, prompt_ids, "prompt")

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the app's Prometheus registry in the text exposition format (open, no API key)."""
+"""``GET /metrics``: the app's Prometheus registry in the text exposition format (keyed like ``/v1``)."""
 
 from __future__ import annotations
 

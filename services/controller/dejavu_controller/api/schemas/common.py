@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Every generated token is matched against every stop string: bound their length, not just their count.
+MAX_STOP_CHARS = 256
 
 
 class ErrorDetail(BaseModel):
@@ -68,6 +70,9 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    ignore_eos: bool = Field(
+        False, description="Extension (vLLM's): keep generating past the model's EOS tokens; `stop` still applies."
+    )
 
     @field_validator("n")
     @classmethod
@@ -94,6 +99,8 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
         if any(s == "" for s in strings):
             raise ValueError("stop sequences must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters long")
         return value
 
     @field_validator("stream_options")

@@ -1,0 +1,350 @@
+"""`dejavu bench serve --base-url URL`: benchmark any running OpenAI-compatible server (ours or a peer's).
+
+Options and metrics follow ``vllm bench serve`` so that a vLLM user reads the figures as theirs:
+
+    dejavu bench serve --base-url http://127.0.0.1:8000 --input-len 256 --output-len 128 \\
+        --num-prompts 16 --ignore-eos --max-concurrency 16 1 --goodput ttft:2000 tpot:200
+
+The workload is a seeded random token-id dataset (:mod:`benchmarks.dataset`): exact input lengths
+(optionally spread by ``--range-ratio``), output lengths fixed, spread, or LMSys-like
+(``--output-dist lmsys``), or a replayed planner trace (``--trace``). Requests stream
+``/v1/completions`` with the prompt as token ids. Load is set by ``--request-rate`` (requests per
+second, Poisson or gamma arrivals with ``--burstiness``; ``inf``, the default, sends all at once)
+and ``--max-concurrency`` (requests in flight at most); several values of either give one run per
+combination, on the same requests. After an unmeasured warm-up request, each run prints a
+vLLM-style result block; the JSON (configuration, metrics with vLLM's keys, every request's
+record) and a plot go to ``--out`` (default ``benchmarks/results/serve-url.json`` and ``.png``).
+Exit status 1 if a request of any run failed or the server could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+from benchmarks.dataset import OutputDist, RandomDataset, TokenPrompts, token_pool
+from benchmarks.loadgen import ClientConfig, LoadGenerator, RequestRecord
+from benchmarks.metrics import SLO, RunMetrics, report
+from dejavu_planner.trace import Trace
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class Load:
+    """One run's load: arrival rate (inf: all at once; None: the replayed trace's arrival times),
+    burstiness, and the bound on requests in flight (None: no bound)."""
+
+    request_rate: float | None
+    burstiness: float
+    max_concurrency: int | None
+
+    @property
+    def label(self) -> str:
+        rate = "trace" if self.request_rate is None else f"rate {self.request_rate:g}"
+        return rate if self.max_concurrency is None else f"{rate}, conc {self.max_concurrency}"
+
+    @property
+    def rate_json(self) -> float | str | None:
+        """The rate as JSON can hold it (JSON has no infinity)."""
+        return "inf" if self.request_rate is not None and math.isinf(self.request_rate) else self.request_rate
+
+
+@dataclass(frozen=True)
+class TargetRun:
+    """One run's outcome; ``loadavg`` is the host's 1/5/15-minute load average at its end (a noisy,
+    shared host shows there)."""
+
+    load: Load
+    metrics: RunMetrics
+    records: tuple[RequestRecord, ...]
+    loadavg: tuple[float, float, float]
+
+    def to_json(self) -> dict:
+        return {
+            "request_rate": self.load.rate_json,
+            "burstiness": self.load.burstiness,
+            "max_concurrency": self.load.max_concurrency,
+            "host_loadavg": self.loadavg,
+            **self.metrics.to_json(),
+            "records": [r.to_json() for r in self.records],
+        }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="dejavu bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", required=True, help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is ok).")
+    p.add_argument("--endpoint", default="/v1/completions", help="Path under the base URL (default: %(default)s).")
+    p.add_argument("--model", default=None, help="Model id to request (default: the first of GET /v1/models).")
+    p.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY if set).")
+    p.add_argument("--label", default=None, help="Name of the system under test in the JSON and plot.")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="Checkpoint folder or tokenizer.json whose vocabulary the "
+        "prompts draw from (default: the prepared SmolLM2).",
+    )
+    g = p.add_argument_group("dataset (random token ids)")
+    g.add_argument("--num-prompts", type=int, default=16, help="Requests per run (default: %(default)s).")
+    g.add_argument(
+        "--input-len", "--random-input-len", dest="input_len", type=int, default=256, help="(default: %(default)s)"
+    )
+    g.add_argument(
+        "--output-len",
+        "--random-output-len",
+        dest="output_len",
+        type=int,
+        default=128,
+        help="Output length, the median with --output-dist lmsys (default: %(default)s).",
+    )
+    g.add_argument(
+        "--range-ratio",
+        "--random-range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
+        help="Lengths uniform in len * [1 - r, 1 + r] (default: %(default)s).",
+    )
+    g.add_argument(
+        "--output-dist",
+        type=OutputDist,
+        choices=list(OutputDist),
+        metavar="{uniform,lmsys}",
+        default=OutputDist.UNIFORM,
+        help="uniform (vLLM's random dataset; the default) or lmsys (log-normal, LMSys-Chat-like skew).",
+    )
+    g.add_argument("--lmsys-sigma", type=float, default=0.9, help="Log-space sigma of lmsys (default: %(default)s).")
+    g.add_argument("--max-output-len", type=int, default=1024, help="Clip of lmsys (default: %(default)s).")
+    g.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Replay this planner trace (CSV/JSON) instead: its "
+        "arrival times and lengths; --num-prompts/--request-rate do not apply.",
+    )
+    g.add_argument("--seed", type=int, default=0, help="Of lengths, prompts and arrivals (default: %(default)s).")
+    g = p.add_argument_group("load")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="Requests per second (default inf: all at once); several values give several runs.",
+    )
+    g.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (default 1: Poisson).")
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="Requests in flight at most (default: no bound); several values give several runs.",
+    )
+    g = p.add_argument_group("requests and results")
+    g.add_argument("--ignore-eos", action="store_true", help="Send ignore_eos: generate exactly the output length.")
+    g.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:200 (names: ttft, tpot, e2el).",
+    )
+    g.add_argument(
+        "--num-warmups", type=int, default=1, help="Unmeasured requests before the runs (default: %(default)s)."
+    )
+    g.add_argument(
+        "--request-timeout-s", type=float, default=600.0, help="Deadline of one request (default: %(default)s)."
+    )
+    g.add_argument("--run-timeout-s", type=float, default=1800.0, help="Bound of one run (default: %(default)s).")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / "serve-url.json",
+        help="JSON result; the PNG goes beside it (default: results/serve-url.json).",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.slo = SLO.parse(args.goodput) if args.goodput else None
+        args.dataset = RandomDataset(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            args.output_dist,
+            args.lmsys_sigma,
+            args.max_output_len,
+            args.seed,
+        )
+        args.dataset.lengths()  # bad lengths fail here, before any request
+        if any(c is not None and c < 1 for c in args.max_concurrency):
+            raise ValueError("--max-concurrency must be >= 1")
+        if args.num_warmups < 0:
+            raise ValueError("--num-warmups must be >= 0")
+        if args.trace is not None and args.request_rate != [math.inf]:
+            raise ValueError("--trace brings its own arrival times: drop --request-rate")
+    except ValueError as exc:
+        p.error(str(exc))
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    return args
+
+
+def discover_model(base_url: str, api_key: str | None) -> str:
+    """The first model id of ``GET /v1/models``; raises ``RuntimeError`` saying why there is none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise RuntimeError(f"cannot list the models at {base_url}/v1/models ({exc}); pass --model") from exc
+
+
+def loads(args: argparse.Namespace) -> list[Load]:
+    """One load per (rate, concurrency) combination; a replayed trace brings its own arrival times."""
+    rates: list[float | None] = [None] if args.trace is not None else args.request_rate
+    return [Load(rate, args.burstiness, conc) for rate, conc in itertools.product(rates, args.max_concurrency)]
+
+
+def measure(
+    args: argparse.Namespace, config: ClientConfig, prompts: TokenPrompts, save: Callable[[list[TargetRun]], None]
+) -> list[TargetRun]:
+    """Warm up, then one run per load, each on the same requests; prints each run's result block and
+    calls ``save`` with the runs so far after each. Raises ``RuntimeError`` if a warm-up request fails
+    (the server is not serving)."""
+    if args.num_warmups:
+        warm = Trace.of([(0.0, 16, 4)] * args.num_warmups)
+        for record in LoadGenerator(config, lambda r: prompts.ids(16, -1 - r.rid)).run_sync(warm):
+            if not record.ok:
+                raise RuntimeError(f"the warm-up request failed ({record.status.value}): {record.error}")
+    replayed = Trace.load(args.trace) if args.trace is not None else None
+    runs = []
+    for load in loads(args):
+        trace = replayed or args.dataset.trace(load.request_rate, load.burstiness)
+        generator = LoadGenerator(replace(config, max_concurrency=load.max_concurrency), _prompt_of(prompts))
+        records = generator.run_sync(trace)
+        run = TargetRun(load, RunMetrics.of(records, args.slo), tuple(records), os.getloadavg())
+        print(f"Traffic request rate: {load.rate_json or 'trace'}")
+        print(f"Burstiness factor: {load.burstiness:g}")
+        print(f"Maximum request concurrency: {load.max_concurrency}")
+        print(report(run.metrics, "Serving Benchmark Result", args.slo))
+        print("Host load average (1/5/15 min): {:.1f} / {:.1f} / {:.1f}".format(*run.loadavg), flush=True)
+        failures = [r for r in records if not r.ok]
+        if failures:
+            print(f"{len(failures)} requests failed, e.g. {failures[0].status.value}: {failures[0].error}")
+        runs.append(run)
+        save(runs)
+    return runs
+
+
+def _prompt_of(prompts: TokenPrompts):
+    """Each request's prompt: ``prompt_len`` random ids, varied by its request id."""
+    return lambda request: prompts.ids(request.prompt_len, request.rid)
+
+
+def plot(runs: list[TargetRun], path: Path, title: str) -> None:
+    """Output token throughput per run (bars), and the TTFT and ITL distributions per run (CDFs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, ttft, itl) = plt.subplots(1, 3, figsize=(13, 4))
+    labels = [r.load.label for r in runs]
+    bars.bar(range(len(runs)), [r.metrics.output_throughput for r in runs], color="tab:blue")
+    bars.set_xticks(range(len(runs)), labels, rotation=20, fontsize=8)
+    bars.set_ylabel("output tokens/s")
+    for ax, name, scale, values in (
+        (ttft, "TTFT (s)", 1, lambda r: [x.ttft_s for x in r.records if x.ok and x.ttft_s is not None]),
+        (itl, "ITL (ms)", 1000, lambda r: [gap for x in r.records if x.ok for gap in x.itl_s]),
+    ):
+        for run, label in zip(runs, labels, strict=True):
+            ordered = sorted(v * scale for v in values(run))
+            if ordered:
+                ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
+        ax.set_xlabel(name)
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    bars.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def result_json(args: argparse.Namespace, model: str, runs: list[TargetRun]) -> dict:
+    workload = (
+        {"trace": str(args.trace)} if args.trace else {**asdict(args.dataset), "output_dist": args.output_dist.value}
+    )
+    return {
+        "benchmark": "serve-url",
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "config": {
+            "base_url": args.base_url,
+            "endpoint": args.endpoint,
+            "model": model,
+            "label": args.label or args.base_url,
+            "workload": workload,
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+            "goodput": str(args.slo) if args.slo else None,
+            "num_warmups": args.num_warmups,
+        },
+        "runs": [r.to_json() for r in runs],
+    }
+
+
+def save(args: argparse.Namespace, model: str, runs: list[TargetRun]) -> None:
+    """Write the JSON of the runs so far (after each run: a later failure loses nothing)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result_json(args, model, runs), indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.tokenizer is None:
+        from dejavu_common.settings import Settings
+        from dejavu_engine.checkpoint import ensure_default_model
+
+        args.tokenizer = ensure_default_model(Settings())
+    try:
+        prompts = TokenPrompts(token_pool(args.tokenizer), seed=args.seed)
+        model = args.model or discover_model(args.base_url, args.api_key)
+        config = ClientConfig(
+            args.base_url,
+            model,
+            args.api_key,
+            args.request_timeout_s,
+            args.run_timeout_s,
+            temperature=args.temperature,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            endpoint=args.endpoint,
+        )
+        runs = measure(args, config, prompts, lambda runs: save(args, model, runs))
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"error: {exc}")
+        return 1
+    print(f"wrote {args.out}")
+    png = args.out.with_suffix(".png")
+    what = f"trace {args.trace.name}" if args.trace else f"{args.num_prompts} x {args.input_len} -> {args.output_len}"
+    plot(runs, png, f"{args.label or args.base_url} ({model}): {what}{', ignore_eos' if args.ignore_eos else ''}")
+    print(f"wrote {png}")
+    return 1 if any(r.metrics.failed for r in runs) else 0

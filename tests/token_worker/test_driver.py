@@ -1,0 +1,141 @@
+"""Token stage 0's cohorts as pure logic: a scripted runner, endpoint and ready queue stand in for the
+engine, the data plane and Redis, so joins, leaves, balance, row caps and failures are checked in
+milliseconds."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
+from dejavu_token_worker.driver import Driver
+from dejavu_token_worker.ready import ReadyMicrobatch
+from dejavu_token_worker.runner import Position
+from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
+from dejavu_worker.endpoint import Channel
+
+
+def _spec(mb: int, rows: int) -> MicrobatchSpec:
+    row = RowSpec(request_id=f"r{mb}", prompt_ids=(1, 2), sampling=SamplingSpec(max_tokens=50, seed=0))
+    return MicrobatchSpec(mb_id=mb, rows=(row,) * rows, prompt_len=2, max_len=52)
+
+
+@dataclass
+class State:
+    spec: MicrobatchSpec
+    broken: bool = False
+
+    def wait_complete(self, deadline_s: float) -> None:
+        if self.broken:
+            raise DeadlineExceeded(f"prompt KV of microbatch {self.spec.mb_id} incomplete")
+
+
+@dataclass
+class Pipeline:
+    """The runner, the endpoint and the later stages at once: a pass's tokens come back as the last
+    stage would return them; microbatch ``mb`` finishes when its step reaches ``finish[mb]``."""
+
+    depth: int
+    finish: dict[int, int]
+    specs: dict[int, MicrobatchSpec]
+    broken: set[int] = field(default_factory=set)
+    swap: None = None
+    states: dict[int, State] = field(default_factory=dict)
+    passes: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    returns: deque[bytes] = field(default_factory=deque)
+
+    # runner
+    def state(self, mb: int) -> State:
+        return self.states.setdefault(mb, State(self.specs[mb], mb in self.broken))
+
+    def replicate_prompt(self, state: State) -> None:
+        pass
+
+    def run(self, pos, members, kind, io, cohort=-1, next_mb=None):
+        assert kind is Kind.DECODE and io.input_ids.shape[0] == sum(len(s.spec.rows) for s, _ in members)
+        steps = tuple((s.spec.mb_id, step) for s, step in members)
+        self.passes.append((cohort, steps))
+        ret = TokenReturn(
+            cohort,
+            tuple(
+                Returned(mb, step, (step,) * len(self.specs[mb].rows), step >= self.finish[mb]) for mb, step in steps
+            ),
+        )
+        if pos.depth == 1:
+            return ret
+        self.returns.append(ret.encode())
+        return None
+
+    def release(self, mb: int) -> None:
+        self.states.pop(mb, None)
+        self.released.append(mb)
+
+    def fail(self, mb: int, step: int, error: Exception) -> None:
+        self.failed.append(mb)
+
+    # endpoint
+    def send(self, peer: str, channel: Channel, payload: bytes) -> None:
+        assert channel is Channel.ACTIVATION and StageMessage.decode(payload).kind is Kind.RELEASE
+
+    def recv(self, channel: Channel, timeout_s: float) -> bytes | None:
+        return self.returns.popleft() if self.returns else None
+
+
+class Ready:
+    """Microbatches whose prompts are done, each becoming ready after ``at`` passes."""
+
+    def __init__(self, pipeline: Pipeline, schedule: list[tuple[int, int]]) -> None:
+        self.pipeline = pipeline
+        self.schedule = deque(sorted(schedule, key=lambda x: x[1]))
+
+    def pop(self, block_ms=None):
+        if self.schedule and self.schedule[0][1] <= len(self.pipeline.passes):
+            mb, _ = self.schedule.popleft()
+            spec = self.pipeline.specs[mb]
+            return ReadyMicrobatch(spec, (7,) * len(spec.rows), (None,) * len(spec.rows))
+        return None
+
+    def poll(self, block_ms=None) -> None:
+        pass
+
+
+def _drive(depth: int, rows: dict[int, int], finish: dict[int, int], ready_at: dict[int, int], **kw) -> Pipeline:
+    pipeline = Pipeline(depth, finish, {mb: _spec(mb, n) for mb, n in rows.items()}, kw.pop("broken", set()))
+    pos = Position(0, depth, "t1" if depth > 1 else None, "t0", colocated=False)
+    ready = Ready(pipeline, list(ready_at.items()))
+    driver = Driver(pipeline, pipeline, None, "t0", pos, ready, 1.0, **kw)  # type: ignore[arg-type]
+    rounds = iter(range(10_000))
+    driver.run(lambda: set(pipeline.released) >= set(rows) or next(rounds) >= 9_999)
+    assert set(pipeline.released) == set(rows), "every microbatch leaves and is released"
+    return pipeline
+
+
+def test_a_microbatch_joins_a_running_cohort_at_its_next_step_and_leaves_when_done() -> None:
+    p = _drive(depth=1, rows={1: 2, 2: 3}, finish={1: 5, 2: 3}, ready_at={1: 0, 2: 2})
+    members = [dict(steps) for _, steps in p.passes]
+    assert members[:2] == [{1: 1}, {1: 2}]  # alone at first
+    assert members[2] == {1: 3, 2: 1}  # microbatch 2 joins at the next boundary, at its own step 1
+    assert members[4] == {1: 5, 2: 3}  # both finish in this pass...
+    assert len(members) == 5  # ...and nothing runs after they left
+    assert p.released == [1, 2]
+
+
+def test_cohorts_are_balanced_and_capped_in_rows() -> None:
+    rows = {mb: 2 for mb in range(1, 7)}
+    p = _drive(depth=2, rows=rows, finish=dict.fromkeys(rows, 4), ready_at=dict.fromkeys(rows, 0), max_running=8)
+    for _, steps in p.passes:
+        assert sum(rows[mb] for mb, _ in steps) <= 4  # ceil(8 / 2) rows per cohort
+    first = {c: {mb for mb, _ in steps} for c, steps in p.passes[:2]}
+    assert first == {0: {1, 2}, 1: {3, 4}}  # each cohort takes its share of the waiting rows
+    later = {mb for _, steps in p.passes for mb, _ in steps}
+    assert later == set(rows)  # 5 and 6 join as the first ones leave
+
+
+def test_a_member_whose_prompt_kv_never_completes_is_failed_alone() -> None:
+    p = _drive(depth=1, rows={1: 1, 2: 1}, finish={1: 3, 2: 3}, ready_at={1: 0, 2: 0}, broken={2})
+    assert p.failed == [2] and set(p.released) == {1, 2}
+    assert all(dict(steps).keys() == {1} for _, steps in p.passes)
+    assert [dict(steps)[1] for _, steps in p.passes] == [1, 2, 3]
