@@ -23,15 +23,19 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server process this test session owns."""
 
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
+    def __init__(self, port: int | None = None) -> None:
+        self.exe = shutil.which("redis-server")
+        if self.exe is None:
             raise RuntimeError("redis-server not found on PATH; run `make setup`")
-        self.port = free_port()
+        self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="dejavu-redis-")
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start redis-server without persistence (as ``dejavu up`` runs it) and wait for PONG."""
         self.proc = subprocess.Popen(
             [
-                exe,
+                self.exe,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -50,6 +54,10 @@ class RedisServer:
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:  # the port may still be held by a process going away
+                time.sleep(0.1)
+                self.proc = subprocess.Popen(self.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                continue
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
@@ -59,6 +67,18 @@ class RedisServer:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError("redis-server did not start within 10 s")
+
+    def kill(self) -> None:
+        """SIGKILL the server: every key is lost (no persistence)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """SIGKILL the server and start an empty one on the same port after ``down_s`` seconds."""
+        self.kill()
+        time.sleep(down_s)
+        self._spawn()
 
     @property
     def url(self) -> str:
@@ -93,3 +113,13 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test alone (it may kill or restart it: ``restart``), stopped after."""
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -7,8 +7,10 @@ import zlib
 import numpy as np
 import pytest
 
+from dejavulib.endpoint import Endpoint
 from dejavulib.errors import IntegrityError
-from dejavulib.header import Channel, DType, Header, secret_key
+from dejavulib.header import Channel, DType, Header, secret_key, sender_field
+from dejavulib.transport.fake import FakeTransport
 
 KEY = secret_key("deployment-secret")
 
@@ -101,3 +103,19 @@ def test_header_limits() -> None:
         Header(Channel.TOKENS, shape=(1, 2, 3, 4, 5))
     with pytest.raises(ValueError):
         Header(Channel.TOKENS, sender="x" * 33)
+
+
+@pytest.mark.parametrize(
+    "worker_id",
+    ["t0", "x" * 32, "ip-10-0-12-34.eu-west-1.compute.internal-token-worker-7", "ü" * 40, "日本語のホスト名" * 3],
+)
+def test_worker_ids_of_any_length_travel_in_a_header(worker_id: str) -> None:
+    a, b = Endpoint(FakeTransport(worker_id), "s"), Endpoint(FakeTransport("peer"), "s")
+    a.connect("peer", b.address)
+    a.send("peer", Header(Channel.TOKENS), np.arange(4, dtype=np.uint8)).wait(5)
+    sender = b.recv(Channel.TOKENS, 5).header.sender
+    assert sender == sender_field(worker_id) and len(sender.encode()) <= 32
+    if len(worker_id.encode()) <= 32:
+        assert sender == worker_id
+    else:  # readable head, and a longer id with the same head gets another field
+        assert sender[0] == worker_id[0] and sender_field(worker_id + "-2") != sender

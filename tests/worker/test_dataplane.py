@@ -55,3 +55,23 @@ def test_a_pass_of_kv_chunks_travels_as_one_message() -> None:
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
     (single,) = decode_chunks(chunks[0].encode())  # a lone chunk still decodes
     assert single.mb_id == 3 and torch.equal(single.k, chunks[0].k)
+
+
+def test_the_endpoint_forgets_sends_that_completed_or_ran_past_their_deadline() -> None:
+    import collections
+
+    from dejavu_worker.endpoint import DataEndpoint
+    from dejavulib.handle import Handle
+
+    ep = DataEndpoint.__new__(DataEndpoint)
+    ep._inflight = collections.deque()
+    done, late, young = Handle.completed(), Handle(8, deadline_s=-1.0), Handle(8, deadline_s=60.0)
+    pending = Handle(8, deadline_s=60.0)
+    for h in (done, late, young, pending):
+        ep._inflight.append((h, None))
+    ep._reap()
+    assert [h for h, _ in ep._inflight] == [young, pending]  # the young send is still in flight
+    young.set_done()
+    pending.set_done(RuntimeError("peer gone"))
+    ep._reap()
+    assert not ep._inflight

@@ -93,3 +93,26 @@ def test_a_peer_record_that_claims_another_worker_is_refused(redis_url) -> None:
             endpoint.connect_all(client, ["t9"])
     finally:
         endpoint.close()
+
+
+def test_the_heartbeat_thread_outlives_redis_errors_and_ends_the_process_on_anything_else(redis_url, monkeypatch):
+    from dejavu_common import fatal
+
+    exits: list[int] = []
+    monkeypatch.setattr(fatal, "_exit", exits.append)
+    hb, _client = _hb(redis_url)
+    hb.settings = hb.settings.model_copy(
+        update={"recovery": hb.settings.recovery.model_copy(update={"heartbeat_interval_s": 0.01})}
+    )
+    outcomes = [redis.ConnectionError("restarting"), ValueError("a bug")]
+
+    def beat() -> None:
+        if not outcomes:
+            hb.stop()
+            return
+        raise outcomes.pop(0)
+
+    hb.beat = beat
+    hb.start()
+    hb.join(5)
+    assert exits == [fatal.EXIT_LOOP_DIED]

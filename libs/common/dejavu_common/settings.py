@@ -190,6 +190,13 @@ class RecoverySettings(BaseModel):
         default_factory=lambda: default_cache_dir() / "replicas",
         description="Folder of on-disk replicas (created 0700; refused if other users could write it).",
     )
+    drain_timeout_s: float = Field(
+        20.0,
+        ge=0,
+        le=3600,
+        description="How long a draining worker (SIGTERM, `dejavu admin drain`) keeps serving while the "
+        "controller hands its stage to a replacement; it leaves after this even without one.",
+    )
 
 
 class SwapSettings(BaseModel):

@@ -33,7 +33,7 @@ import numpy as np
 from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, IntegrityError, TransferTimeout
 from dejavulib.handle import Handle
-from dejavulib.header import Channel, DType, Header, secret_key
+from dejavulib.header import Channel, DType, Header, secret_key, sender_field
 from dejavulib.replay import ReplayGuard
 from dejavulib.transport.base import MessageTransport
 
@@ -141,7 +141,8 @@ class Endpoint:
             header = replace(header, dtype=dtype, shape=shape)
         with self._cond:
             seq, self._seq = self._seq, self._seq + 1
-        sealed = header.with_payload(memoryview(data), self._key, epoch=self._epoch, seq=seq, sender=self.self_id)
+        sender = sender_field(self.self_id)
+        sealed = header.with_payload(memoryview(data), self._key, epoch=self._epoch, seq=seq, sender=sender)
         inner = self.transport.send_message(peer_id, sealed.pack(self._key), data)
         outer = Handle(data.nbytes, deadline_s)
         inner.add_done_callback(lambda h: outer.set_done(h.error))

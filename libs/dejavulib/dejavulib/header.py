@@ -26,6 +26,19 @@ from dejavulib.errors import IntegrityError
 MAGIC = 0x554A5644  # b"DVJU" little endian
 VERSION = 2  # 2: a payload MAC instead of a crc32
 SENDER_BYTES = 32
+
+
+def sender_field(peer_id: str) -> str:
+    """The id a header carries for ``peer_id``: itself when it fits in ``SENDER_BYTES`` utf-8 bytes,
+    else its head and a digest of the whole (ids are hostnames in deployments, and may be long)."""
+    raw = peer_id.encode()
+    if len(raw) <= SENDER_BYTES:
+        return peer_id
+    digest = hashlib.blake2s(raw, digest_size=4).hexdigest()
+    head = raw[: SENDER_BYTES - len(digest) - 1].decode(errors="ignore")  # never half a character
+    return f"{head}~{digest}"
+
+
 MAC_BYTES = 16
 _BODY = struct.Struct(f"<IHBBBB4IIIHHHHIIQQ{MAC_BYTES}sQQ{SENDER_BYTES}s")
 _PAYLOAD_DOMAIN = b"dejavu-payload\x00"  # a payload MAC is never a valid header MAC, and back

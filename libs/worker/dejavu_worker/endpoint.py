@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import collections
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -22,10 +23,11 @@ import redis
 
 from dejavu_common import keys
 from dejavu_common.exposure import check_data_plane
+from dejavu_common.fatal import die
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
 from dejavulib.endpoint import Endpoint
-from dejavulib.errors import TransferError, TransferTimeout
+from dejavulib.errors import PeerError, TransferError, TransferTimeout, TransportUnavailable
 from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header
 
@@ -47,7 +49,12 @@ def _transport(settings: TransportSettings, worker_id: str):
         raise ValueError(f"workers in separate processes need the 'ucx' transport, not {settings.kind!r}")
     from dejavulib.transport.ucx import UcxTransport
 
-    return UcxTransport(worker_id, progress=settings.ucx_progress, require=settings.ucx_require, host=settings.host)
+    transport = UcxTransport(
+        worker_id, progress=settings.ucx_progress, require=settings.ucx_require, host=settings.host
+    )
+    # A worker without its I/O thread can neither send nor receive: end it, so its lease expires.
+    transport.on_failure = lambda exc: die(f"UCX I/O thread of {worker_id}", exc)
+    return transport
 
 
 class DataEndpoint:
@@ -77,18 +84,39 @@ class DataEndpoint:
         self._ep.set_epoch(epoch)
 
     def connect_all(self, client: redis.Redis, peer_ids: list[str]) -> None:
-        """Connect to each peer by the address it registered (reconnecting when it changed)."""
+        """Connect to each peer by the address it registered (reconnecting when it changed).
+
+        A peer that is not registered (yet, or again after Redis lost its state) or whose connection
+        fails (``PeerError``, ``TransportUnavailable``: e.g. UCX failing to map shared memory with a
+        peer that just started) is retried with exponential backoff for up to ``deadline_s``, each
+        failure logged; the last error is raised after that.
+        """
         for peer in peer_ids:
-            raw = client.hget(keys.worker(peer), "info")
-            if raw is None:
-                raise TransferError(f"peer {peer!r} is not registered")
-            info = WorkerInfo.decode(raw)
-            if info.worker_id != peer:  # each worker's Redis user writes only its own record
-                raise TransferError(f"the record of peer {peer!r} claims to be worker {info.worker_id!r}")
-            address = base64.b64decode(info.data_address)
-            if self._addresses.get(peer) != address:
-                self._ep.connect(peer, address)
-                self._addresses[peer] = address
+            deadline = time.monotonic() + self.settings.deadline_s
+            delay = 0.05
+            while True:
+                try:
+                    self._connect(client, peer)
+                    break
+                except (PeerError, TransportUnavailable) as exc:
+                    if time.monotonic() + delay > deadline:
+                        raise
+                    log.warning("connecting to %s failed (%s): retrying in %.2f s", peer, exc, delay)
+                    time.sleep(delay)
+                    delay = min(2 * delay, 1.0)
+
+    def _connect(self, client: redis.Redis, peer: str) -> None:
+        raw = client.hget(keys.worker(peer), "info")
+        if raw is None:
+            raise PeerError(f"peer {peer!r} is not registered")
+        info = WorkerInfo.decode(raw)
+        if info.worker_id != peer:  # each worker's Redis user writes only its own record
+            raise TransferError(f"the record of peer {peer!r} claims to be worker {info.worker_id!r}")
+        address = base64.b64decode(info.data_address)
+        if self._addresses.get(peer) != address:
+            self._addresses.pop(peer, None)  # a failed attempt leaves no address behind
+            self._ep.connect(peer, address)
+            self._addresses[peer] = address
 
     def send(self, peer: str, channel: Channel, payload: bytes) -> None:
         """Queue ``payload`` to ``peer`` on ``channel`` (FIFO per peer)."""
@@ -108,10 +136,19 @@ class DataEndpoint:
             return None
 
     def _reap(self) -> None:
-        while self._inflight and self._inflight[0][0].done:
-            handle, _ = self._inflight.popleft()
-            if handle.error is not None:
-                log.warning("a send failed: %s", handle.error)
+        """Forget completed sends (logging failures) and sends past their deadline (a dead peer's:
+        the transport keeps their buffers until it gives up on them), so the queue stays bounded."""
+        now = time.monotonic()
+        while self._inflight:
+            handle, _ = self._inflight[0]
+            if handle.done():
+                if handle.error is not None:
+                    log.warning("a send failed: %s", handle.error)
+            elif handle.deadline is not None and now > handle.deadline:
+                log.warning("a send of %d bytes did not complete within its deadline", handle.nbytes)
+            else:
+                break  # FIFO with one deadline for all: the rest are younger
+            self._inflight.popleft()
 
     def close(self) -> None:
         self._ep.close()

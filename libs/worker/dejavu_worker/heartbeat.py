@@ -20,7 +20,8 @@ from pydantic import ValidationError
 
 from dejavu_common import keys
 from dejavu_common.admin import AdminRejected, CommandVerifier
-from dejavu_common.messages import AdminAction, AdminCommand, Topology
+from dejavu_common.fatal import die
+from dejavu_common.messages import AdminAction, AdminCommand, Topology, WorkerState
 from dejavu_common.settings import Settings
 
 log = logging.getLogger("dejavu.worker.heartbeat")
@@ -44,34 +45,58 @@ class Heartbeat(threading.Thread):
         self.topology: Topology | None = None
         self.topology_changed = threading.Event()
         self.draining = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not `_stop`: that name is threading.Thread's own (join calls it)
         self._paused_until = 0.0
         self._admin_cursor = "$"
         self._kv_bytes: dict[str, int] = {}
         self._kv_lock = threading.Lock()
         self.kv_held: Callable[[], tuple[int, int]] | None = None  # (bytes, microbatches) this worker holds
+        # Writes this worker's registry record again; called when a beat finds it gone (Redis restarted empty).
+        self.register: Callable[[], None] | None = None
+        self.drain_deadline: float | None = None  # monotonic time a drain gives up waiting for a hand-over
 
     def add_kv_bytes(self, purpose: str, nbytes: int) -> None:
         """Count KV bytes this worker streamed; flushed to Redis with the next beat."""
         with self._kv_lock:
             self._kv_bytes[purpose] = self._kv_bytes.get(purpose, 0) + nbytes
 
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.settings.recovery.drain_timeout_s
+
+    def drain_expired(self) -> bool:
+        """A drain is under way and its hand-over did not happen in time: the worker leaves anyway."""
+        deadline = self.drain_deadline
+        return self.draining.is_set() and deadline is not None and time.monotonic() >= deadline
+
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
+        """Beat every interval until stopped. A Redis error is logged and waited out (the next beat
+        retries); anything else ends the process, since a worker without its control thread keeps
+        serving a topology nobody updates."""
         interval = self.settings.recovery.heartbeat_interval_s
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 self.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
-            self._stop.wait(interval)
+            except BaseException as exc:  # a bug: the thread cannot go on
+                die(f"heartbeat thread of {self.worker_id}", exc)
+            self._halt.wait(interval)
 
     def beat(self) -> None:
-        """Renew the lease (unless paused), refresh the topology, apply admin commands."""
+        """Renew the lease (unless paused), register again if the record is gone, refresh the topology,
+        apply admin commands."""
         ttl_ms = int(self.settings.recovery.lease_ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
+        if self.draining.is_set() and self.drain_deadline is None:
+            # Tell the controller, which hands the stage over (the serving loop's own state writes say
+            # "draining" from now on too); leave after the deadline regardless.
+            self.drain_deadline = time.monotonic() + self.settings.recovery.drain_timeout_s
+            pipe.hset(keys.worker(self.worker_id), "state", WorkerState.DRAINING.value)
+            log.warning("draining: serving on until the stage is handed over (at most %.0f s)", self.drain_timeout_s)
         renew = time.monotonic() >= self._paused_until
         if renew:
             pipe.set(keys.worker_lease(self.worker_id), "1", px=ttl_ms)
@@ -83,10 +108,14 @@ class Heartbeat(threading.Thread):
             held_bytes, held_mbs = self.kv_held()
             held = json.dumps({"bytes": held_bytes, "microbatches": held_mbs})
             pipe.set(keys.worker_kv(self.worker_id), held, px=4 * ttl_ms)
+        pipe.hexists(keys.worker(self.worker_id), "info")  # a record without info is no registration
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
         results = pipe.execute()
-        raw_topo, admin = results[-2], results[-1]
+        registered, raw_topo, admin = results[-3], results[-2], results[-1]
+        if not registered and self.register is not None:
+            log.warning("registry record of %s is gone (Redis lost its state?): registering again", self.worker_id)
+            self.register()
         if raw_topo is not None:
             self._update_topology(raw_topo)
         for _stream, entries in admin or []:

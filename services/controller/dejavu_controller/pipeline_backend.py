@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from dejavu_common import keys
+from dejavu_common.fatal import die
 from dejavu_common.messages import SamplingSpec, TokenStep, Topology
 from dejavu_common.settings import Mode, Settings
 from dejavu_controller.api.metrics import KVStream, RuntimeMetrics
@@ -73,14 +74,21 @@ class PipelineBackend:
         self._repair_task: asyncio.Task | None = None
         self._repairing: set[int] = set()  # token stages the current repair restores
         self._kv_seen: dict[str, int] = {}
+        self._drain_waiting: set[str] = set()  # draining stage holders no replacement is available for
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
 
     async def __aenter__(self) -> PipelineBackend:
         await self._clear_previous_work()
-        incarnation = int(await self.redis.incr(keys.INCARNATION))
-        self.scheduler.start_ids_at(incarnation << 32)
-        for coro in (self._control_loop(), self._dispatch_loop(), self._relay_loop()):
-            self._tasks.append(asyncio.create_task(coro))
+        self._incarnation = int(await self.redis.incr(keys.INCARNATION))
+        self.scheduler.start_ids_at(self._incarnation << 32)
+        for name, coro in (
+            ("control", self._control_loop()),
+            ("dispatch", self._dispatch_loop()),
+            ("relay", self._relay_loop()),
+        ):
+            task = asyncio.create_task(coro, name=f"controller-{name}")
+            task.add_done_callback(_fatal_if_ended)
+            self._tasks.append(task)
         return self
 
     async def _clear_previous_work(self) -> None:
@@ -95,6 +103,7 @@ class PipelineBackend:
 
     async def __aexit__(self, *exc: object) -> None:
         for t in [*self._tasks, *([self._repair_task] if self._repair_task else [])]:
+            t.remove_done_callback(_fatal_if_ended)
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -170,26 +179,75 @@ class PipelineBackend:
         if self._dropped_keys:
             await self.redis.delete(*self._dropped_keys)
             self._dropped_keys.clear()
+        if self.registry.topology is not None and not await self.redis.exists(keys.TOPOLOGY):
+            await self._redis_lost()
         self._workers = await self.registry.workers()
         await self._collect_kv_bytes()
         old = self.registry.topology
         lost = self.registry.lost(self._workers)
-        if old is None or lost:
+        draining = self.registry.draining(self._workers)
+        if old is None or lost or draining:
             topo = self.registry.assemble(self._workers)
-            if topo is None:
+            if topo is None and (old is None or lost):
                 if lost and self._ready:
                     log.error("lost %s and no replacement is available: waiting for one", lost)
                 self._ready = False
                 return
-            new = await self.registry.publish(topo, self._workers)
-            if old is not None:
-                log.warning("lost %s: repairing the pipelines at epoch %d", lost, new.epoch)
-                self._start_repair(old, new, lost)
+            if topo is None:  # draining holders serve on until a replacement registers (or they leave)
+                if set(draining) - self._drain_waiting:
+                    log.warning("%s draining: no replacement available yet, they serve on meanwhile", draining)
+                self._drain_waiting = set(draining)
+            else:
+                new = await self.registry.publish(topo, self._workers)
+                if old is not None:
+                    why = f"lost {lost}" if lost else f"handing over the stages of draining {draining}"
+                    log.warning("%s: repairing the pipelines at epoch %d", why, new.epoch)
+                    self._start_repair(old, new, lost)
+                self._drain_waiting = set()
         was = self._ready
         self._ready = self.registry.ready(self._workers)
         if self._ready != was:
             log.info("system %s", "ready" if self._ready else "not ready")
             self._wake.set()
+
+    async def _redis_lost(self) -> None:
+        """Redis restarted empty (the topology this controller published is gone, and with it every
+        spec, token stream and queue): fail the dispatched work to its clients, keep the waiting
+        requests, and start over with a fresh pipeline (published without a recovery order, so the
+        workers drop every cache) once the workers have registered again."""
+        active = list(self.scheduler.active.values())
+        log.error(
+            "Redis lost its state (the topology is gone): failing %d in-flight microbatch(es), keeping %d "
+            "waiting request(s), publishing a fresh pipeline when the workers are back",
+            len(active),
+            self.scheduler.queue_depth,
+        )
+        if self._repair_task is not None:
+            self._repair_task.cancel()
+            self._repair_task = None
+        self._repairing = set()
+        for mb in active:
+            self._drop(mb, "Redis lost its state")
+        self.registry.forget()
+        self._ready = False
+        self._kv_seen.clear()  # the byte counters start over too
+        # Ids of this incarnation stay unique: a controller started later must take a newer one.
+        current = await self.redis.get(keys.INCARNATION)
+        if current is None or int(current) < self._incarnation:
+            await self.redis.set(keys.INCARNATION, self._incarnation)
+        # Work queued between the restart and now belongs to the microbatches just failed.
+        await self.redis.delete(keys.PROMPT_QUEUE, keys.COLOCATED_QUEUE, keys.READY_QUEUE)
+        await self._ensure_groups()
+
+    async def _ensure_groups(self) -> None:
+        """Create the work queues' consumer groups (and streams) unless they exist (workers create them
+        too, at the start of an epoch or on a NOGROUP reply; whoever is first wins)."""
+        for stream, group in ((keys.PROMPT_QUEUE, keys.PROMPT_GROUP), (keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)):
+            try:
+                await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+            except aioredis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     async def _collect_kv_bytes(self) -> None:
         """Feed the workers' KV byte counters (monotonic, in Redis) into the metrics as deltas."""
@@ -218,7 +276,8 @@ class PipelineBackend:
         active = self.scheduler.active.values()
         resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
         not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
-        self._repair_task = asyncio.create_task(
+        covered = [*resumable, *not_started]
+        self._repair_task = task = asyncio.create_task(
             self.repair.run(
                 new,
                 replaced,
@@ -230,6 +289,18 @@ class PipelineBackend:
                 dropped=[mb.spec.mb_id for mb in dropped],
             )
         )
+        task.add_done_callback(lambda t: self._repair_ended(t, covered))
+
+    def _repair_ended(self, task: asyncio.Task, covered: list[int]) -> None:
+        """A repair that failed (a Redis error half way) leaves its microbatches stranded: the workers
+        give up waiting for its resume point and drop them, so their clients get an error now."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("repair failed: %r", task.exception(), exc_info=task.exception())
+        for mb_id in covered:
+            mb = self.scheduler.active.get(mb_id)
+            if mb is not None:
+                self._drop(mb, "its repair failed")
 
     def _drop(self, mb: Microbatch, why: str) -> None:
         """Fail ``mb``'s requests to their clients and forget it (its keys go with the repair's clean-up)."""
@@ -282,19 +353,21 @@ class PipelineBackend:
                 await asyncio.sleep(0.005)
                 continue
             try:
-                streams = {keys.tokens(mb): sid for mb, sid in self._stream_ids.items()}
-                resp = await self.redis.xread(streams, block=50, count=256)
-            except Exception:
-                log.exception("relay read failed")
+                await self._relay_once()
+            except Exception:  # a Redis error: relay again once it answers (entries are read by id)
+                log.exception("relay failed")
                 await asyncio.sleep(0.1)
-                continue
-            for stream, entries in resp or []:
-                mb_id = int(stream.decode().rsplit(":", 1)[1])
-                for entry_id, fields in entries:
-                    if mb_id in self._stream_ids:
-                        self._stream_ids[mb_id] = entry_id
-                    self._relay_entry(mb_id, fields)
-                await self._maybe_complete(mb_id)
+
+    async def _relay_once(self) -> None:
+        streams = {keys.tokens(mb): sid for mb, sid in self._stream_ids.items()}
+        resp = await self.redis.xread(streams, block=50, count=256)
+        for stream, entries in resp or []:
+            mb_id = int(stream.decode().rsplit(":", 1)[1])
+            for entry_id, fields in entries:
+                if mb_id in self._stream_ids:
+                    self._stream_ids[mb_id] = entry_id
+                self._relay_entry(mb_id, fields)
+            await self._maybe_complete(mb_id)
 
     def _relay_entry(self, mb_id: int, fields: dict) -> None:
         mb = self.scheduler.active.get(mb_id)
@@ -334,3 +407,11 @@ def _outstanding_rows(settings: Settings) -> int:
     if settings.swap.enabled:
         return (c.token_depth + (0 if c.mode is Mode.COLOCATED else c.prompt_depth)) * c.token_microbatch
     return c.max_running + ahead
+
+
+def _fatal_if_ended(task: asyncio.Task) -> None:
+    """Done callback of the backend's loops, which run until cancelled: ending otherwise (an error
+    their own handlers did not expect) ends the controller, visibly, instead of leaving a gateway that
+    answers /health but never dispatches or relays again."""
+    if not task.cancelled():
+        die(f"controller task {task.get_name()}", task.exception())

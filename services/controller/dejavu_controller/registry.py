@@ -21,15 +21,19 @@ from dejavu_common.settings import ControllerSettings, Mode
 
 log = logging.getLogger("dejavu.controller.registry")
 
+_LEAVING = frozenset({WorkerState.STOPPED, WorkerState.DRAINING})  # never given a stage
+_SERVES = frozenset({WorkerState.SERVING, WorkerState.DRAINING})  # a draining holder serves until handed over
+
 
 @dataclass(frozen=True)
 class WorkerView:
     info: WorkerInfo
     alive: bool
     state: WorkerState
-    epoch: int
+    epoch: int  # the epoch the worker last reported its state at
     kv_bytes: int = 0  # KV the worker holds (token workers: caches and replicas), as of its last heartbeat
     kv_microbatches: int = 0
+    seen: int = 0  # the newest topology epoch the worker has accepted (it accepts only newer ones)
 
 
 class Registry:
@@ -39,6 +43,12 @@ class Registry:
         self.n_layers = n_layers
         self.topology: Topology | None = None
         self.instances: dict[str, str] = {}  # stage holder -> the process instance that held it at publish
+        self.last_epoch = 0  # the newest epoch this controller published
+
+    def forget(self) -> None:
+        """Drop the current topology (Redis lost it): the next :meth:`assemble` starts a fresh pipeline."""
+        self.topology = None
+        self.instances = {}
 
     async def workers(self) -> dict[str, WorkerView]:
         """Every registered worker with its lease status; malformed records are skipped and logged."""
@@ -56,6 +66,7 @@ class Registry:
                 info = WorkerInfo.decode(record[b"info"])
                 state = WorkerState(record.get(b"state", b"starting").decode())
                 epoch = int(record.get(b"epoch", b"0"))
+                seen = int(record.get(b"seen", b"0"))
                 held = json.loads(kv) if kv is not None else {}
                 kv_bytes, kv_mbs = int(held.get("bytes", 0)), int(held.get("microbatches", 0))
             except (KeyError, ValueError, AttributeError) as exc:
@@ -64,12 +75,13 @@ class Registry:
             if info.worker_id != wid:  # only worker <wid>'s Redis user may write its record: this one is forged
                 log.warning("skipping worker record %s: it claims to be worker %s", wid, info.worker_id)
                 continue
-            out[wid] = WorkerView(info, alive, state, epoch, kv_bytes, kv_mbs)
+            out[wid] = WorkerView(info, alive, state, epoch, kv_bytes, kv_mbs, seen)
         return out
 
     def assemble(self, workers: dict[str, WorkerView]) -> Topology | None:
         """A topology from live workers, keeping current stage holders where alive; None if short."""
-        live = {w: v for w, v in workers.items() if v.alive and v.state is not WorkerState.STOPPED}
+        # A draining worker keeps its stage only until someone else can take it.
+        live = {w: v for w, v in workers.items() if v.alive and v.state not in _LEAVING}
         colocated = self.settings.mode is Mode.COLOCATED
         prompt = [] if colocated else self._pick(live, WorkerRole.PROMPT, self.settings.prompt_depth, "prompt_stages")
         token = self._pick(live, WorkerRole.TOKEN, self.settings.token_depth, "token_stages")
@@ -109,8 +121,19 @@ class Registry:
         return tuple(StageAssignment(worker_id=w, stage=s, layers=r) for s, (w, r) in pairs)
 
     async def publish(self, topology: Topology, workers: dict[str, WorkerView]) -> Topology:
-        """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from."""
-        epoch = int(await self.redis.incr(keys.EPOCH))
+        """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from.
+
+        Epochs never go backwards, even when Redis restarted empty (its counter starts over): the new
+        epoch is above the counter, above every epoch a registered worker has seen (workers accept only
+        newer topologies) and above this controller's last one; the counter is raised to it.
+        """
+        counted = int(await self.redis.incr(keys.EPOCH))
+        floor = max([self.last_epoch, *(max(v.epoch, v.seen) for v in workers.values())]) + 1
+        epoch = max(counted, floor)
+        if epoch > counted:
+            log.warning("epoch counter at %d is behind (Redis lost its state?): raising it to %d", counted, epoch)
+            await self.redis.set(keys.EPOCH, epoch)
+        self.last_epoch = epoch
         topo = topology.model_copy(update={"epoch": epoch})
         await self.redis.set(keys.TOPOLOGY, topo.encode())
         await self.redis.publish(keys.TOPOLOGY_CHANNEL, str(epoch))
@@ -133,7 +156,7 @@ class Registry:
             return False
         for a in (*topo.prompt_stages, *topo.token_stages):
             v = workers.get(a.worker_id)
-            if v is None or not v.alive or v.state is not WorkerState.SERVING or v.epoch != topo.epoch:
+            if v is None or not v.alive or v.state not in _SERVES or v.epoch != topo.epoch:
                 return False
         return True
 
@@ -148,6 +171,14 @@ class Registry:
             if view is None or not view.alive or view.info.instance != self.instances.get(a.worker_id):
                 out.append(a.worker_id)
         return out
+
+    def draining(self, workers: dict[str, WorkerView]) -> list[str]:
+        """Stage holders of the current topology that are draining (they serve until handed over)."""
+        topo = self.topology
+        if topo is None:
+            return []
+        holders = (a.worker_id for a in (*topo.prompt_stages, *topo.token_stages))
+        return [w for w in holders if w in workers and workers[w].state is WorkerState.DRAINING]
 
     @staticmethod
     def replaced(old: Topology, new: Topology, lost: list[str]) -> dict[int, str]:

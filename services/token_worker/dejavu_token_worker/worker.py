@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 
+import redis
 import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
+from dejavu_common.fatal import guarded
 from dejavu_common.messages import RecoveryOrder, StageAssignment, Topology, WorkerRole
 from dejavu_common.settings import Mode, Replication, Settings
 from dejavu_engine.stage import Stage
@@ -102,9 +104,11 @@ class TokenWorker(WorkerProcess):
         recovered = threading.Event()
         threads = []
         if not pos.colocated:
-            threads.append(threading.Thread(target=self._receive_prompt_kv, args=(stop, recovered), daemon=True))
+            receive = guarded("prompt KV receiver", self._receive_prompt_kv, retry_on=(redis.RedisError,))
+            threads.append(threading.Thread(target=receive, args=(stop, recovered), daemon=True))
         if self.replica is not None:
-            threads.append(threading.Thread(target=self.replica.run, args=(stop,), daemon=True))
+            receive = guarded("replica receiver", self.replica.run, retry_on=(redis.RedisError,))
+            threads.append(threading.Thread(target=receive, args=(stop,), daemon=True))
         for t in threads:
             t.start()
         try:

@@ -52,6 +52,7 @@ _IDLE_SPIN_S = 0.0002  # keep spinning this long after the last event: replies u
 _IDLE_SLEEP_MIN_S = 0.00005
 _IDLE_SLEEP_MAX_S = 0.0005  # bounds the extra latency of the first message after a quiet spell
 _FRESH_S = 0.5  # requests younger than this keep the loop spinning; older ones (a dead peer's) do not
+_MAX_LOOP_FAILURES = 20  # I/O passes failing in a row before the transport declares itself dead
 _EVENT_WAIT_MS = 100  # thread mode: longest epoll sleep (incoming traffic and our own ops wake it earlier)
 SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
 _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
@@ -135,6 +136,9 @@ class UcxTransport(MessageTransport):
         self.selected: dict[str, frozenset[str]] = {}
         self._running = True
         self.loop_iterations = 0  # I/O loop passes, for tests and diagnostics (an idle loop should sleep)
+        self._last_activity, self._idle_sleep = time.monotonic(), _IDLE_SLEEP_MIN_S
+        # Called (on the I/O thread) when the loop gives up; a worker points it at ending its process.
+        self.on_failure: Callable[[BaseException], None] = lambda exc: log.critical("UCX transport is dead: %s", exc)
         self._thread = threading.Thread(target=self._loop, name=f"ucx-io-{self_id}", daemon=True)
         self._thread.start()
 
@@ -285,29 +289,54 @@ class UcxTransport(MessageTransport):
         return box[0]
 
     def _loop(self) -> None:
-        last_activity, idle_sleep = time.monotonic(), _IDLE_SLEEP_MIN_S
+        """The I/O thread's body. An error in one pass is logged and the loop goes on; errors in
+        ``_MAX_LOOP_FAILURES`` passes in a row mean the UCX worker is broken: the transport closes
+        (every waiter fails at once instead of at its deadline) and ``on_failure`` is called."""
+        failures = 0
         while self._running:
-            self.loop_iterations += 1
-            busy = self._run_ops()
-            self._worker.progress()
-            busy |= self._reap()
-            busy |= self._probe()
-            now = time.monotonic()
-            if busy or any(now - p.posted < _FRESH_S for p in self._pending):  # transfers in flight: full speed
-                last_activity, idle_sleep = now, _IDLE_SLEEP_MIN_S
-                time.sleep(0)
-            elif now - last_activity > _IDLE_SPIN_S and not self._ops:
-                if self._wake_fd is not None:
-                    self._worker.progress_worker_event(_EVENT_WAIT_MS)
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(self._wake_fd)  # level-triggered: drain it, or epoll returns at once
-                else:  # idle: back off so a quiet transport costs little CPU on a busy host
-                    time.sleep(idle_sleep)
-                    idle_sleep = min(2 * idle_sleep, _IDLE_SLEEP_MAX_S)
-            else:
-                # Hand the GIL over: otherwise a thread woken by a completion waits for the interpreter's
-                # switch interval (5 ms) while this loop spins.
-                time.sleep(0)
+            try:
+                self._loop_pass()
+                failures = 0
+            except Exception as exc:
+                failures += 1
+                log.exception("UCX I/O pass failed (%d in a row)", failures)
+                if failures >= _MAX_LOOP_FAILURES:
+                    self._fail_all(exc)
+                    self.on_failure(exc)
+                    return
+                time.sleep(0.001 * failures)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._running = False
+        error = ClosedError(f"UCX I/O thread failed: {exc}")
+        while self._ops:
+            self._ops.popleft()[1].set_done(error)
+        for pending in self._pending:
+            pending.on_done(error)
+        self._pending.clear()
+
+    def _loop_pass(self) -> None:
+        self.loop_iterations += 1
+        busy = self._run_ops()
+        self._worker.progress()
+        busy |= self._reap()
+        busy |= self._probe()
+        now = time.monotonic()
+        if busy or any(now - p.posted < _FRESH_S for p in self._pending):  # transfers in flight: full speed
+            self._last_activity, self._idle_sleep = now, _IDLE_SLEEP_MIN_S
+            time.sleep(0)
+        elif now - self._last_activity > _IDLE_SPIN_S and not self._ops:
+            if self._wake_fd is not None:
+                self._worker.progress_worker_event(_EVENT_WAIT_MS)
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake_fd)  # level-triggered: drain it, or epoll returns at once
+            else:  # idle: back off so a quiet transport costs little CPU on a busy host
+                time.sleep(self._idle_sleep)
+                self._idle_sleep = min(2 * self._idle_sleep, _IDLE_SLEEP_MAX_S)
+        else:
+            # Hand the GIL over: otherwise a thread woken by a completion waits for the interpreter's
+            # switch interval (5 ms) while this loop spins.
+            time.sleep(0)
 
     def _run_ops(self) -> bool:
         ran = False

@@ -1,0 +1,125 @@
+"""Draining (SIGTERM, ``dejavu admin drain``): the worker says so, serves on until the controller has
+handed its stage to a replacement, then leaves; without a replacement it leaves at the drain deadline.
+Real Redis, the worker as a thread, the controller's backend in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import redis
+import redis.asyncio as aioredis
+
+from dejavu_common import keys
+from dejavu_common.messages import WorkerInfo, WorkerRole
+from dejavu_common.settings import Settings
+from dejavu_controller.pipeline_backend import PipelineBackend
+
+from .test_redis_loss import ScriptedWorker, _record, _settings, _topology, _wait
+
+
+def _start(url: str, drain_timeout_s: float = 30.0) -> tuple[ScriptedWorker, threading.Thread]:
+    settings = _settings(url)
+    settings = settings.model_copy(
+        update={"recovery": settings.recovery.model_copy(update={"drain_timeout_s": drain_timeout_s})}
+    )
+    worker = ScriptedWorker(settings, "t0")
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    return worker, thread
+
+
+def test_a_draining_worker_serves_until_its_stage_is_handed_over(redis_url) -> None:
+    worker, thread = _start(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        _wait(lambda: client.exists(keys.worker("t0")))
+        client.set(keys.TOPOLOGY, _topology(3, "t0").encode())
+        _wait(lambda: worker.served == [3])
+        worker._on_sigterm()  # what SIGTERM does: only an event is set
+        _wait(lambda: _record(client, "t0").get(b"state") == b"draining")
+        time.sleep(0.5)
+        assert thread.is_alive() and worker.served == [3]  # still serving: nobody took the stage yet
+        client.set(keys.TOPOLOGY, _topology(4, "s0").encode())  # handed over to s0
+        thread.join(10)
+        assert not thread.is_alive() and worker.served == [3]
+        assert not client.exists(keys.worker("t0")) and not client.sismember(keys.WORKERS, "t0")
+    finally:
+        worker.stopping.set()
+        thread.join(10)
+
+
+def test_a_drain_with_no_replacement_ends_at_its_deadline_and_a_second_sigterm_at_once(redis_url) -> None:
+    worker, thread = _start(redis_url, drain_timeout_s=0.5)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        _wait(lambda: client.exists(keys.worker("t0")))
+        client.set(keys.TOPOLOGY, _topology(3, "t0").encode())
+        _wait(lambda: worker.served == [3])
+        worker._on_sigterm()
+        thread.join(10)
+        assert not thread.is_alive() and not client.exists(keys.worker("t0"))
+    finally:
+        worker.stopping.set()
+        thread.join(10)
+    worker, thread = _start(redis_url)
+    _wait(lambda: client.exists(keys.worker("t0")))
+    worker._on_sigterm()
+    worker._on_sigterm()
+    assert worker.stopping.is_set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def _register(client: redis.Redis, worker_id: str, role: WorkerRole, state: str, epoch: int, spare=False) -> None:
+    info = WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        host="h",
+        pid=1,
+        instance=worker_id,
+        data_address="",
+        torch_threads=1,
+        spare=spare,
+    )
+    client.hset(keys.worker(worker_id), mapping={"info": info.encode(), "state": state, "epoch": epoch})
+    client.sadd(keys.WORKERS, worker_id)
+    client.set(keys.worker_lease(worker_id), "1", px=60_000)
+
+
+def test_the_controller_hands_a_draining_stage_to_a_spare_and_stays_ready_while_it_waits_for_one(redis_url) -> None:
+    async def scenario() -> None:
+        client = redis.Redis.from_url(redis_url)
+        r = aioredis.Redis.from_url(redis_url)
+        base = Settings()
+        settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
+        backend = PipelineBackend(settings, r, n_layers=6)
+        repairs: list[dict[int, str]] = []
+
+        async def repair_run(topology, replaced, *args, **kwargs) -> None:
+            repairs.append(replaced)
+
+        backend.repair.run = repair_run
+        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
+            _register(client, wid, role, "serving", 0)
+        await backend._control_once()
+        epoch = backend.registry.topology.epoch
+        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
+            _register(client, wid, role, "serving", epoch)
+        await backend._control_once()
+        assert backend.is_ready()
+
+        _register(client, "t1", WorkerRole.TOKEN, "draining", epoch)  # no spare yet: t1 serves on
+        await backend._control_once()
+        assert backend.registry.topology.epoch == epoch and backend.is_ready() and not repairs
+
+        _register(client, "s0", WorkerRole.TOKEN, "idle", 0, spare=True)
+        await backend._control_once()
+        topo = backend.registry.topology
+        assert topo.epoch == epoch + 1 and [a.worker_id for a in topo.token_stages] == ["t0", "s0"]
+        await asyncio.sleep(0)
+        assert repairs == [{1: "s0"}]
+        await r.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
