@@ -128,7 +128,9 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
     settings = cluster_settings(
         redis_url, model, prompt_depth=1, token_depth=4, prompt_microbatch=2, token_microbatch=2
     )
-    with running(settings, spares=4) as launcher:
+    # Five failures need five replacements, and two simultaneous deaths may be detected in two repairs that
+    # take one more: a fifth spare keeps the last failure from waiting for a worker that never comes.
+    with running(settings, spares=5) as launcher:
         client = redis.Redis.from_url(settings.redis.url)
         # 1. A paused worker: its lease expires, a spare takes over, and it is fenced afterwards.
         r = Round(launcher, settings)
