@@ -48,6 +48,14 @@ class KVCache:
         bigger.v[:, :, :, :old].copy_(self.v)
         return bigger
 
+    def holding(self, positions: int, span: int) -> KVCache:
+        """This cache if it holds ``positions`` positions, else one grown to hold them: doubled (at least),
+        never past ``span``. Growth by doubling keeps the copies' cost amortised constant per token."""
+        capacity = self.layout.max_len
+        if positions <= capacity:
+            return self
+        return self.grown(min(span, max(positions, 2 * capacity)))
+
     @property
     def device(self) -> torch.device:
         return self.k.device

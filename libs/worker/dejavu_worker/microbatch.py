@@ -53,15 +53,12 @@ class MicrobatchState:
         at the prompt plus a little and double as tokens are written, so nothing is reserved for a
         budget the request never uses. Call with no pass of this microbatch running."""
         with self.lock:
-            capacity = self.cache.layout.max_len
-            if positions > capacity:
-                self.cache = self.cache.grown(min(self.spec.max_len, max(positions, 2 * capacity)))
+            self.cache = self.cache.holding(positions, self.spec.max_len)
 
     def write(self, layers: tuple[int, int], rows: tuple[int, int], positions: tuple[int, int], k, v) -> None:
         """Copy K/V of global ``layers`` x ``rows`` x ``positions`` into the cache (any thread)."""
         with self.lock:
-            if positions[1] > self.cache.layout.max_len:
-                self.cache = self.cache.grown(min(self.spec.max_len, max(positions[1], 2 * self.cache.layout.max_len)))
+            self.cache = self.cache.holding(positions[1], self.spec.max_len)
             local = self.cache.local(layers[0])
             sl = (slice(local, local + layers[1] - layers[0]), slice(*rows), slice(None), slice(*positions))
             self.cache.k[sl].copy_(k)

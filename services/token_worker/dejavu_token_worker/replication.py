@@ -135,9 +135,8 @@ class ReplicaStore:
                 layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
                 cache = self.caches[mb_id] = KVCache.allocate(layout, "cpu")
                 self.spans[mb_id] = spec.max_len
-            elif positions > cache.layout.max_len:
-                cache = cache.grown(min(self.spans[mb_id], max(positions, 2 * cache.layout.max_len)))
-                self.caches[mb_id] = cache
+            else:
+                cache = self.caches[mb_id] = cache.holding(positions, self.spans[mb_id])
             return cache
 
     def _append_to_disk(self, chunk: KVChunk) -> None:
