@@ -79,7 +79,7 @@ def test_a_replayed_message_is_delivered_once(ucx_peer) -> None:
 
 def test_an_unauthenticated_peer_cannot_make_the_receiver_allocate() -> None:
     """Oversized "headers" and a forged header announcing 64 MiB: the receiver sizes no buffer for them."""
-    from dejavulib.transport.ucx import KIND_HEADER_ONLY, UcxTransport, make_tag, peer_hash
+    from dejavulib.transport.ucx import KIND_HEADER, UcxTransport, make_tag, peer_hash
 
     victim = Endpoint(UcxTransport("victim"), "the-secret")
     rogue = UcxTransport("rogue")
@@ -91,7 +91,7 @@ def test_an_unauthenticated_peer_cannot_make_the_receiver_allocate() -> None:
         tracemalloc.start()
         rogue._submit(  # a 1 MiB message posing as a header
             lambda: rogue._post_send(
-                rogue._ep("victim"), big[: 1 << 20], make_tag(KIND_HEADER_ONLY, peer_hash("rogue"), 7), lambda e: None
+                rogue._ep("victim"), big[: 1 << 20], make_tag(KIND_HEADER, peer_hash("rogue"), 7), lambda e: None
             ),
             Handle(),
         )
@@ -208,3 +208,33 @@ def test_required_transport_is_enforced(ucx_peer) -> None:
         ok.connect("peer", peer_address)
     with UcxTransport("driver-3", require="tcp") as strict, pytest.raises(TransportUnavailable):
         strict.connect("peer", peer_address)
+
+
+def test_messages_from_one_sender_arrive_in_the_order_sent() -> None:
+    """A header-only message (a restore's end marker) sent after a large one must not overtake it: UCX
+    completes the small eager message long before the large rendezvous one, and the transport's
+    contract (MessageTransport.send_message) is delivery in the order sent."""
+    from dejavulib.transport.ucx import UcxTransport
+
+    receiver = Endpoint(UcxTransport("in-order-receiver"), "the-secret")
+    sender = Endpoint(UcxTransport("in-order-sender"), "the-secret")
+    try:
+        sender.transport.connect("in-order-receiver", receiver.address)
+        big = np.arange(8 << 20, dtype=np.uint8)
+        sent = []
+        for i in range(6):
+            sent += [("big", i), ("end", i), ("small", i)]
+            sender.send("in-order-receiver", Header(Channel.KV_RESTORE, microbatch=i, step=0), big)
+            sender.send("in-order-receiver", Header(Channel.KV_RESTORE, microbatch=i, step=1))
+            sender.send("in-order-receiver", Header(Channel.KV_RESTORE, microbatch=i, step=2), big[:100])
+        got = []
+        for _ in sent:
+            msg = receiver.recv(Channel.KV_RESTORE, 20)
+            kind = {0: "big", 1: "end", 2: "small"}[msg.header.step]
+            got.append((kind, msg.header.microbatch))
+            if kind == "big":
+                assert np.array_equal(msg.payload, big)
+        assert got == sent
+    finally:
+        sender.close()
+        receiver.close()

@@ -204,11 +204,12 @@ class Round:
         with self.cond:
             assert self.cond.wait_for(lambda: len(self.arrivals) >= n, timeout_s), "requests made no progress"
 
-    def finish(self, timeout_s: float = 300) -> dict[str, str]:
+    def finish(self, timeout_s: float = 300, deployment: Deployment | None = None) -> dict[str, str]:
+        logs = (lambda: deployment.logs(tail=200)) if deployment is not None else (lambda: "")
         for t in self.threads:
             t.join(timeout_s)
-            assert not t.is_alive(), "a request hung"
-        assert not self.errors, self.errors
+            assert not t.is_alive(), f"a request hung\n{logs()}"
+        assert not self.errors, f"{self.errors}\n{logs()}"
         return self.texts
 
 
@@ -302,7 +303,7 @@ def test_greedy_requests_match_the_engine(deployment: Deployment, reference: dic
         refused.models.list()
     client = OpenAI(base_url=deployment.api_url + "/v1", api_key=deployment.api_key, timeout=180, max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    texts = Round(client).finish()
+    texts = Round(client).finish(deployment=deployment)
     for prompt in PROMPTS:
         assert texts[prompt] == reference[prompt], f"{prompt!r}\n{deployment.logs()}"
     # UCX between containers went over TCP alone (compose.yaml sets UCX_TLS=tcp and requires it).
@@ -330,7 +331,7 @@ def test_a_killed_token_worker_container_is_replaced_and_streams_stay_exact(
         time.sleep(0.02)
     repaired = time.monotonic()
     assert int(admin.get(keys.EPOCH)) > epoch, f"no new topology after the kill\n{deployment.logs()}"
-    texts = r.finish()
+    texts = r.finish(deployment=deployment)
     resumed = min((t for t in r.arrivals if t > killed), default=None)
     for prompt in PROMPTS:
         assert texts[prompt] == reference[prompt], f"{prompt!r}\n{deployment.logs()}"

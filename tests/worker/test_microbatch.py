@@ -1,14 +1,21 @@
-"""A token stage's cache of a microbatch starts at the prompt plus a little and grows as tokens are
-written, never past the microbatch's span, keeping every position already written."""
+"""A worker's microbatch state. A token stage's cache of a microbatch starts at the prompt plus a little
+and grows as tokens are written, never past the microbatch's span, keeping every position already
+written; waiting for a spec ends at its deadline, or at once when the epoch changes."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import redis
 import torch
 
+from dejavu_common import keys
+from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
 from dejavu_engine.kv_cache import KVCache
-from dejavu_worker.microbatch import MicrobatchState
+from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.layout import KVLayout
 
 
@@ -46,3 +53,24 @@ def test_a_write_past_the_end_grows_the_cache_and_the_span_is_a_hard_limit() -> 
     assert torch.equal(state.cache.k[1, 1, :, 7:10], k[0, 0])
     with pytest.raises(ValueError, match="grows"):
         state.cache.grown(4)
+
+
+def test_waiting_for_a_spec_ends_at_its_deadline_or_at_once_when_the_epoch_changes(redis_url: str) -> None:
+    """After a Redis restart a microbatch's spec never comes back: a worker waiting for it must move on to
+    the new epoch at once, not sit out the deadline (which once made a Redis recovery take 22.7 s)."""
+    client = redis.Redis.from_url(redis_url)
+    spec = _state(prompt_len=4, max_len=16, capacity=8).spec
+    client.set(keys.microbatch(1), spec.encode())
+    assert fetch_spec(client, 1, 0.0) == spec
+    with pytest.raises(DeadlineExceeded, match=r"after 0\.2 s"):
+        fetch_spec(client, 2, 0.2)
+    changed = threading.Event()
+    threading.Timer(0.1, changed.set).start()
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="epoch changed"):
+        fetch_spec(client, 2, 60.0, changed.is_set)
+    assert time.monotonic() - started < 30  # not the 60 s deadline
+    # a spec that appears while waiting is returned
+    threading.Timer(0.1, lambda: client.set(keys.microbatch(3), spec.model_copy(update={"mb_id": 3}).encode())).start()
+    assert fetch_spec(client, 3, 30.0, lambda: False).mb_id == 3
+    client.close()

@@ -91,7 +91,6 @@ class EngineSettings(BaseModel):
         description="How long an idle Intel OpenMP thread spins before it sleeps (KMP_BLOCKTIME): short, since "
         "workers often share a host's cores.",
     )
-    max_batch_size: int = Field(8, ge=1, le=1024, description="Largest microbatch a stage accepts.")
     max_context: int = Field(2048, ge=16, le=1 << 20, description="Upper bound on prompt + generated tokens.")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -15,8 +16,12 @@ from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.kv_cache import KVCache
 
 
-def fetch_spec(client: redis.Redis, mb_id: int, deadline_s: float) -> MicrobatchSpec:
-    """The controller's spec of ``mb_id``; raises :class:`DeadlineExceeded` if it does not appear in time."""
+def fetch_spec(
+    client: redis.Redis, mb_id: int, deadline_s: float, abandon: Callable[[], bool] | None = None
+) -> MicrobatchSpec:
+    """The controller's spec of ``mb_id``; raises :class:`DeadlineExceeded` if it does not appear in time,
+    or as soon as ``abandon()`` is true while waiting (a newer epoch: the spec may never come back, as after
+    a Redis restart, and the worker must move on to the new epoch instead of sitting out the deadline)."""
     end = time.monotonic() + deadline_s
     while True:
         raw = client.get(keys.microbatch(mb_id))
@@ -24,6 +29,8 @@ def fetch_spec(client: redis.Redis, mb_id: int, deadline_s: float) -> Microbatch
             return MicrobatchSpec.decode(raw)
         if time.monotonic() > end:
             raise DeadlineExceeded(f"no spec for microbatch {mb_id} after {deadline_s} s")
+        if abandon is not None and abandon():
+            raise DeadlineExceeded(f"stopped waiting for the spec of microbatch {mb_id}: the epoch changed")
         time.sleep(0.005)
 
 

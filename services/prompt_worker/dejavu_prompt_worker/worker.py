@@ -119,7 +119,8 @@ class PromptWorker(WorkerProcess):
 
     def _specs(self, task: PromptTask) -> dict[int, MicrobatchSpec]:
         assert self.redis is not None
-        return {p.mb_id: fetch_spec(self.redis, p.mb_id, self.settings.transport.deadline_s) for p in task.pieces}
+        deadline = self.settings.transport.deadline_s
+        return {p.mb_id: fetch_spec(self.redis, p.mb_id, deadline, self.epoch_changed) for p in task.pieces}
 
     def _rows(self, task: PromptTask) -> list[tuple[int, int]]:
         """(token microbatch, row) of each row of the prompt microbatch, in order."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -35,9 +36,10 @@ class ReadyPrompts:
     microbatches the pipeline already handled (those resume through recovery instead).
     """
 
-    def __init__(self, client: redis.Redis, deadline_s: float) -> None:
+    def __init__(self, client: redis.Redis, deadline_s: float, abandon: Callable[[], bool] | None = None) -> None:
         self.redis = client
         self.deadline_s = deadline_s
+        self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         last = client.xrevrange(keys.READY_QUEUE, count=1)
         self.cursor: bytes | str = last[0][0] if last else "0-0"
         self._partial: dict[int, tuple[MicrobatchSpec, list[int | None], list[FinishReason | None]]] = {}
@@ -58,7 +60,7 @@ class ReadyPrompts:
         if done.mb_id in self.ignored:
             return
         if done.mb_id not in self._partial:
-            spec = fetch_spec(self.redis, done.mb_id, self.deadline_s)
+            spec = fetch_spec(self.redis, done.mb_id, self.deadline_s, self.abandon)
             n = len(spec.rows)
             self._partial[done.mb_id] = (spec, [None] * n, [None] * n)
         spec, first, finished = self._partial[done.mb_id]

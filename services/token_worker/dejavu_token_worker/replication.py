@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -74,8 +75,10 @@ class ReplicaStore:
         mode: Replication,
         replica_dir: Path,
         deadline_s: float,
+        abandon: Callable[[], bool] | None = None,
     ) -> None:
         self.redis = client
+        self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         self.endpoint = endpoint
         self.source_stage = source_stage
         self.source_layers = source_layers
@@ -129,7 +132,7 @@ class ReplicaStore:
                 log.debug("ignored a replica step of released microbatch %d", mb_id)
                 return None
             if cache is None:
-                spec = fetch_spec(self.redis, mb_id, self.deadline_s)
+                spec = fetch_spec(self.redis, mb_id, self.deadline_s, self.abandon)
                 a, b = self.source_layers
                 size = min(spec.max_len, max(positions, spec.prompt_len + 64))
                 layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)

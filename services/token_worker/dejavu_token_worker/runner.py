@@ -12,6 +12,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -71,8 +72,10 @@ class StageRunner:
         endpoint: DataEndpoint,
         deadline_s: float,
         swap: SwapManager | None = None,
+        abandon: Callable[[], bool] | None = None,
     ) -> None:
         self.stage = stage
+        self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         self.swap = swap  # microbatch swapping: caches live in host memory, two device buffers
         self.redis = client
         self.endpoint = endpoint
@@ -92,8 +95,15 @@ class StageRunner:
             st = self.states.get(mb_id)
             if st is None and mb_id in self._finished_set:
                 raise FinishedMicrobatch(f"microbatch {mb_id} finished")
+        if st is not None:
+            return st
+        # Waited for without the lock: a spec that is slow to appear must not stall the other threads.
+        spec = fetch_spec(self.redis, mb_id, self.deadline_s, self.abandon)
+        with self._lock:
+            st = self.states.get(mb_id)
+            if st is None and mb_id in self._finished_set:
+                raise FinishedMicrobatch(f"microbatch {mb_id} finished")
             if st is None:
-                spec = fetch_spec(self.redis, mb_id, self.deadline_s)
                 if self.swap is not None:  # swapped caches keep their whole span (fixed device buffers)
                     cache = self.swap.add(mb_id, self.stage.kv_layout(len(spec.rows), spec.max_len))
                 else:  # grows as tokens are written (MicrobatchState.ensure_capacity)

@@ -57,11 +57,13 @@ class TokenWorker(WorkerProcess):
                 layout, len(topology.token_stages), m.device, deadline_s=self.settings.transport.deadline_s
             )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
-        self.runner = StageRunner(stage, self.redis, self.endpoint, self.settings.transport.deadline_s, swap)
+        self.runner = StageRunner(
+            stage, self.redis, self.endpoint, self.settings.transport.deadline_s, swap, abandon=self.epoch_changed
+        )
         self.replica = None
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
-            self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s)
+            self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s, self.epoch_changed)
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info("loaded layers %s (%.1f MB)", assignment.layers, stage.param_bytes / 1e6)
@@ -96,6 +98,7 @@ class TokenWorker(WorkerProcess):
                 self.settings.recovery.replication,
                 self.settings.recovery.replica_dir,
                 self.settings.transport.deadline_s,
+                self.epoch_changed,
             )
         stop = threading.Event()
         # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
@@ -213,6 +216,7 @@ class TokenWorker(WorkerProcess):
                     if mb in order.microbatches
                 ]
                 recovery.send_caches(self.endpoint, new_worker, chunks, "primary")
+                log.info("sent %s its caches of microbatches %s", new_worker, {c.mb_id: c.step for c in chunks})
             if depth > 1 and (stage - 1) % depth == pos.index:
                 chunks = [
                     self._whole(mb, st.cache, st.done_step)
@@ -220,6 +224,7 @@ class TokenWorker(WorkerProcess):
                     if mb in order.microbatches and st.complete.is_set()
                 ]
                 recovery.send_caches(self.endpoint, new_worker, chunks, "replica")
+                log.info("sent %s the replica of microbatches %s", new_worker, {c.mb_id: c.step for c in chunks})
 
     @staticmethod
     def _whole(mb: int, cache, step: int) -> KVChunk:
@@ -234,6 +239,11 @@ class TokenWorker(WorkerProcess):
             return
         primary, replica = recovery.receive_caches(
             self.endpoint, roles, self.settings.transport.deadline_s * 2, self.epoch_changed
+        )
+        log.info(
+            "restored caches of microbatches %s and the replica of %s",
+            {c.mb_id: c.step for c in primary},
+            {c.mb_id: c.step for c in replica},
         )
         for chunk in primary:
             state = self.runner.state(chunk.mb_id)

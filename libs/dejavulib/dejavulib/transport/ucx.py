@@ -19,6 +19,12 @@ What a peer can make this transport allocate: a header is received only if it is
 ``MAX_HEADER_BYTES`` long, and a payload buffer is sized only after the header passed admission (the
 endpoint authenticates it) and only if the payload's length is exactly what the header declared; any
 other message is received into a one-byte buffer, which UCX completes as truncated, and dropped.
+
+Messages from one sender are delivered in the order they were sent. UCX matches a sender's headers in
+order, but a small message completes long before a large one sent just ahead of it (eager versus
+rendezvous), so each sender has an inbox: a message takes its place when its header is probed and is
+handed to the sink only once everything ahead of it was delivered or dropped. Every header, with a
+payload or not, has the one header kind, so headers are probed in the order they arrived.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from dejavulib.transport.interfaces import interface_of
 
 log = logging.getLogger(__name__)
 
-KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO, KIND_HEADER_ONLY = 1, 2, 3, 4, 5
+KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO = 1, 2, 3, 4
 _KIND_MASK = 0xF << 60
 _IDLE_SPIN_S = 0.0002  # keep spinning this long after the last event: replies usually follow quickly
 _IDLE_SLEEP_MIN_S = 0.00005
@@ -60,6 +66,9 @@ _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
 # payload follows its header at once; a "header" whose payload never comes must not cost probes forever).
 _REFUSED_MEMORY = 1024
 _REFUSED_TTL_S = 5.0
+# A payload is sent right after its header; one not probed within this long never comes (its sender died),
+# and its place in the sender's order is given up so the sender's later messages flow again.
+_PAYLOAD_WAIT_S = 5.0
 
 
 def peer_hash(peer_id: str) -> int:
@@ -81,6 +90,17 @@ def satisfies(required: str, selected: frozenset[str]) -> bool:
     if required in ("sm", "shm"):
         return bool(selected & SHARED_MEMORY_TLS)
     return required in selected
+
+
+@dataclass
+class _Inbound:
+    """One message from a sender, in its place in that sender's inbox until delivered or dropped."""
+
+    admitted: Admitted | None = None
+    payload: np.ndarray | None = None
+    ready: bool = False  # header (and payload, if any) received: deliverable
+    dropped: bool = False  # refused, failed or never completed: skipped
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -127,7 +147,8 @@ class UcxTransport(MessageTransport):
         self._endpoints: dict[str, Any] = {}
         self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
         self._pending: list[_Pending] = []
-        self._awaiting_payload: list[tuple[int, int, Admitted]] = []
+        self._awaiting_payload: list[tuple[int, int, _Inbound]] = []
+        self._inbox: dict[int, collections.deque[_Inbound]] = {}  # per sender, in the order sent
         self._refused: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_REFUSED_MEMORY)
         self._admit: MessageAdmit | None = None
         self._sink: MessageSink | None = None
@@ -212,8 +233,8 @@ class UcxTransport(MessageTransport):
 
         def op() -> None:
             ep = self._ep(peer_id)
-            if payload.nbytes == 0:
-                self._post_send(ep, head, make_tag(KIND_HEADER_ONLY, self._hash, seq), done.set_done)
+            if payload.nbytes == 0:  # a header declaring no payload: nothing follows it
+                self._post_send(ep, head, make_tag(KIND_HEADER, self._hash, seq), done.set_done)
                 return
             remaining = [2]
 
@@ -365,25 +386,35 @@ class UcxTransport(MessageTransport):
     def _probe(self) -> bool:
         found = False
         mask = self._api.UCXXTagMask(_KIND_MASK)
-        for kind in (KIND_HEADER, KIND_HEADER_ONLY, KIND_HELLO):
+        for kind in (KIND_HEADER, KIND_HELLO):
             probe = self._worker.tag_probe(self._api.UCXXTag(kind << 60), mask, remove=True)
             if probe.matched:
                 found = True
                 self._receive_probed(kind, probe)
-        still: list[tuple[int, int, Admitted]] = []
-        for sender, seq, admitted in self._awaiting_payload:
+        still: list[tuple[int, int, _Inbound]] = []
+        now = time.monotonic()
+        for sender, seq, slot in self._awaiting_payload:
             probe = self._worker.tag_probe(self._api.UCXXTag(make_tag(KIND_PAYLOAD, sender, seq)), remove=True)
             if not probe.matched:
-                still.append((sender, seq, admitted))
+                if now - slot.since > _PAYLOAD_WAIT_S:  # its sender died between header and payload
+                    log.warning("dropped a message whose payload did not follow its header")
+                    self._refuse(sender, seq)
+                    self._settle(sender, slot, dropped=True)
+                else:
+                    still.append((sender, seq, slot))
                 continue
             found = True
-            if probe.length != admitted.nbytes:  # not the payload its authenticated header declared
-                log.warning("dropped a payload of %d bytes whose header declared %d", probe.length, admitted.nbytes)
+            assert slot.admitted is not None
+            if probe.length != slot.admitted.nbytes:  # not the payload its authenticated header declared
+                log.warning(
+                    "dropped a payload of %d bytes whose header declared %d", probe.length, slot.admitted.nbytes
+                )
                 self._discard(probe)
+                self._settle(sender, slot, dropped=True)
                 continue
-            payload = np.empty(admitted.nbytes, np.uint8)
+            payload = np.empty(slot.admitted.nbytes, np.uint8)
             request = self._worker.tag_recv_with_handle(self._Array(payload), probe)
-            self._pending.append(_Pending(request, self._deliver_cb(admitted, payload), (payload,)))
+            self._pending.append(_Pending(request, self._payload_done(sender, slot, payload), (payload,)))
         self._awaiting_payload = still
         found |= self._discard_refused_payloads()
         return found
@@ -418,32 +449,52 @@ class UcxTransport(MessageTransport):
         if probe.length > limit:
             log.warning("dropped a %d-byte message posing as a header or hello (limit %d)", probe.length, limit)
             self._discard(probe)
-            if kind == KIND_HEADER:
+            if kind == KIND_HEADER:  # a payload may follow it
                 self._refuse((probe.sender_tag.value >> 32) & 0x0FFFFFFF, probe.sender_tag.value & 0xFFFFFFFF)
             return
         buf = np.empty(max(probe.length, 1), np.uint8)[: probe.length]
         tag = probe.sender_tag.value
+        sender, seq = (tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF
+        slot = None
+        if kind != KIND_HELLO:  # its place in the sender's order is taken now, in the order headers arrive
+            slot = _Inbound()
+            self._inbox.setdefault(sender, collections.deque()).append(slot)
         request = self._worker.tag_recv_with_handle(self._Array(buf), probe)
 
         def on_done(error: BaseException | None) -> None:
-            if error is not None or kind == KIND_HELLO or self._admit is None:
+            if slot is None:
+                return
+            if error is not None or self._admit is None:
+                self._settle(sender, slot, dropped=True)
                 return
             admitted = self._admit(buf.tobytes())
-            sender, seq = (tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF
             if admitted is None:
-                if kind == KIND_HEADER:
-                    self._refuse(sender, seq)
-            elif kind == KIND_HEADER_ONLY:
-                if admitted.nbytes == 0:
-                    self._deliver_cb(admitted, np.empty(0, np.uint8))(None)
+                self._refuse(sender, seq)  # a payload may follow it
+                self._settle(sender, slot, dropped=True)
+            elif admitted.nbytes == 0:
+                slot.admitted, slot.payload = admitted, np.empty(0, np.uint8)
+                self._settle(sender, slot, dropped=False)
             else:
-                self._awaiting_payload.append((sender, seq, admitted))
+                slot.admitted, slot.since = admitted, time.monotonic()
+                self._awaiting_payload.append((sender, seq, slot))
 
         self._pending.append(_Pending(request, on_done, (buf,)))
 
-    def _deliver_cb(self, admitted: Admitted, payload: np.ndarray) -> Callable[[BaseException | None], None]:
-        def deliver(error: BaseException | None) -> None:
-            if error is None and self._sink is not None:
-                self._sink(admitted, payload)
+    def _payload_done(self, sender: int, slot: _Inbound, payload: np.ndarray) -> Callable[[BaseException | None], None]:
+        def done(error: BaseException | None) -> None:
+            slot.payload = payload
+            self._settle(sender, slot, dropped=error is not None)
 
-        return deliver
+        return done
+
+    def _settle(self, sender: int, slot: _Inbound, dropped: bool) -> None:
+        """``slot`` is complete (or dropped): deliver the sender's messages that are now in order."""
+        slot.ready, slot.dropped = not dropped, dropped
+        inbox = self._inbox.get(sender)
+        while inbox and (inbox[0].ready or inbox[0].dropped):
+            head = inbox.popleft()
+            if head.ready and self._sink is not None:
+                assert head.admitted is not None and head.payload is not None
+                self._sink(head.admitted, head.payload)
+        if inbox is not None and not inbox:
+            del self._inbox[sender]
