@@ -67,3 +67,24 @@ def test_a_finished_microbatch_is_not_revived_by_late_prompt_kv_but_a_rerun_one_
         runner.state(1)
     assert runner.state(2).spec.mb_id == 2 and set(runner.states) == {2}
     client.close()
+
+
+def test_the_watermark_is_the_last_contiguous_step_not_the_highest_seen(redis_url, tmp_path) -> None:
+    """A decode step's chunk lost on the way leaves a hole: the watermark (what recovery resumes from)
+    stays before it until the hole is filled, so a restore never serves the hole as data."""
+    client = redis.Redis.from_url(redis_url)
+    store = _store(client, tmp_path)
+    store.store(_chunk(0, 3, 0))  # the prompt
+    store.store(_chunk(3, 4, 1))
+    assert store.steps[5] == 1 and client.hget(keys.watermark(1), 5) == b"1"
+    store.store(_chunk(5, 6, 3))  # step 2 lost (or late)
+    store.store(_chunk(6, 7, 4))
+    assert store.steps[5] == 1 and client.hget(keys.watermark(1), 5) == b"1"
+    store.store(_chunk(4, 5, 2))  # the hole filled: everything up to 4 is contiguous
+    assert store.steps[5] == 4 and client.hget(keys.watermark(1), 5) == b"4"
+    store.store(_chunk(8, 9, 6))  # step 5 lost again ...
+    store.store(_chunk(0, 8, 5))  # ... then a whole cache as of step 5 (a restore) covers every step up to 5
+    assert store.steps[5] == 6 and client.hget(keys.watermark(1), 5) == b"6"
+    store.drop(5)
+    assert 5 not in store.ahead and client.hget(keys.watermark(1), 5) is None
+    client.close()

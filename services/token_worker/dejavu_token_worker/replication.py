@@ -87,7 +87,8 @@ class ReplicaStore:
         self.deadline_s = deadline_s
         self.kv_heads, self.head_dim, self.dtype = head_geometry
         self.caches: dict[int, KVCache] = {}
-        self.steps: dict[int, int] = {}
+        self.steps: dict[int, int] = {}  # per microbatch, its watermark: the last step held contiguously
+        self.ahead: dict[int, set[int]] = {}  # steps held past a hole in the steps (not yet contiguous)
         self.spans: dict[int, int] = {}  # each microbatch's whole span (its spec's max_len)
         self.lock = threading.Lock()
 
@@ -117,8 +118,30 @@ class ReplicaStore:
                 return
             if self.mode in (Replication.DISK, Replication.BOTH):
                 self._append_to_disk(chunk)
-            self.steps[chunk.mb_id] = max(self.steps.get(chunk.mb_id, -1), chunk.step)
-            self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, chunk.step)
+            before = self.steps.get(chunk.mb_id, -1)
+            step = self._contiguous(chunk)
+            if step != before:
+                self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, step)
+
+    def _contiguous(self, chunk: KVChunk) -> int:
+        """Record ``chunk`` and return the microbatch's watermark: the last step up to which *every* step
+        is held. A chunk from position 0 (the prompt, or a whole cache restored as of a step) holds every
+        step up to its own; a decode step's chunk holds its step only. A step that arrives past a hole
+        (a chunk lost on the way) waits above the watermark until the hole is filled, so a restore never
+        serves the hole as data: recovery resumes from before it instead. Call with the lock held."""
+        mb = chunk.mb_id
+        step = self.steps.get(mb, -1)
+        ahead = self.ahead.setdefault(mb, set())
+        if chunk.positions[0] == 0 or chunk.step <= step + 1:
+            step = max(step, chunk.step)
+        else:
+            log.warning("replica of microbatch %d: step %d arrived past a hole after step %d", mb, chunk.step, step)
+            ahead.add(chunk.step)
+        while step + 1 in ahead:
+            step += 1
+        ahead.difference_update(range(step + 1))
+        self.steps[mb] = step
+        return step
 
     def _cache(self, mb_id: int, chunk_positions: tuple[int, int]) -> KVCache | None:
         """The replica of ``mb_id``, holding at least the chunk's positions: like the primary, it starts
@@ -152,6 +175,7 @@ class ReplicaStore:
         with self.lock:
             self.caches.pop(mb_id, None)
             self.steps.pop(mb_id, None)
+            self.ahead.pop(mb_id, None)
             self.spans.pop(mb_id, None)
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
         (self.replica_dir / f"stage{self.source_stage}-mb{mb_id}.kv").unlink(missing_ok=True)
