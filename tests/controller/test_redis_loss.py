@@ -101,7 +101,8 @@ def test_a_failed_repair_fails_its_microbatches_instead_of_stranding_them(redis_
         await _register(r, "t0", WorkerRole.TOKEN, 0)
         await backend._control_once()
         old = backend.registry.topology
-        backend._start_repair(old, old.model_copy(update={"epoch": old.epoch + 1}), ["t0"])
+        new = old.model_copy(update={"epoch": old.epoch + 1})
+        backend._start_repair(new, backend._plan_repair(old, new, ["t0"]))
         with contextlib.suppress(ConnectionError):
             await backend._repair_task
         await asyncio.sleep(0)  # done callbacks run on the next loop pass

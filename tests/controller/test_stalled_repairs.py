@@ -58,7 +58,8 @@ def test_a_microbatch_stalled_across_repairs_is_failed_and_dropped(redis_url: st
         poison_mb, healthy_mb = (m.spec.mb_id for m in backend.scheduler.form(now=1e9))
         # The healthy microbatch delivers a token between repairs; the poison one never does.
         for epoch in (2, 3, 4):
-            backend._start_repair(_topology(epoch - 1, ["t0", "t1"]), _topology(epoch, ["s0", "t1"]), ["t0"])
+            old, new = _topology(epoch - 1, ["t0", "t1"]), _topology(epoch, ["s0", "t1"])
+            backend._start_repair(new, backend._plan_repair(old, new, ["t0"]))
             await backend._repair_task
             req = backend.scheduler.active[healthy_mb].requests[0]
             req.deliver(epoch, 7, None)

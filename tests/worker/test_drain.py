@@ -12,7 +12,7 @@ import redis
 import redis.asyncio as aioredis
 
 from dejavu_common import keys
-from dejavu_common.messages import WorkerInfo, WorkerRole
+from dejavu_common.messages import RecoveryOrder, Topology, WorkerInfo, WorkerRole
 from dejavu_common.settings import Settings
 from dejavu_controller.pipeline_backend import PipelineBackend
 
@@ -121,5 +121,51 @@ def test_the_controller_hands_a_draining_stage_to_a_spare_and_stays_ready_while_
         await asyncio.sleep(0)
         assert repairs == [{1: "s0"}]
         await r.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_repair_order_is_written_before_the_topology_that_needs_it(redis_url) -> None:
+    """A worker that sees a new epoch must find that epoch's recovery order: without it, it would take
+    the epoch for a fresh pipeline and drop every cache (then everything re-runs after the repair's
+    timeout). The controller writes the order before it publishes the topology."""
+
+    async def scenario() -> None:
+        client = redis.Redis.from_url(redis_url)
+        r = aioredis.Redis.from_url(redis_url)
+        base = Settings()
+        settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
+        backend = PipelineBackend(settings, r, n_layers=6)
+
+        async def repair_run(*args, **kwargs) -> None:
+            return None
+
+        backend.repair.run = repair_run
+        seen: list[tuple[int, bytes | None]] = []  # (epoch published, the recovery order at that moment)
+        real_set = r.set
+
+        async def watching_set(name, value, *args, **kwargs):
+            if name == keys.TOPOLOGY:
+                epoch = Topology.decode(value).epoch
+                seen.append((epoch, client.get(keys.RECOVERY)))
+            return await real_set(name, value, *args, **kwargs)
+
+        r.set = watching_set  # type: ignore[method-assign]
+        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
+            _register(client, wid, role, "serving", 0)
+        await backend._control_once()
+        assert seen[-1][1] is None  # a fresh pipeline: no order
+        epoch = backend.registry.topology.epoch
+        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
+            _register(client, wid, role, "serving", epoch)
+        _register(client, "s0", WorkerRole.TOKEN, "idle", 0, spare=True)
+        await backend._control_once()
+        client.delete(keys.worker_lease("t1"))  # t1 dies
+        await backend._control_once()
+        new_epoch, order = seen[-1]
+        assert new_epoch == epoch + 1 and order is not None
+        assert RecoveryOrder.decode(order) == RecoveryOrder(epoch=new_epoch, replaced={1: "s0"}, microbatches=())
+        await r.aclose()
+        client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -17,6 +17,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
@@ -40,6 +41,17 @@ from dejavu_controller.request import Request, RequestStatus
 from dejavu_controller.scheduler import Microbatch, Scheduler, SchedulerLimits
 
 log = logging.getLogger("dejavu.controller")
+
+
+@dataclass(frozen=True)
+class _RepairPlan:
+    """What one repair covers (see ``PipelineBackend._plan_repair``)."""
+
+    replaced: dict[int, str]
+    resumable: list[int]
+    not_started: list[int]
+    dropped: list[int]
+    detected_at: float
 
 
 class PipelineBackend:
@@ -198,11 +210,18 @@ class PipelineBackend:
                     log.warning("%s draining: no replacement available yet, they serve on meanwhile", draining)
                 self._drain_waiting = set(draining)
             else:
-                new = await self.registry.publish(topo, self._workers)
-                if old is not None:
+                plan: list[_RepairPlan] = []
+
+                async def announce(new: Topology) -> None:  # before the new epoch is visible to anyone
+                    if old is not None:
+                        plan.append(self._plan_repair(old, new, lost))
+                        await self.repair.announce(new.epoch, plan[0].replaced, plan[0].resumable)
+
+                new = await self.registry.publish(topo, self._workers, before=announce)
+                if plan:
                     why = f"lost {lost}" if lost else f"handing over the stages of draining {draining}"
                     log.warning("%s: repairing the pipelines at epoch %d", why, new.epoch)
-                    self._start_repair(old, new, lost)
+                    self._start_repair(new, plan[0])
                 self._drain_waiting = set()
         was = self._ready
         self._ready = self.registry.ready(self._workers)
@@ -260,7 +279,10 @@ class PipelineBackend:
             if delta > 0:
                 self.metrics.add_kv_bytes(delta, KVStream(name))
 
-    def _start_repair(self, old: Topology, new: Topology, lost: list[str]) -> None:
+    def _plan_repair(self, old: Topology, new: Topology, lost: list[str]) -> _RepairPlan:
+        """What the repair of ``new`` covers: stages replaced, microbatches to resume, re-run or drop (the
+        ones that kept failing are failed to their clients here). An unfinished repair is cancelled."""
+        detected_at = time.monotonic()
         replaced = self.registry.replaced(old, new, lost)
         if self._repair_task is not None and not self._repair_task.done():
             # A failure during recovery: the stages the unfinished repair was restoring are still
@@ -276,17 +298,20 @@ class PipelineBackend:
         active = self.scheduler.active.values()
         resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
         not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
-        covered = [*resumable, *not_started]
+        return _RepairPlan(replaced, resumable, not_started, [mb.spec.mb_id for mb in dropped], detected_at)
+
+    def _start_repair(self, new: Topology, plan: _RepairPlan) -> None:
+        covered = [*plan.resumable, *plan.not_started]
         self._repair_task = task = asyncio.create_task(
             self.repair.run(
                 new,
-                replaced,
-                resumable,
-                not_started,
+                plan.replaced,
+                plan.resumable,
+                plan.not_started,
                 self._redispatch,
-                time.monotonic(),
+                plan.detected_at,
                 self.metrics,
-                dropped=[mb.spec.mb_id for mb in dropped],
+                dropped=plan.dropped,
             )
         )
         task.add_done_callback(lambda t: self._repair_ended(t, covered))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -120,8 +121,14 @@ class Registry:
         pairs = enumerate(zip(worker_ids, ranges, strict=True))
         return tuple(StageAssignment(worker_id=w, stage=s, layers=r) for s, (w, r) in pairs)
 
-    async def publish(self, topology: Topology, workers: dict[str, WorkerView]) -> Topology:
+    async def publish(
+        self,
+        topology: Topology,
+        workers: dict[str, WorkerView],
+        before: Callable[[Topology], Awaitable[None]] | None = None,
+    ) -> Topology:
         """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from.
+        ``before(topology)`` runs once the epoch is chosen and before anyone can see it (a recovery order).
 
         Epochs never go backwards, even when Redis restarted empty (its counter starts over): the new
         epoch is above the counter, above every epoch a registered worker has seen (workers accept only
@@ -135,6 +142,8 @@ class Registry:
             await self.redis.set(keys.EPOCH, epoch)
         self.last_epoch = epoch
         topo = topology.model_copy(update={"epoch": epoch})
+        if before is not None:
+            await before(topo)
         await self.redis.set(keys.TOPOLOGY, topo.encode())
         await self.redis.publish(keys.TOPOLOGY_CHANNEL, str(epoch))
         self.topology = topo

@@ -1,10 +1,12 @@
 """The controller's side of failure recovery (the paper's four steps), as an asyncio task.
 
-When a stage holder is lost the control loop publishes a new topology (a spare or the restarted
-process takes the stage; the epoch bump fences the old worker) and hands the rest to
-:meth:`Repair.run`:
+When a stage holder is lost the control loop builds a new topology (a spare or the restarted
+process takes the stage; the epoch bump fences the old worker), and:
 
-1. it writes a :class:`RecoveryOrder` naming the replaced token stages and the microbatches to resume;
+1. :meth:`Repair.announce` writes the :class:`RecoveryOrder` naming the replaced token stages and the
+   microbatches to resume, *before* the topology is published: a worker that sees the new epoch always
+   finds its order (without one it would take the epoch for a fresh pipeline and drop its caches);
+   then the topology is published and :meth:`Repair.run` drives the rest:
 2. the token stages exchange caches (successor -> replacement: the replica; predecessor ->
    replacement: its own cache) and report progress; the replacement reports when it is restored;
 3. it computes each microbatch's resume step from progress and replication watermarks
@@ -50,6 +52,11 @@ class Repair:
         self.redis = redis
         self.last: RepairTimings | None = None
 
+    async def announce(self, epoch: int, replaced: dict[int, str], resumable: list[int]) -> None:
+        """Step 1: the recovery order of ``epoch``. Written before that epoch's topology is published."""
+        order = RecoveryOrder(epoch=epoch, replaced=replaced, microbatches=tuple(resumable))
+        await self.redis.set(keys.RECOVERY, order.encode())
+
     async def run(
         self,
         topology: Topology,
@@ -61,7 +68,7 @@ class Repair:
         metrics: RuntimeMetrics | None = None,
         dropped: list[int] | None = None,
     ) -> ResumePoint:
-        """Drive recovery at ``topology.epoch``; returns the published resume point.
+        """Drive recovery at ``topology.epoch`` (its order announced already); returns the resume point.
 
         ``resumable``: microbatches the token pipeline had admitted (their first tokens exist);
         ``not_started``: active microbatches still in the prompt phase, which re-run their prompts;
@@ -69,8 +76,6 @@ class Repair:
         """
         timings = RepairTimings(detected_at)
         epoch = topology.epoch
-        order = RecoveryOrder(epoch=epoch, replaced=replaced, microbatches=tuple(resumable))
-        await self.redis.set(keys.RECOVERY, order.encode())
         timings.mark("replacement_assigned")
         log.warning(
             "recovery at epoch %d: replaced token stages %s, resuming microbatches %s", epoch, replaced, resumable
