@@ -169,3 +169,52 @@ def test_a_repair_order_is_written_before_the_topology_that_needs_it(redis_url) 
         client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_leases_that_expired_together_during_a_stall_are_not_failures_but_one_not_renewed_after_is(
+    redis_url,
+) -> None:
+    """Redis (or the controller) stalled for longer than a lease: every lease expired at once while the
+    workers were fine. The controller waits one lease period for renewals before it fails anyone, so
+    a stall does not turn into a repair of every stage; a worker that stays silent is failed after it."""
+
+    async def scenario() -> None:
+        client = redis.Redis.from_url(redis_url)
+        r = aioredis.Redis.from_url(redis_url)
+        base = Settings()
+        settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
+        backend = PipelineBackend(settings, r, n_layers=6)
+        repairs: list[dict[int, str]] = []
+
+        async def repair_run(topology, replaced, *args, **kwargs) -> None:
+            repairs.append(replaced)
+
+        backend.repair.run = repair_run
+        workers = (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN))
+        for wid, role in workers:
+            _register(client, wid, role, "serving", 0)
+        await backend._control_once()
+        epoch = backend.registry.topology.epoch
+        for wid, role in workers:
+            _register(client, wid, role, "serving", epoch)
+        _register(client, "s0", WorkerRole.TOKEN, "idle", 0, spare=True)
+        await backend._control_once()
+        assert backend.is_ready()
+
+        for wid, _role in workers:  # the stall: every lease gone at once
+            client.delete(keys.worker_lease(wid))
+        backend._last_poll = time.monotonic() - 3 * settings.recovery.lease_ttl_s
+        await backend._control_once()
+        assert backend.registry.topology.epoch == epoch and not repairs
+        # p0 and t0 renew as their heartbeats do; t1 stays silent: failed once the grace period is over
+        end = time.monotonic() + 3 * settings.recovery.lease_ttl_s
+        while not repairs and time.monotonic() < end:
+            for wid in ("p0", "t0", "s0"):
+                client.set(keys.worker_lease(wid), "1", px=60_000)
+            await backend._control_once()
+            await asyncio.sleep(settings.recovery.heartbeat_interval_s)
+        assert repairs == [{1: "s0"}] and backend.registry.topology.epoch == epoch + 1
+        await r.aclose()
+        client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -87,6 +87,8 @@ class PipelineBackend:
         self._repairing: set[int] = set()  # token stages the current repair restores
         self._kv_seen: dict[str, int] = {}
         self._drain_waiting: set[str] = set()  # draining stage holders no replacement is available for
+        self._last_poll: float | None = None  # when the control loop last read the registry
+        self._lease_grace_until = 0.0  # lease expiries are not failures before this (after a stall)
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
 
     async def __aenter__(self) -> PipelineBackend:
@@ -194,9 +196,10 @@ class PipelineBackend:
         if self.registry.topology is not None and not await self.redis.exists(keys.TOPOLOGY):
             await self._redis_lost()
         self._workers = await self.registry.workers()
+        trust_leases = self._leases_trusted()
         await self._collect_kv_bytes()
         old = self.registry.topology
-        lost = self.registry.lost(self._workers)
+        lost = self.registry.lost(self._workers, trust_leases)
         draining = self.registry.draining(self._workers)
         if old is None or lost or draining:
             topo = self.registry.assemble(self._workers)
@@ -278,6 +281,22 @@ class PipelineBackend:
             self._kv_seen[name] = total
             if delta > 0:
                 self.metrics.add_kv_bytes(delta, KVStream(name))
+
+    def _leases_trusted(self) -> bool:
+        """False for one lease period after the control loop went longer than a lease without reading the
+        registry: Redis (or this process) stalled, so every worker's lease may have expired at once while
+        the workers are fine. They renew within a lease period; one that does not is failed after that."""
+        now = time.monotonic()
+        ttl = self.settings.recovery.lease_ttl_s
+        if self._last_poll is not None and now - self._last_poll > ttl:
+            self._lease_grace_until = now + ttl + self.settings.recovery.heartbeat_interval_s
+            log.warning(
+                "control loop stalled %.1f s (Redis or this process): lease expiries count as failures again in %.1f s",
+                now - self._last_poll,
+                self._lease_grace_until - now,
+            )
+        self._last_poll = now
+        return now >= self._lease_grace_until
 
     def _plan_repair(self, old: Topology, new: Topology, lost: list[str]) -> _RepairPlan:
         """What the repair of ``new`` covers: stages replaced, microbatches to resume, re-run or drop (the

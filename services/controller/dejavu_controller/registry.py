@@ -169,15 +169,18 @@ class Registry:
                 return False
         return True
 
-    def lost(self, workers: dict[str, WorkerView]) -> list[str]:
-        """Stage holders of the current topology whose lease expired or whose process restarted."""
+    def lost(self, workers: dict[str, WorkerView], trust_leases: bool = True) -> list[str]:
+        """Stage holders of the current topology whose lease expired or whose process restarted.
+        ``trust_leases=False`` (just after a stall, when every lease may have expired at once) counts
+        only restarted processes and vanished records."""
         topo = self.topology
         if topo is None:
             return []
         out = []
         for a in (*topo.prompt_stages, *topo.token_stages):
             view = workers.get(a.worker_id)
-            if view is None or not view.alive or view.info.instance != self.instances.get(a.worker_id):
+            expired = view is not None and not view.alive and trust_leases
+            if view is None or expired or view.info.instance != self.instances.get(a.worker_id):
                 out.append(a.worker_id)
         return out
 
