@@ -88,27 +88,42 @@ def _register(client: redis.Redis, worker_id: str, role: WorkerRole, state: str,
     client.set(keys.worker_lease(worker_id), "1", px=60_000)
 
 
+_PIPELINE = (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN))
+
+
+def _backend(redis_url: str) -> tuple[redis.Redis, aioredis.Redis, PipelineBackend, list[dict[int, str]]]:
+    """A controller backend for two token stages on the test's Redis, its repairs recorded (not run)."""
+    client = redis.Redis.from_url(redis_url)
+    r = aioredis.Redis.from_url(redis_url)
+    base = Settings()
+    settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
+    backend = PipelineBackend(settings, r, n_layers=6)
+    repairs: list[dict[int, str]] = []
+
+    async def repair_run(topology, replaced, *args, **kwargs) -> None:
+        repairs.append(replaced)
+
+    backend.repair.run = repair_run  # type: ignore[method-assign]
+    return client, r, backend, repairs
+
+
+async def _serving(client: redis.Redis, backend: PipelineBackend) -> int:
+    """Register p0, t0, t1, let the controller publish a pipeline and see them serve it; its epoch."""
+    for wid, role in _PIPELINE:
+        _register(client, wid, role, "serving", 0)
+    await backend._control_once()
+    epoch = backend.registry.topology.epoch
+    for wid, role in _PIPELINE:
+        _register(client, wid, role, "serving", epoch)
+    await backend._control_once()
+    assert backend.is_ready()
+    return epoch
+
+
 def test_the_controller_hands_a_draining_stage_to_a_spare_and_stays_ready_while_it_waits_for_one(redis_url) -> None:
     async def scenario() -> None:
-        client = redis.Redis.from_url(redis_url)
-        r = aioredis.Redis.from_url(redis_url)
-        base = Settings()
-        settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
-        backend = PipelineBackend(settings, r, n_layers=6)
-        repairs: list[dict[int, str]] = []
-
-        async def repair_run(topology, replaced, *args, **kwargs) -> None:
-            repairs.append(replaced)
-
-        backend.repair.run = repair_run
-        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
-            _register(client, wid, role, "serving", 0)
-        await backend._control_once()
-        epoch = backend.registry.topology.epoch
-        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
-            _register(client, wid, role, "serving", epoch)
-        await backend._control_once()
-        assert backend.is_ready()
+        client, r, backend, repairs = _backend(redis_url)
+        epoch = await _serving(client, backend)
 
         _register(client, "t1", WorkerRole.TOKEN, "draining", epoch)  # no spare yet: t1 serves on
         await backend._control_once()
@@ -131,16 +146,7 @@ def test_a_repair_order_is_written_before_the_topology_that_needs_it(redis_url) 
     timeout). The controller writes the order before it publishes the topology."""
 
     async def scenario() -> None:
-        client = redis.Redis.from_url(redis_url)
-        r = aioredis.Redis.from_url(redis_url)
-        base = Settings()
-        settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
-        backend = PipelineBackend(settings, r, n_layers=6)
-
-        async def repair_run(*args, **kwargs) -> None:
-            return None
-
-        backend.repair.run = repair_run
+        client, r, backend, _repairs = _backend(redis_url)
         seen: list[tuple[int, bytes | None]] = []  # (epoch published, the recovery order at that moment)
         real_set = r.set
 
@@ -151,13 +157,8 @@ def test_a_repair_order_is_written_before_the_topology_that_needs_it(redis_url) 
             return await real_set(name, value, *args, **kwargs)
 
         r.set = watching_set  # type: ignore[method-assign]
-        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
-            _register(client, wid, role, "serving", 0)
-        await backend._control_once()
+        epoch = await _serving(client, backend)
         assert seen[-1][1] is None  # a fresh pipeline: no order
-        epoch = backend.registry.topology.epoch
-        for wid, role in (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN)):
-            _register(client, wid, role, "serving", epoch)
         _register(client, "s0", WorkerRole.TOKEN, "idle", 0, spare=True)
         await backend._control_once()
         client.delete(keys.worker_lease("t1"))  # t1 dies
@@ -179,29 +180,13 @@ def test_leases_that_expired_together_during_a_stall_are_not_failures_but_one_no
     a stall does not turn into a repair of every stage; a worker that stays silent is failed after it."""
 
     async def scenario() -> None:
-        client = redis.Redis.from_url(redis_url)
-        r = aioredis.Redis.from_url(redis_url)
-        base = Settings()
-        settings = base.model_copy(update={"controller": base.controller.model_copy(update={"token_depth": 2})})
-        backend = PipelineBackend(settings, r, n_layers=6)
-        repairs: list[dict[int, str]] = []
-
-        async def repair_run(topology, replaced, *args, **kwargs) -> None:
-            repairs.append(replaced)
-
-        backend.repair.run = repair_run
-        workers = (("p0", WorkerRole.PROMPT), ("t0", WorkerRole.TOKEN), ("t1", WorkerRole.TOKEN))
-        for wid, role in workers:
-            _register(client, wid, role, "serving", 0)
-        await backend._control_once()
-        epoch = backend.registry.topology.epoch
-        for wid, role in workers:
-            _register(client, wid, role, "serving", epoch)
+        client, r, backend, repairs = _backend(redis_url)
+        settings = backend.settings
+        epoch = await _serving(client, backend)
         _register(client, "s0", WorkerRole.TOKEN, "idle", 0, spare=True)
         await backend._control_once()
-        assert backend.is_ready()
 
-        for wid, _role in workers:  # the stall: every lease gone at once
+        for wid, _role in _PIPELINE:  # the stall: every lease gone at once
             client.delete(keys.worker_lease(wid))
         backend._last_poll = time.monotonic() - 3 * settings.recovery.lease_ttl_s
         await backend._control_once()
