@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -132,3 +133,27 @@ def test_concurrent_streams_each_get_their_own_tokens(oai: openai.OpenAI, backen
     assert all(REPLY.startswith(text) for text, _ in answers)
     assert len({text for text, _ in answers}) == 4  # each cut at its own max_tokens
     assert len(backend.finished) == 4 and backend.active == 0
+
+
+@pytest.mark.parametrize("keep_alive_s", [0.5, 30.0])
+def test_an_idle_connection_is_kept_for_the_keep_alive_period(settings, backend: ScriptedBackend, keep_alive_s) -> None:
+    """A client pool reuses a connection that sat idle between requests. uvicorn's own default (5 s) closes
+    it first, and a request sent at that moment gets 'server disconnected without a response' (seen in
+    the chat soak test); the gateway keeps idle connections for ``controller.keep_alive_s`` (75 s)."""
+    controller = settings.controller.model_copy(update={"keep_alive_s": keep_alive_s})
+    server = LiveServer(settings.model_copy(update={"controller": controller}), backend)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S) as conn:
+            request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+            conn.sendall(request)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(1.5)  # idle: longer than the short setting, far shorter than the long one
+            try:
+                conn.sendall(request)
+                reply = conn.recv(4096)
+            except OSError:
+                reply = b""
+            assert reply.startswith(b"HTTP/1.1 200") == (keep_alive_s > 1.5), reply
+    finally:
+        server.stop()

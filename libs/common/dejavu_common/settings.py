@@ -111,6 +111,14 @@ class ControllerSettings(BaseModel):
     max_connections: int = Field(
         1024, ge=1, le=1_000_000, description="Concurrent connections and requests; more are answered 503."
     )
+    keep_alive_s: float = Field(
+        75.0,
+        gt=0,
+        le=3600,
+        description="How long an idle client connection is kept open. Longer than the idle timeout of the "
+        "clients' pools and load balancers in front (60 s is common): a server that closes first races the "
+        "client reusing the connection, which then sees 'server disconnected without a response'.",
+    )
     max_prompt_chars: int = Field(
         200_000,
         ge=16,

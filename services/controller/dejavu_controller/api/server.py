@@ -22,6 +22,7 @@ def uvicorn_config(settings: Settings, backend_factory: BackendFactory) -> uvico
         timeout_graceful_shutdown=5,
         # Connections and in-flight requests beyond this are answered 503 by uvicorn before the app runs.
         limit_concurrency=settings.controller.max_connections,
+        timeout_keep_alive=settings.controller.keep_alive_s,
     )
 
 
