@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -144,16 +145,21 @@ def test_an_idle_connection_is_kept_for_the_keep_alive_period(settings, backend:
     server = LiveServer(settings.model_copy(update={"controller": controller}), backend)
     server.start()
     try:
-        with socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S) as conn:
-            request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-            conn.sendall(request)
-            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
-            time.sleep(1.5)  # idle: longer than the short setting, far shorter than the long one
-            try:
-                conn.sendall(request)
-                reply = conn.recv(4096)
-            except OSError:
-                reply = b""
-            assert reply.startswith(b"HTTP/1.1 200") == (keep_alive_s > 1.5), reply
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=DEADLINE_S)
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200
+        sock = conn.sock
+        time.sleep(1.5)  # idle: longer than the short setting, far shorter than the long one
+        try:
+            conn.request("GET", "/health")
+            again = conn.getresponse()
+            again.read()
+            served = again.status == 200 and conn.sock is sock  # on the same connection, not a new one
+        except (http.client.RemoteDisconnected, ConnectionError):
+            served = False
+        conn.close()
+        assert served == (keep_alive_s > 1.5)
     finally:
         server.stop()
