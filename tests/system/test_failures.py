@@ -21,7 +21,6 @@ from dejavu_common import keys
 from dejavu_common.admin import sign
 from dejavu_common.messages import AdminAction, WorkerInfo
 from dejavu_common.settings import Mode, Settings
-from dejavu_engine.checkpoint import ensure_default_model
 
 from .cluster import cluster_settings, logs, running
 from .reference import Reference
@@ -30,11 +29,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "Once upon a time"]
 MAX_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def model():
-    return ensure_default_model(Settings())
 
 
 @pytest.fixture(scope="module")

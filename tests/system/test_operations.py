@@ -11,19 +11,12 @@ import pytest
 import redis
 
 from dejavu_common import keys
-from dejavu_common.settings import Settings
-from dejavu_engine.checkpoint import ensure_default_model
 
 from .cluster import cluster_settings, logs, running
 from .reference import Reference
 from .test_failures import MAX_TOKENS, PROMPTS, Round
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return ensure_default_model(Settings())
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from dejavu_common.settings import Mode, Settings
-from dejavu_engine.checkpoint import ensure_default_model
+from dejavu_common.settings import Mode
 
 from .cluster import cluster_settings, logs, running
 from .reference import Reference
@@ -28,11 +27,6 @@ PROMPTS = [
     "def fibonacci(n):",
     "Once upon a time, in a small village by the mountains, there lived a",
 ]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return ensure_default_model(Settings())
 
 
 @pytest.fixture(scope="module")
