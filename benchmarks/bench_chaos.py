@@ -8,9 +8,15 @@ of ``--faults`` (cycled) is injected:
 - ``pause``      pause a token stage's heartbeats beyond its lease (a hung worker: fenced, replaced);
 - ``redis``      SIGKILL Redis and restart it empty on the same port (no persistence, like ``dejavu up``);
 - ``controller`` SIGKILL the controller and start a new one (its clients get connection errors);
-- ``drain``      SIGTERM a token-stage holder (a rolling update: it hands its stage over and leaves).
+- ``drain``      SIGTERM a token-stage holder (a rolling update: it hands its stage over and leaves);
+- ``partition``  SIGSTOP a token-stage holder, SIGCONT it 3 lease periods later: it is cut off from Redis
+                 and from every peer at once, as behind a network partition, then comes back (fenced);
+- ``poison``     a burst of hostile-but-valid requests next to the traffic (vanishing temperatures and
+                 top_p, extreme stop lists, token ids outside the vocabulary, an oversized body, huge
+                 max_tokens, a client that disconnects mid-stream): each must be answered (a completion
+                 or a clear error) within ``--hang-s``, no worker may die, the service stays ready.
 
-Every request is greedy and checked against the in-process engine's output: it *completed exactly*,
+Every traffic request is greedy and checked against the in-process engine's output: it *completed exactly*,
 completed with *wrong* tokens (must be 0), *failed* with an error (allowed across a fault), or *hung*
 past ``--hang-s`` (must be 0). For each fault the bench reports how long until the controller is ready
 again at a newer epoch, and until a request (resumed across the fault, or new) next completes
@@ -20,6 +26,7 @@ exactly. Worker memory (RSS) is read at the start and the end. Writes ``benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -59,6 +66,7 @@ class Outcomes:
     hung: int = 0
     errors: Counter = field(default_factory=Counter)
     wrong_examples: list[dict] = field(default_factory=list)
+    poison: Counter = field(default_factory=Counter)  # answered_ok / answered_error / hung
     exact_at: list[float] = field(default_factory=list)  # monotonic times of exact completions
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -136,8 +144,9 @@ def _worker_memory(launcher) -> dict[str, dict]:
 class Chaos:
     """Injects faults into a running :class:`Launcher` deployment and measures each recovery."""
 
-    def __init__(self, launcher, settings, reference: dict[str, str], args) -> None:
+    def __init__(self, launcher, settings, reference: dict[str, str], args, outcomes: Outcomes) -> None:
         self.launcher, self.settings, self.reference, self.args = launcher, settings, reference, args
+        self.outcomes = outcomes
         self.rng = random.Random(args.seed)
         self.lock = threading.Lock()  # the launcher's children list is shared with the supervisor
 
@@ -183,6 +192,18 @@ class Chaos:
                 proc.wait(10)
                 self.launcher._ensure_redis()  # an empty one on the same port
             return "SIGKILL Redis, restart empty"
+        if kind == "partition":
+            victim = self.holder(stage)
+            pid = self.launcher.child(victim).proc.pid
+            seconds = self.settings.recovery.lease_ttl_s * 3
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(seconds, _signal_quietly, (pid, signal.SIGCONT)).start()
+            return f"SIGSTOP {victim} (token stage {stage}) for {seconds:.1f} s"
+        if kind == "poison":
+            answers = _poison(self.launcher.api_url, self.settings.model.name, self.args.hang_s)
+            for outcome in answers.values():
+                self.outcomes.poison[outcome] += 1
+            return f"poison requests answered: {answers}"
         if kind == "controller":
             with self.lock:
                 controller = self.launcher.child("controller")
@@ -203,13 +224,14 @@ class Chaos:
             return None
         return None if raw is None else int(raw)
 
-    def back_s(self, since: float, epoch: int) -> float | None:
+    def back_s(self, since: float, epoch: int, new_epoch: bool = True) -> float | None:
         """Seconds from ``since`` until the controller is ready at an epoch newer than ``epoch`` (every
-        fault here makes it publish one): the service is back. None when not within the interval."""
+        fault but poison makes it publish one; after poison: ready, at any epoch): the service is back.
+        None when not within the interval."""
         deadline = since + self.args.interval
         while time.monotonic() < deadline:
             now = self.epoch()
-            if now is not None and now > epoch:
+            if now is not None and (now > epoch or not new_epoch):
                 try:
                     if httpx.get(self.launcher.api_url + "/ready", timeout=1).status_code == 200:
                         return time.monotonic() - since
@@ -229,6 +251,60 @@ class Chaos:
                 return min(after) - since
             time.sleep(0.05)
         return None
+
+
+def _signal_quietly(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # restarted meanwhile
+        os.kill(pid, sig)
+
+
+def _poison(api: str, model: str, hang_s: float) -> dict[str, str]:
+    """Send the hostile-but-valid requests at once; each one's outcome: ``answered_ok`` (a completion),
+    ``answered_error`` (an HTTP error status or an in-stream error: a clear refusal) or ``hung``."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+    bodies = {
+        "temperature 1e-300": ("chat", {**chat, "temperature": 1e-300}),
+        "temperature 5e-324, top_p 1e-300": ("chat", {**chat, "temperature": 5e-324, "top_p": 1e-300}),
+        "temperature 2, top_k 1": ("chat", {**chat, "temperature": 2.0, "top_k": 1}),
+        "extreme stop list": ("chat", {**chat, "stop": ["\u0000" * 1000, "a" * 5000, "", "é" * 64]}),
+        "token ids outside the vocabulary": ("completions", {"model": model, "prompt": [2**31 - 1, -5]}),
+        "max_tokens 10^9": ("completions", {"model": model, "prompt": "Hi", "max_tokens": 10**9}),
+        "body of 8 MB": ("completions", {"model": model, "prompt": "x " * (4 << 20)}),
+        "seed 2^64-1": ("chat", {**chat, "temperature": 1.0, "seed": 2**64 - 1}),
+    }
+    answers: dict[str, str] = {}
+
+    def send(name: str, endpoint: str, body: dict) -> None:
+        try:
+            r = httpx.post(
+                f"{api}/v1/{'chat/completions' if endpoint == 'chat' else endpoint}", json=body, timeout=hang_s
+            )
+            answers[name] = "answered_ok" if r.status_code == 200 else "answered_error"
+        except httpx.TimeoutException:
+            answers[name] = "hung"
+        except httpx.HTTPError:
+            answers[name] = "answered_error"  # e.g. the server closed an oversized upload
+
+    def disconnect() -> None:
+        body = {**chat, "max_tokens": 64, "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", f"{api}/v1/chat/completions", json=body, timeout=hang_s) as r:
+                for i, _line in enumerate(r.iter_lines()):
+                    if i >= 2:
+                        break  # leave mid-stream
+            answers["client disconnects mid-stream"] = "answered_ok"
+        except httpx.TimeoutException:
+            answers["client disconnects mid-stream"] = "hung"
+        except httpx.HTTPError:
+            answers["client disconnects mid-stream"] = "answered_error"
+
+    threads = [threading.Thread(target=send, args=(name, *rest), daemon=True) for name, rest in bodies.items()]
+    threads.append(threading.Thread(target=disconnect, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(hang_s + 5)
+    return answers
 
 
 def _supervise(chaos: Chaos, stop: threading.Event) -> None:
@@ -263,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dejavu bench chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="how long traffic runs")
     parser.add_argument("--interval", type=float, default=20.0, help="seconds between faults")
-    parser.add_argument("--faults", default="kill,pause,redis,controller,drain", help="cycled in this order")
+    parser.add_argument(
+        "--faults", default="kill,pause,redis,poison,controller,partition,drain", help="cycled in this order"
+    )
     parser.add_argument("--clients", type=int, default=4, help="concurrent streaming clients")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--token-depth", type=int, default=2)
@@ -303,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launcher.start()
         launcher.wait_ready(300)
-        chaos = Chaos(launcher, settings, reference, args)
+        chaos = Chaos(launcher, settings, reference, args, outcomes)
         memory_start = _worker_memory(launcher)
         supervisor = threading.Thread(target=_supervise, args=(chaos, stop), daemon=True)
         supervisor.start()
@@ -332,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # e.g. no topology right now: recorded, the schedule goes on
                 faults.append({"kind": kind, "at_s": round(at - started, 2), "injected": False, "error": repr(exc)})
                 continue
-            back = chaos.back_s(at, epoch)
+            back = chaos.back_s(at, epoch, new_epoch=kind != "poison")
             recovery = chaos.recovery_s(at, outcomes)
             faults.append(
                 {
@@ -342,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                     "injected": True,
                     "ready_again_s": None if back is None else round(back, 2),
                     "recovery_s": None if recovery is None else round(recovery, 2),
+                    "epoch_changed": (chaos.epoch() or 0) > epoch,  # after poison: a worker failed
                 }
             )
             print(
@@ -370,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
             "failed_with_error": outcomes.failed,
             "hung": outcomes.hung + hung_threads,
         },
+        "poison_requests": dict(outcomes.poison),
+        "poison_faults_that_changed_the_topology": sum(
+            1 for f in faults if f["kind"] == "poison" and f["injected"] and f["epoch_changed"]
+        ),
         "errors": dict(outcomes.errors),
         "wrong_examples": outcomes.wrong_examples,
         "faults": faults,
@@ -391,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         f"requests: {r['completed_exact']} exact, {r['completed_wrong']} wrong, "
         f"{r['failed_with_error']} failed with an error, {r['hung']} hung"
     )
+    print(
+        f"  poison requests: {dict(outcomes.poison)}; poison faults after which the topology changed: "
+        f"{result['poison_faults_that_changed_the_topology']}"
+    )
     print(f"  {'fault':11s} {'ready again s':28s} next exact completion s")
     for kind in dict.fromkeys(f["kind"] for f in faults):
         mine = [f for f in faults if f["kind"] == kind and f["injected"]]
@@ -399,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {kind:11s} {ready:28s} {exact}")
     print(f"  worker RSS MB start {memory_start}\n  worker RSS MB end   {memory_end}")
     print(f"wrote {args.out}")
-    return 0 if r["completed_wrong"] == 0 and r["hung"] == 0 else 1
+    poison_ok = outcomes.poison.get("hung", 0) == 0 and result["poison_faults_that_changed_the_topology"] == 0
+    return 0 if r["completed_wrong"] == 0 and r["hung"] == 0 and poison_ok else 1
 
 
 if __name__ == "__main__":

@@ -232,7 +232,7 @@ def print_table(result: dict[str, object]) -> None:
 
 def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, object]]:
     """All (prompt length, batch) rows of one dtype: ours and (unless ``--no-hf``) transformers."""
-    pipeline = Pipeline(folder, 1, dtype=dtype)
+    pipeline = Pipeline(folder, 1, dtype=dtype, pack_gemms=not args.no_pack)
     hf_model = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -281,6 +281,9 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers (ours and the bound only)")
     parser.add_argument("--profile", action="store_true", help="profile our decode step in every row")
     parser.add_argument("--no-preload", action="store_true", help="run without the workers' preloaded libraries")
+    parser.add_argument(
+        "--no-pack", action="store_true", help="dense weights, torch's default GEMM (no oneDNN packing)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.no_preload:
@@ -300,13 +303,14 @@ def main() -> None:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "runtime": describe_runtime(),
+        "packed_gemms": not args.no_pack,
         "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "rows": rows,
     }
     print(
         f"memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, "
         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "
-        f"runtime: {result['runtime']}"
+        f"runtime: {result['runtime']}, packed GEMMs {result['packed_gemms']}"
     )
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

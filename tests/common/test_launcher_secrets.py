@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import redis
 from pydantic import SecretStr
 
 from dejavu_cli import launcher as launcher_module
@@ -102,13 +103,18 @@ def test_the_local_redis_password_is_not_on_its_command_line(runtime_dir: Path):
         assert stat.S_IMODE(config.stat().st_mode) == 0o600
         assert launcher_module._redis_answers(settings.redis.url, settings)  # the password is in force
         assert not launcher_module._redis_answers(settings.redis.url)
+        # A memory bound without eviction: a full Redis refuses writes instead of dropping leases.
+        client = redis.Redis.from_url(settings.redis.url, password=password)
+        try:
+            assert int(client.config_get("maxmemory")["maxmemory"]) == 256 * 2**20
+            assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        finally:
+            client.close()
     finally:
         terminate_all([launcher.redis_proc])
 
 
 def test_dejavu_admin_signs_with_the_key_dejavu_up_made(runtime_dir: Path, redis_url, monkeypatch) -> None:
-    import redis
-
     from dejavu_cli.main import main as dejavu
     from dejavu_common import keys
     from dejavu_common.messages import AdminCommand, WorkerInfo, WorkerRole

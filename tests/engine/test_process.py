@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,26 @@ def test_preloaded_worker_runs_torch_and_reports_the_libraries() -> None:
 
 
 def _base_env() -> dict[str, str]:
-    import os
-
     return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
+def test_each_pipeline_divides_the_hosts_cores_among_its_own_stages(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+
+    def threads(prompt_depth: int, token_depth: int, **engine: object) -> dict[str, int]:
+        settings = Settings()
+        controller = settings.controller.model_copy(update={"prompt_depth": prompt_depth, "token_depth": token_depth})
+        settings = settings.model_copy(
+            update={"controller": controller, "engine": settings.engine.model_copy(update=engine)}
+        )
+        launcher = Launcher(settings, log_dir=tmp_path)
+        prompt = Child("p0", ["python", "-m", "dejavu_prompt_worker"], restart=True)
+        token = Child("t0", ["python", "-m", "dejavu_token_worker"], restart=True)
+        launcher.children += [prompt, token]
+        return {c.name: int(launcher._env(c)["DEJAVU_ENGINE__TORCH_THREADS"]) for c in (prompt, token)}
+
+    # One prompt and one token stage take turns on the host: each may use every core.
+    assert threads(1, 1) == {"p0": cores, "t0": cores}
+    # Stages of one pipeline run together: they share the cores (at least one thread each).
+    assert threads(1, 2 * cores) == {"p0": cores, "t0": 1}
+    assert threads(1, 1, torch_threads=3) == {"p0": 3, "t0": 3}  # a setting wins

@@ -93,3 +93,24 @@ def test_up_planner_auto_sizes_the_runtime(capsys: pytest.CaptureFixture[str]) -
     assert controller.prompt_depth + controller.token_depth == 4 and controller.planner == "auto"
     why = capsys.readouterr().err
     assert "cohort(s) of up to" in why and f"max_running {controller.max_running}" in why and "of 8)" in why
+
+
+def test_up_without_a_layout_runs_what_the_planner_picks_for_this_host(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dejavu_cli.commands import up
+    from dejavu_common.settings import Mode
+
+    parser = argparse.ArgumentParser()
+    up.register(parser.add_subparsers())
+    controller = up._settings(parser.parse_args(["up"])).controller
+    assert controller.mode is Mode.COLOCATED and controller.token_depth == 1 and controller.planner == "auto"
+    assert "one machine: nothing to disaggregate" in capsys.readouterr().err
+    # A layout given on the command line or in the environment is kept as given.
+    manual = up._settings(parser.parse_args(["up", "--token-depth", "2"])).controller
+    assert (manual.mode, manual.token_depth, manual.planner) == (Mode.DISAGGREGATED, 2, "manual")
+    monkeypatch.setenv("DEJAVU_CONTROLLER__PROMPT_DEPTH", "2")
+    manual = up._settings(parser.parse_args(["up"])).controller
+    assert (manual.mode, manual.prompt_depth, manual.planner) == (Mode.DISAGGREGATED, 2, "manual")
+    with pytest.raises(CLIError, match="drop --colocated"):
+        up._settings(parser.parse_args(["up", "--planner", "auto", "--colocated"]))

@@ -11,7 +11,7 @@ from dejavu_planner import formulas
 from dejavu_planner.cohorts import CohortSimulator
 from dejavu_planner.costmodel import CostModel
 from dejavu_planner.deployment import Batching, Deployment, Policy
-from dejavu_planner.planner import Planner, split_workers
+from dejavu_planner.planner import Planner, plan_runtime, split_workers
 from dejavu_planner.profile import Profile
 from dejavu_planner.result import SimResult
 from dejavu_planner.simulator import simulate
@@ -257,3 +257,21 @@ def test_runtime_memory_counts_every_dispatched_request(make_profile: ProfileFac
     assert split_workers(4, make_profile(layers=4, weight_bytes=10, memory=380), workload, max_running=8)[:2] == (1, 3)
     with pytest.raises(ValueError, match="nothing fits 4 machines: a token stage holds the KV of up to 9"):
         split_workers(4, make_profile(layers=4, weight_bytes=10, memory=379), workload, max_running=8)
+
+
+def test_the_runtime_plan_runs_one_machine_colocated_and_compares_the_modes_on_more() -> None:
+    # One machine has nothing to split: its prompt and token workers would share the same cores.
+    profile = _batch_profile()
+    workload = Workload(prompt_len=10, mean_new_tokens=41, max_new_tokens=41)
+    one = plan_runtime(1, profile, workload)
+    assert one.colocated and one.token_depth == 1 and "nothing to disaggregate" in one.why
+    # On 4 machines the colocated pipeline and every split are compared by their predicted throughput.
+    planner = Planner(profile, workload, (1,))
+    colocated, split = planner.runtime_colocated(4)[0], planner.runtime(4)[0]
+    four = plan_runtime(4, profile, workload)
+    best = max((colocated, split), key=lambda c: c.requests_per_s)
+    assert four.colocated == (best is colocated)
+    assert (four.prompt_depth, four.token_depth) == (
+        (0, 4) if four.colocated else (best.deployment.depth, best.deployment.token_depth)
+    )
+    assert "Predicted" in four.why

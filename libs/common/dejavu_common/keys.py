@@ -71,6 +71,7 @@ def watermark(stage: int) -> str:
 
 
 KV_BYTES = f"{PREFIX}:wm:kvbytes"  # hash purpose -> KV bytes the workers streamed (monotonic counters)
+CONTROLLER_LEADER = f"{PREFIX}:ctl:leader"  # "<identity>/<instance>" of the controller that acts (with a TTL)
 INCARNATION = f"{PREFIX}:ctl:incarnation"  # counter: each controller start takes the next id range
 RESUME = f"{PREFIX}:ctl:resume"  # JSON of messages.ResumePoint for the current epoch
 RECOVERY = f"{PREFIX}:ctl:recovery"  # JSON of messages.RecoveryOrder for the current epoch

@@ -87,7 +87,15 @@ class ForwardContext:
 
 
 class Family(ABC):
-    """One architecture (Llama, OPT, GPT-2, BLOOM): weight names and forward math."""
+    """One architecture (Llama, OPT, GPT-2, BLOOM): weight names and forward math.
+
+    ``gemm_roles`` (of a prepared layer) and ``head_gemm_roles`` name the weights the family uses only
+    through :func:`dejavu_engine.gemm.linear` / ``residual_linear``: a stage may replace them by
+    oneDNN-packed copies (:mod:`dejavu_engine.gemm`).
+    """
+
+    gemm_roles: tuple[str, ...] = ()
+    head_gemm_roles: tuple[str, ...] = ()
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -115,7 +123,8 @@ class Family(ABC):
         """Rearrange one layer's loaded weights for speed (e.g. fuse projections), in place.
 
         Each role of :meth:`layer_names` must stay in ``w`` and keep its shape and values (it may
-        become a view into a fused tensor), so the stage's checkpoint-named weights remain exact.
+        become a view into a fused tensor), so the stage's checkpoint-named weights remain exact
+        (until the stage packs a ``gemm_roles`` weight: then its views keep only their shapes).
         The default keeps the weights as loaded.
         """
         return w

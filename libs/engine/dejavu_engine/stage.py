@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dejavu_engine import gemm
 from dejavu_engine.families import family_for
 from dejavu_engine.family import ForwardContext, Weights
 from dejavu_engine.geometry import BatchGeometry
@@ -24,6 +25,20 @@ from dejavulib.layout import KVLayout
 LayerHook = Callable[[int], None]
 
 
+def _pack(w: Weights, roles: tuple[str, ...]) -> None:
+    """Replace ``w[role]`` by its oneDNN-packed copy for each of ``roles``, in place. Views of a packed
+    weight (the parts of a fused one) become meta tensors: they keep their shapes and dtypes, so the
+    stage's accounting holds, but no longer hold the dense memory."""
+    for role in roles:
+        if role not in w:
+            continue
+        dense = w[role]
+        w[role] = gemm.pack(dense)
+        for other, t in w.items():
+            if other != role and t._base is dense:
+                w[other] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
 class Stage:
     """Global layers ``[first, last)`` of the checkpoint in ``folder``.
 
@@ -32,7 +47,12 @@ class Stage:
     """
 
     def __init__(
-        self, folder: str | Path, layers: tuple[int, int], device: str = "cpu", dtype: str = "float32"
+        self,
+        folder: str | Path,
+        layers: tuple[int, int],
+        device: str = "cpu",
+        dtype: str = "float32",
+        pack_gemms: bool = True,
     ) -> None:
         self.folder = Path(folder)
         self.family = family_for(load_config(self.folder))
@@ -45,6 +65,8 @@ class Stage:
         self.dtype = dtype
         self.is_first = first == 0
         self.is_last = last == self.spec.num_layers
+        # oneDNN-packed GEMM weights where this host can (CPU float32): see dejavu_engine.gemm.
+        self.packed_gemms = pack_gemms and gemm.can_pack(self.device, torch_dtype(dtype))
         self.weights = self._load(CheckpointReader(self.folder))
 
     def _load(self, reader: CheckpointReader) -> dict[str, torch.Tensor]:
@@ -59,8 +81,15 @@ class Stage:
         self._layer_w: list[Weights] = []
         for part in parts:
             w = self.family.prepare_layer({role: weights[name] for role, name in part.items()})
+            if self.packed_gemms:
+                _pack(w, self.family.gemm_roles)
             weights.update((name, w[role]) for role, name in part.items())  # views into fused tensors
             self._layer_w.append(w)
+        if self.packed_gemms:
+            _pack(self._head_w, self.family.head_gemm_roles)
+            for role, name in head_names.items():
+                if name not in embed_names.values():  # a tied embedding stays dense for the lookup
+                    weights[name] = self._head_w[role]
         return weights
 
     @property

@@ -231,6 +231,14 @@ class Planner:
             for b in self.microbatches
         )
 
+    def runtime_colocated(self, machines: int, swap: bool = False) -> list[Candidate]:
+        """The serving runtime's colocated mode (one pipeline of ``machines`` stages doing prompts and
+        tokens, cohort batching): every microbatch size that fits."""
+        return self._feasible(
+            Deployment(Policy.BASELINE, machines, b, swap=swap, batching=Batching.COHORT, max_running=self.max_running)
+            for b in self.microbatches
+        )
+
     def _feasible(self, deployments: Iterable[Deployment]) -> list[Candidate]:
         found = [self.predict(d) for d in deployments if self.fits(d)]
         return sorted(found, key=lambda c: (c.score, c.deployment.machines))
@@ -379,6 +387,58 @@ class Planner:
         resident = min(2, d.depth) if d.swap else d.depth
         need = self.cost.stage_memory(StageRole.TOKEN, layers, d.microbatch, w.prompt_len, w.max_new_tokens, resident)
         return _gib(need)
+
+
+@dataclass(frozen=True)
+class RuntimePlan:
+    """What ``dejavu up`` starts: colocated stages, or a prompt and a token pipeline, and why."""
+
+    colocated: bool
+    prompt_depth: int  # 0 when colocated
+    token_depth: int  # the colocated pipeline's depth when colocated
+    why: str
+
+
+def plan_runtime(
+    machines: int,
+    profile: Profile,
+    workload: Workload,
+    microbatch: int = 1,
+    swap: bool = False,
+    max_running: int = DEFAULT_MAX_RUNNING,
+    trace: Trace | None = None,
+) -> RuntimePlan:
+    """The serving runtime's deployment on ``machines`` machines: the predicted fastest of its colocated
+    mode (one pipeline of every machine) and every disaggregated split (cohort batching in both).
+
+    One machine has nothing to split, so it runs colocated: on a single host the prompt and token
+    workers of a split would only share the same cores. Raises ``ValueError`` when nothing fits.
+    """
+    if machines < 1:
+        raise ValueError("machines must be >= 1")
+    planner = Planner(profile, workload, (microbatch,), max_running)
+    colocated = planner.runtime_colocated(machines, swap)
+    split = planner.runtime(machines, swap) if machines >= 2 else []
+    if trace is not None:
+        colocated = planner.rerank(colocated[:SIMULATED_PER_POLICY], trace) if colocated else []
+        split = planner.rerank(split[:SIMULATED_PER_POLICY], trace) if split else []
+    found = sorted([*colocated[:1], *split[:1]], key=lambda c: c.score)
+    if not found:
+        raise ValueError(planner.explain_infeasible(machines, swap, cohorts=True))
+    best = found[0]
+    d = best.deployment
+    why = planner.explain_cohorts(best)
+    if machines == 1:
+        why = f"one machine: nothing to disaggregate, prompts and tokens share it. {why}"
+    elif len(found) == 2:
+        other = found[1]
+        why = (
+            f"{why} Predicted {best.requests_per_s:.3g} req/s against {other.requests_per_s:.3g} for "
+            f"{other.deployment.label()}."
+        )
+    if d.policy is Policy.DEJAVU:
+        return RuntimePlan(False, d.depth, d.token_depth, why)
+    return RuntimePlan(True, 0, d.depth, why)
 
 
 def split_workers(

@@ -15,12 +15,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from dejavu_common import keys
 from dejavu_common.fatal import die
@@ -34,6 +36,7 @@ from dejavu_controller.backend import (
     NotReadyError,
     TokenEvent,
 )
+from dejavu_controller.leadership import Leadership
 from dejavu_controller.model_info import context_limit
 from dejavu_controller.registry import Registry, WorkerView
 from dejavu_controller.repair import Repair
@@ -83,6 +86,8 @@ class PipelineBackend:
         self._stream_ids: dict[int, bytes] = {}
         self._tasks: list[asyncio.Task] = []
         self.repair = Repair(settings, redis)
+        identity = c.identity or f"{socket.gethostname()}:{c.port}"
+        self.leadership = Leadership(redis, identity, c.leader_lease_s)
         self._repair_task: asyncio.Task | None = None
         self._repairing: set[int] = set()  # token stages the current repair restores
         self._kv_seen: dict[str, int] = {}
@@ -92,18 +97,26 @@ class PipelineBackend:
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
 
     async def __aenter__(self) -> PipelineBackend:
+        self._start("lead", self._lead())
+        return self
+
+    def _start(self, name: str, coro) -> None:
+        task = asyncio.create_task(coro, name=f"controller-{name}")
+        task.add_done_callback(_fatal_if_ended)
+        self._tasks.append(task)
+
+    async def _lead(self) -> None:
+        """Wait for the leader lease (a standby is not ready), then act: clear the previous controller's
+        work, take an id range, run the loops, and keep the lease. Losing it to another instance ends
+        this one (``LeadershipLost`` through ``_fatal_if_ended``), so two controllers never both act."""
+        await self.leadership.acquire()
         await self._clear_previous_work()
         self._incarnation = int(await self.redis.incr(keys.INCARNATION))
         self.scheduler.start_ids_at(self._incarnation << 32)
-        for name, coro in (
-            ("control", self._control_loop()),
-            ("dispatch", self._dispatch_loop()),
-            ("relay", self._relay_loop()),
-        ):
-            task = asyncio.create_task(coro, name=f"controller-{name}")
-            task.add_done_callback(_fatal_if_ended)
-            self._tasks.append(task)
-        return self
+        self._start("control", self._control_loop())
+        self._start("dispatch", self._dispatch_loop())
+        self._start("relay", self._relay_loop())
+        await self.leadership.keep()
 
     async def _clear_previous_work(self) -> None:
         """The controller owns request state: work queued by an earlier controller (its clients are
@@ -122,6 +135,8 @@ class PipelineBackend:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        with contextlib.suppress(RedisError, OSError):  # a standby takes over at once
+            await self.leadership.release()
 
     # -- Backend protocol ------------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -136,6 +151,8 @@ class PipelineBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if not self._ready:
+            if not self.leadership.held:
+                raise NotReadyError("this controller is standing by: another controller holds the leader lease")
             raise NotReadyError("no complete pipeline is registered")
         p = request.params
         seed = p.seed if p.seed is not None else secrets.randbits(63)

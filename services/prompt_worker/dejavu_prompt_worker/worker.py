@@ -57,8 +57,15 @@ class PromptWorker(WorkerProcess):
 
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         m = self.settings.model
-        self.stage = Stage(m.folder, assignment.layers, m.device, m.dtype)
-        log.info("loaded layers %s (%.1f MB)", assignment.layers, self.stage.param_bytes / 1e6)
+        self.stage = Stage(
+            m.folder, assignment.layers, m.device, m.dtype, self.settings.engine.packs_gemms(decodes=False)
+        )
+        log.info(
+            "loaded layers %s (%.1f MB, packed GEMMs %s)",
+            assignment.layers,
+            self.stage.param_bytes / 1e6,
+            self.stage.packed_gemms,
+        )
 
     def serve(self, topology: Topology) -> None:
         assert self.endpoint is not None and self.redis is not None

@@ -48,7 +48,7 @@ class TokenWorker(WorkerProcess):
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         assert self.redis is not None and self.endpoint is not None
         m = self.settings.model
-        stage = Stage(m.folder, assignment.layers, m.device, m.dtype)
+        stage = Stage(m.folder, assignment.layers, m.device, m.dtype, self.settings.engine.packs_gemms(decodes=True))
         swap = None
         if self.settings.swap.enabled:
             # Device buffers sized for the largest microbatch this pipeline admits.
@@ -66,7 +66,12 @@ class TokenWorker(WorkerProcess):
             self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s, self.epoch_changed)
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
-        log.info("loaded layers %s (%.1f MB)", assignment.layers, stage.param_bytes / 1e6)
+        log.info(
+            "loaded layers %s (%.1f MB, packed GEMMs %s)",
+            assignment.layers,
+            stage.param_bytes / 1e6,
+            stage.packed_gemms,
+        )
 
     def serve(self, topology: Topology) -> None:
         assert self.endpoint is not None and self.runner is not None and self.redis is not None

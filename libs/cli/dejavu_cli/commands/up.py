@@ -18,8 +18,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-microbatch", type=int, help="requests per prompt microbatch")
     p.add_argument("--token-microbatch", type=int, help="requests per token microbatch")
     p.add_argument("--colocated", action="store_true", help="the baseline: prompts and tokens on one pipeline")
-    p.add_argument("--planner", choices=("manual", "auto"), help="auto: split --workers by the planner")
-    p.add_argument("--workers", type=int, help="with --planner auto: machines to split into D_p + D_t")
+    p.add_argument(
+        "--planner",
+        choices=("manual", "auto"),
+        help="auto (the default unless a depth or --colocated is given): the planner picks colocated stages or "
+        "a D_p + D_t split of --workers machines",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="machines the planner plans for (default 1: this host; workers on one host share its cores)",
+    )
     p.add_argument("--profile", default="smollm2-135m-cpu-1thread", help="planner profile (file or shipped name)")
     p.add_argument("--workload", default="1000,128,256", help="planner workload: prompt,mean new,max new tokens")
     p.add_argument("--spares", type=int, default=0, help="pre-started spare token workers")
@@ -56,8 +66,15 @@ def _settings(args: argparse.Namespace):
     }
     if args.colocated:
         ctl["mode"] = Mode.COLOCATED
-    if args.planner == "auto" and not args.colocated:
-        ctl.update(_planned_depths(args, s.controller.model_copy(update=ctl)))
+    # A layout given on the command line or in the environment (DEJAVU_CONTROLLER__*) is kept as given.
+    layout_set = {"mode", "prompt_depth", "token_depth"} & s.controller.model_fields_set
+    manual = args.colocated or args.prompt_depth is not None or args.token_depth is not None or bool(layout_set)
+    if args.planner == "auto" or (args.planner is None and not manual):
+        if args.colocated:
+            from dejavu_cli.main import CLIError
+
+            raise CLIError("--planner auto picks the mode itself: drop --colocated")
+        ctl.update(_planned_layout(args, s.controller.model_copy(update=ctl)))
     update: dict = {"controller": s.controller.model_copy(update=ctl)}
     model: dict = {}
     if args.model:
@@ -73,21 +90,23 @@ def _settings(args: argparse.Namespace):
     return s.model_copy(update=update)
 
 
-def _planned_depths(args: argparse.Namespace, controller) -> dict[str, int]:
-    """``planner: auto``: the planner splits ``--workers`` machines into prompt and token stages, modelling
-    the runtime's policy (cohorts of up to ``max_running / D_t`` rows) at its token microbatch size."""
+def _planned_layout(args: argparse.Namespace, controller) -> dict:
+    """``planner: auto``: the planner picks, for ``--workers`` machines, colocated stages or a split into
+    prompt and token stages, modelling the runtime's policy (cohorts of up to ``max_running / D_t`` rows)
+    at its token microbatch size. One machine (this host, the default) runs colocated."""
     from pathlib import Path
 
     from dejavu_cli.main import CLIError
-    from dejavu_planner.planner import split_workers
+    from dejavu_common.settings import Mode
+    from dejavu_planner.planner import plan_runtime
     from dejavu_planner.profile import Profile
     from dejavu_planner.workload import Workload
 
-    if not args.workers:
-        raise CLIError("--planner auto needs --workers N")
+    if args.workers < 1:
+        raise CLIError(f"--workers must be >= 1, got {args.workers}")
     prompt_len, mean_new, max_new = (int(x) for x in args.workload.split(","))
     try:
-        d_p, d_t, why = split_workers(
+        plan = plan_runtime(
             args.workers,
             Profile.load(Path(args.profile)),
             Workload(prompt_len, mean_new, max_new),
@@ -96,8 +115,14 @@ def _planned_depths(args: argparse.Namespace, controller) -> dict[str, int]:
         )
     except ValueError as exc:
         raise CLIError(f"the planner found no configuration: {exc}") from exc
-    print(f"planner: {args.workers} workers -> {d_p} prompt + {d_t} token stages\n{why}", file=sys.stderr)
-    return {"prompt_depth": d_p, "token_depth": d_t, "planner": "auto"}
+    if plan.colocated:
+        print(
+            f"planner: {args.workers} machine(s) -> {plan.token_depth} colocated stage(s)\n{plan.why}", file=sys.stderr
+        )
+        return {"mode": Mode.COLOCATED, "token_depth": plan.token_depth, "planner": "auto"}
+    layout = f"{plan.prompt_depth} prompt + {plan.token_depth} token stages"
+    print(f"planner: {args.workers} machine(s) -> {layout}\n{plan.why}", file=sys.stderr)
+    return {"prompt_depth": plan.prompt_depth, "token_depth": plan.token_depth, "planner": "auto"}
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, fuse
+from dejavu_engine.gemm import linear, residual_linear
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model."
@@ -46,27 +47,10 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return qk * cos + swap_halves(qk) * sin
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` over the last dimension. Without a bias, the one GEMM ``F.linear``
-    would run, called directly: a decode step makes hundreds of these calls, and the wrappers'
-    dispatch (linear, matmul, t, the views) costs more than the small GEMMs' difference."""
-    if bias is not None:
-        return F.linear(x, weight, bias)
-    return torch.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
-
-
-def residual_linear(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``residual + x @ weight.T (+ bias)``: one fused GEMM in float32 without a bias; otherwise (and
-    below float32, where the fused sum would round once instead of HF's twice) a GEMM and an add."""
-    if bias is not None or residual.dtype != torch.float32:
-        return residual + F.linear(x, weight, bias)
-    out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
-    return out.view(residual.shape)
-
-
 class Llama(Family):
+    gemm_roles = ("qkv", "o", "gate_up", "down")
+    head_gemm_roles = ("lm_head",)
+
     @classmethod
     def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
         if config.get("hidden_act", "silu") != "silu":
