@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -40,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
+from benchmarks.procs import free_port, rss_mb
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = [
@@ -50,12 +52,6 @@ PROMPTS = [
     "The three primary colors are",
     "Water boils at",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -122,20 +118,10 @@ def _client(api_of, model: str, reference: dict[str, str], args, stop: threading
             out.add("wrong", {"prompt": prompt, "got": text, "expected": reference[prompt]})
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def _worker_memory(launcher) -> dict[str, dict]:
     """RSS of each worker process (its pid too: a restarted worker is another process)."""
     return {
-        c.name: {"pid": c.proc.pid, "rss_mb": _rss_mb(c.proc.pid)}
+        c.name: {"pid": c.proc.pid, "rss_mb": rss_mb(c.proc.pid)}
         for c in launcher.children
         if c.name != "controller" and c.proc
     }
@@ -360,12 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     reference = _reference(model, args.max_tokens)
     settings = base.model_copy(
         update={
-            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{_free_port()}/0"}),
+            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}),
             "model": base.model.model_copy(update={"path": model}),
             "engine": base.engine.model_copy(update={"torch_threads": 1}),
             "controller": base.controller.model_copy(
                 update={
-                    "port": _free_port(),
+                    "port": free_port(),
                     "token_depth": args.token_depth,
                     "prompt_microbatch": 2,
                     "token_microbatch": 2,

@@ -6,7 +6,7 @@ time. This benchmark starts the deployment ``dejavu up`` would start (``--up-arg
 default: the planner's choice for this host), sends ``--requests`` streamed chat completions through
 the ``openai`` client, ``--concurrency`` at a time, each with short everyday questions, sampling at
 ``--temperature`` with a per-request seed, and no ``max_tokens``. It reports the completion time,
-tokens per second, finish reasons, failures, every worker's RSS after a warm-up, half-way and at the
+tokens per second, finish reasons, failures, every worker's RSS after a warm-up (8 requests), half-way and at the
 end, and what each worker reports holding once all requests ended (must be nothing). Writes
 ``benchmarks/results/chat.json``.
 """
@@ -17,7 +17,6 @@ import argparse
 import json
 import random
 import shlex
-import socket
 import statistics
 import sys
 import threading
@@ -25,6 +24,9 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
+from benchmarks.procs import free_port, rss_mb
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUESTIONS = [
@@ -55,24 +57,8 @@ QUESTIONS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None
-
-
 def _memory(launcher) -> dict[str, float | None]:
-    return {c.name: _rss_mb(c.proc.pid) for c in launcher.children if c.proc is not None}
+    return {c.name: rss_mb(c.proc.pid) for c in launcher.children if c.proc is not None}
 
 
 def _held(redis_url: str) -> dict[str, dict]:
@@ -91,7 +77,7 @@ def _held(redis_url: str) -> dict[str, dict]:
         client.close()
 
 
-def _one(client, model: str, question: str, temperature: float, seed: int) -> dict:
+def _one(client, model: str, question: str, seed: int, temperature: float) -> dict:
     started = time.monotonic()
     record: dict = {"question": question, "seed": seed}
     try:
@@ -135,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     from dejavu_cli.commands import up
     from dejavu_cli.launcher import Launcher
 
-    redis_url = f"redis://127.0.0.1:{_free_port()}/0"
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
     up_parser = argparse.ArgumentParser()
     up.register(up_parser.add_subparsers())
-    up_argv = ["up", "--port", str(_free_port()), "--redis-url", redis_url, *shlex.split(args.up_args)]
+    up_argv = ["up", "--port", str(free_port()), "--redis-url", redis_url, *shlex.split(args.up_args)]
     settings = up._settings(up_parser.parse_args(up_argv))
     c = settings.controller
     layout = (
@@ -160,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         model = settings.model.name
         print(f"deployment: {layout}; {args.requests} chat requests, {args.concurrency} at a time", flush=True)
-        with ThreadPoolExecutor(args.concurrency) as pool:  # warm-up: one round, not counted
-            list(pool.map(lambda w: _one(client, model, *w, temperature=args.temperature), work[: args.concurrency]))
+        warmup = work[: min(8, args.concurrency)]  # first-call costs, not counted
+        with ThreadPoolExecutor(len(warmup)) as pool:
+            list(pool.map(lambda w: _one(client, model, *w, temperature=args.temperature), warmup))
         memory["after_warmup"] = _memory(launcher)
         started = time.monotonic()
 

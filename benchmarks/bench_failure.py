@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,13 +27,10 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
+from benchmarks.procs import free_port
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(tokenizer, n: int) -> str:
@@ -87,12 +83,12 @@ def run_once(name: str, replication: bool, kill: bool, args, model_folder: Path,
     base = Settings()
     settings = base.model_copy(
         update={
-            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{_free_port()}/0"}),
+            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}),
             "model": base.model.model_copy(update={"path": model_folder}),
             "engine": base.engine.model_copy(update={"torch_threads": 1}),
             "controller": base.controller.model_copy(
                 update={
-                    "port": _free_port(),
+                    "port": free_port(),
                     "mode": Mode.COLOCATED,
                     "token_depth": 4,
                     "token_microbatch": 2,

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,9 +39,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
-
 from benchmarks.loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord
 from benchmarks.metrics import RunMetrics
+from benchmarks.procs import free_port
 from dejavu_cli.launcher import Launcher
 from dejavu_common.settings import Mode, Settings
 from dejavu_planner.trace import Trace, lmsys_like_trace
@@ -109,17 +108,11 @@ class Run:
         }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def deployment_settings(base: Settings, deployment: Deployment, args: argparse.Namespace) -> Settings:
     """``base`` (the environment's settings) with this deployment's shape, fresh ports and 1 torch thread."""
     controller = base.controller.model_copy(
         update={
-            "port": _free_port(),
+            "port": free_port(),
             "mode": deployment.mode,
             "prompt_depth": deployment.prompt_depth,
             "token_depth": deployment.token_depth,
@@ -131,7 +124,7 @@ def deployment_settings(base: Settings, deployment: Deployment, args: argparse.N
     )
     return base.model_copy(
         update={
-            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{_free_port()}/0"}),
+            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}),
             "model": base.model.model_copy(update={"path": args.model_folder}),
             "engine": base.engine.model_copy(update={"torch_threads": 1}),
             "controller": controller,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -48,13 +47,7 @@ if TYPE_CHECKING:
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH.parent))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from benchmarks.procs import free_port  # noqa: E402
 
 BATCH_WAIT_MS = 50.0  # the controller's partial-microbatch wait, also given to the simulator
 
@@ -64,7 +57,7 @@ def _settings(model: Path, colocated: bool, microbatch: int):
 
     base = Settings()
     ctl = {
-        "port": _free_port(),
+        "port": free_port(),
         "token_microbatch": microbatch,
         "prompt_microbatch": microbatch,
         "batch_wait_ms": BATCH_WAIT_MS,
@@ -73,7 +66,7 @@ def _settings(model: Path, colocated: bool, microbatch: int):
     ctl.update({"mode": Mode.COLOCATED, "token_depth": 2} if colocated else {"prompt_depth": 1, "token_depth": 1})
     return base.model_copy(
         update={
-            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{_free_port()}/0"}),
+            "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}),
             "model": base.model.model_copy(update={"path": model}),
             "engine": base.engine.model_copy(update={"torch_threads": 1}),
             "controller": base.controller.model_copy(update=ctl),

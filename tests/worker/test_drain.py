@@ -203,3 +203,29 @@ def test_leases_that_expired_together_during_a_stall_are_not_failures_but_one_no
         client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_lost_workers_unacknowledged_claims_are_dropped_with_it(redis_url) -> None:
+    """A prompt worker dies between claiming a task and acknowledging it: the repair re-runs the task's
+    microbatches, and nothing would ever read the entry pending for the dead consumer again. The
+    controller drops the lost worker's consumer (its pending entries with it); the others' stay."""
+
+    async def scenario() -> None:
+        client, r, backend, _repairs = _backend(redis_url)
+        client.delete(keys.PROMPT_QUEUE)
+        client.xgroup_create(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, id="0", mkstream=True)
+        await _serving(client, backend)
+        _register(client, "p1", WorkerRole.PROMPT, "idle", 0, spare=True)
+        for worker in ("p0", "p1"):  # each claims one task and never acknowledges it
+            client.xadd(keys.PROMPT_QUEUE, {"task": b"-"})
+            client.xreadgroup(keys.PROMPT_GROUP, worker, {keys.PROMPT_QUEUE: ">"}, count=1)
+        assert client.xpending(keys.PROMPT_QUEUE, keys.PROMPT_GROUP)["pending"] == 2
+        await backend._control_once()
+        client.delete(keys.worker_lease("p0"))  # p0 dies
+        await backend._control_once()
+        pending = client.xpending(keys.PROMPT_QUEUE, keys.PROMPT_GROUP)
+        assert pending["pending"] == 1 and [c["name"] for c in pending["consumers"]] == [b"p1"]
+        await r.aclose()
+        client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -242,6 +242,8 @@ class PipelineBackend:
                     why = f"lost {lost}" if lost else f"handing over the stages of draining {draining}"
                     log.warning("%s: repairing the pipelines at epoch %d", why, new.epoch)
                     self._start_repair(new, plan[0])
+                if lost:
+                    await self._forget_claims(lost)
                 self._drain_waiting = set()
         was = self._ready
         self._ready = self.registry.ready(self._workers)
@@ -314,6 +316,19 @@ class PipelineBackend:
             )
         self._last_poll = now
         return now >= self._lease_grace_until
+
+    async def _forget_claims(self, workers: list[str]) -> None:
+        """Queue entries a lost worker claimed and never acknowledged would stay pending for it forever
+        (nothing reads them again: the repair re-runs their microbatches): drop its consumers from the
+        work queues' groups, pending entries and all. A worker that comes back under the same id joins
+        again as a new consumer."""
+        pipe = self.redis.pipeline(transaction=False)
+        for worker in workers:
+            for stream, group in ((keys.PROMPT_QUEUE, keys.PROMPT_GROUP), (keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)):
+                pipe.xgroup_delconsumer(stream, group, worker)
+        for result in await pipe.execute(raise_on_error=False):
+            if isinstance(result, Exception) and "NOGROUP" not in str(result):
+                log.warning("could not drop a lost worker's queue claims: %s", result)
 
     def _plan_repair(self, old: Topology, new: Topology, lost: list[str]) -> _RepairPlan:
         """What the repair of ``new`` covers: stages replaced, microbatches to resume, re-run or drop (the

@@ -15,17 +15,20 @@ back to waiting for the next topology.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 
 import redis
+import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress
 from dejavu_worker.dataplane import KVChunk, frame, unframe
 from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavulib.errors import IntegrityError
 
 log = logging.getLogger("dejavu.token_worker.recovery")
 
@@ -43,11 +46,27 @@ def report_progress(client: redis.Redis, epoch: int, stage: int, worker_id: str,
     client.set(keys.progress(epoch, stage), msg.encode(), ex=3600)
 
 
+def restore_digest(chunks: list[KVChunk]) -> str:
+    """A checksum over what a restore carries, in order: each chunk's place (microbatch, layers, rows,
+    positions, step) and its K and V bytes. The sender puts it in the end marker and the replacement
+    checks it over what it received before using any of it: a chunk lost, reordered or altered between
+    the two caches (not only on the wire, which the transport's MAC covers) fails the restore."""
+    h = hashlib.blake2b(digest_size=16)
+    for c in chunks:
+        h.update(f"{c.mb_id}:{c.layers}:{c.rows}:{c.positions}:{c.step};".encode())
+        for t in (c.k, c.v):
+            t = t.detach().to("cpu").contiguous()
+            h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().data)
+    return h.hexdigest()
+
+
 def send_caches(endpoint: DataEndpoint, peer: str, chunks: list[KVChunk], role: str) -> None:
-    """Send whole caches to a replacement; ``role`` is 'primary' (its own cache) or 'replica'."""
+    """Send whole caches to a replacement; ``role`` is 'primary' (its own cache) or 'replica'. The end
+    marker carries how many chunks were sent and their :func:`restore_digest`."""
     for chunk in chunks:
         endpoint.send(peer, Channel.KV_RESTORE, dataclasses.replace(chunk, role=role).encode())
-    endpoint.send(peer, Channel.KV_RESTORE, frame({"role": role, "end": True}, None))
+    end = {"role": role, "end": True, "chunks": len(chunks), "digest": restore_digest(chunks)}
+    endpoint.send(peer, Channel.KV_RESTORE, frame(end, None))
 
 
 def expected_roles(stage: int, depth: int, replaced: set[int]) -> set[str]:
@@ -66,9 +85,12 @@ def receive_caches(
 ) -> tuple[list[KVChunk], list[KVChunk]]:
     """Collect restore chunks until the sender of each of ``roles`` said it is done:
     (primary chunks, replica chunks). With a two-stage pipeline one peer sends both roles.
-    Raises :class:`DeadlineExceeded` past the deadline or once ``abandon()`` is true."""
+    Raises :class:`DeadlineExceeded` past the deadline or once ``abandon()`` is true, and
+    :class:`IntegrityError` when what arrived for a role is not what its sender's end marker lists
+    (count and :func:`restore_digest`)."""
     primary: list[KVChunk] = []
     replica: list[KVChunk] = []
+    got = {"primary": primary, "replica": replica}
     ended: set[str] = set()
     end = time.monotonic() + deadline_s
     while not roles <= ended:
@@ -80,7 +102,14 @@ def receive_caches(
             continue
         meta, _ = unframe(payload)
         if meta.get("end"):
-            ended.add(str(meta.get("role")))
+            role = str(meta.get("role"))
+            chunks = got.get(role, [])
+            if meta.get("chunks") != len(chunks) or meta.get("digest") != restore_digest(chunks):
+                raise IntegrityError(
+                    f"restore of the {role} caches: {len(chunks)} chunk(s) arrived, the sender sent "
+                    f"{meta.get('chunks')}, or their checksum differs: not using them"
+                )
+            ended.add(role)
             continue
         chunk = KVChunk.decode(payload)
         (primary if chunk.role == "primary" else replica).append(chunk)

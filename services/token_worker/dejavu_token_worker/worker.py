@@ -31,6 +31,7 @@ from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, Token
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
+from dejavulib.errors import IntegrityError
 
 log = logging.getLogger("dejavu.token_worker")
 
@@ -194,7 +195,7 @@ class TokenWorker(WorkerProcess):
                 self._send_restores(order, pos, topology)
                 recovery.report_progress(self.redis, topology.epoch, pos.index, self.worker_id, self.runner.progress())
             point = recovery.wait_resume(self.redis, topology.epoch, deadline, self.epoch_changed)
-        except DeadlineExceeded as exc:
+        except (DeadlineExceeded, IntegrityError) as exc:
             if self.epoch_changed():
                 return None  # a newer epoch: its own recovery takes over
             log.error("recovery at epoch %d failed (%s): dropping every in-flight microbatch", topology.epoch, exc)
