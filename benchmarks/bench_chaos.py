@@ -163,13 +163,24 @@ class Chaos:
 
             from dejavu_common import keys
             from dejavu_common.admin import sign
-            from dejavu_common.messages import AdminAction
+            from dejavu_common.messages import AdminAction, WorkerInfo
 
             victim = self.holder(stage)
-            credential = self.settings.admin.credential.get_secret_value()
+            admin = self.launcher.settings.admin  # the key pair `dejavu up` made for this deployment
+            if admin.signing_key is None:
+                raise RuntimeError("the deployment has no admin signing key")
+            client = redis.Redis.from_url(self.settings.redis.url, socket_timeout=2)
+            info = WorkerInfo.decode(client.hget(keys.worker(victim), "info"))
             seconds = self.settings.recovery.lease_ttl_s * 3
-            cmd = sign(victim, AdminAction.PAUSE_HEARTBEATS, credential, seconds=seconds)
-            redis.Redis.from_url(self.settings.redis.url).xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
+            cmd = sign(
+                admin.signing_key.get_secret_value(),
+                victim,
+                info.instance,
+                AdminAction.PAUSE_HEARTBEATS,
+                seconds=seconds,
+                ttl_s=admin.command_ttl_s,
+            )
+            client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
             return f"pause heartbeats of {victim} for {seconds:.1f} s"
         if kind == "redis":
             with self.lock:
@@ -395,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 what = chaos.inject(kind)
             except Exception as exc:  # e.g. no topology right now: recorded, the schedule goes on
                 faults.append({"kind": kind, "at_s": round(at - started, 2), "injected": False, "error": repr(exc)})
+                print(f"{at - started:7.1f} s  {kind}: NOT injected ({exc!r})", file=sys.stderr, flush=True)
                 continue
             back = chaos.back_s(at, epoch, new_epoch=kind != "poison")
             recovery = chaos.recovery_s(at, outcomes)
@@ -456,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2))
     r = result["requests"]
     print(
-        f"\nchaos: {result['faults_injected']} faults in {args.minutes:g} min, {args.clients} clients; "
+        f"\nchaos: {result['faults_injected']} faults injected ({len(faults) - result['faults_injected']} not) "
+        f"in {args.minutes:g} min, {args.clients} clients; "
         f"requests: {r['completed_exact']} exact, {r['completed_wrong']} wrong, "
         f"{r['failed_with_error']} failed with an error, {r['hung']} hung"
     )

@@ -85,3 +85,16 @@ def test_a_vanishing_temperature_samples_the_best_token_instead_of_failing(tempe
     assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
     for s in range(5):
         assert sample_token(logits_at(s) * 30, params, s) == int(torch.argmax(logits_at(s) * 30))
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45, 1e-8])
+@pytest.mark.parametrize("temperature", [0.7, 5e-324])
+def test_a_vanishing_top_p_keeps_the_best_token_instead_of_failing(top_p, temperature) -> None:
+    # A top_p below float32's smallest value compares as 0 against the float32 cumulative mass: without
+    # the first token kept explicitly, every token was dropped and softmax gave NaN (a failed request).
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=3)
+    for s in range(3):
+        logits = logits_at(s) * 5
+        probs = filtered_probs(logits, params)
+        assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+        assert sample_token(logits, params, s) == int(torch.argmax(logits))

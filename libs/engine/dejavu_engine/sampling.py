@@ -72,8 +72,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1:
         sorted_scores, order = torch.sort(scores, descending=True)
         probs = sorted_scores.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays: a top_p below
+        # float32's smallest value (1e-300) compares as 0, which would otherwise drop every token.
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[..., 0] = False
         scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
     return scores.softmax(-1)
 
