@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import redis
 from openai import OpenAI
@@ -41,6 +42,9 @@ class Round:
     """Stream every prompt concurrently; ``wait_tokens`` blocks until that many chunks arrived."""
 
     def __init__(self, launcher, settings) -> None:
+        # Like a client honouring 503 + Retry-After: a round that follows a failure starts once the repair
+        # is over (a round that finished before its failure was even detected would otherwise be refused).
+        _wait_ready(launcher.api_url)
         self.client = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=180, max_retries=0)
         self.model = settings.model.name
         self.texts: dict[str, str] = {}
@@ -83,6 +87,18 @@ class Round:
             assert not t.is_alive(), "a request hung"
         assert not self.errors, self.errors
         return self.texts
+
+
+def _wait_ready(api_url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(api_url + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"not ready again within {timeout_s} s")
 
 
 def _kill(launcher, worker_id: str) -> None:

@@ -327,7 +327,7 @@ class PipelineBackend:
             for stream, group in ((keys.PROMPT_QUEUE, keys.PROMPT_GROUP), (keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)):
                 pipe.xgroup_delconsumer(stream, group, worker)
         for result in await pipe.execute(raise_on_error=False):
-            if isinstance(result, Exception) and "NOGROUP" not in str(result):
+            if isinstance(result, Exception) and not any(m in str(result) for m in ("NOGROUP", "key to exist")):
                 log.warning("could not drop a lost worker's queue claims: %s", result)
 
     def _plan_repair(self, old: Topology, new: Topology, lost: list[str]) -> _RepairPlan:
