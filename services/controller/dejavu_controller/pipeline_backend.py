@@ -95,7 +95,6 @@ class PipelineBackend:
         self._last_poll: float | None = None  # when the control loop last read the registry
         self._lease_grace_until = 0.0  # lease expiries are not failures before this (after a stall)
         self._dispatching = asyncio.Lock()  # held by a dispatch, and by a change of topology
-        self._trust_leases = True
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
 
     async def __aenter__(self) -> PipelineBackend:
@@ -215,17 +214,17 @@ class PipelineBackend:
         if self.registry.topology is not None and not await self.redis.exists(keys.TOPOLOGY):
             await self._redis_lost()
         self._workers = await self.registry.workers()
-        self._trust_leases = self._leases_trusted()
+        trust_leases = self._leases_trusted()
         await self._collect_kv_bytes()
         # A dispatch never interleaves with a change of topology: a microbatch formed while a repair is
         # planned would be in neither the repair's plan nor a pipeline that keeps it (the workers drop,
         # at the resume point, every cache the plan does not name).
         async with self._dispatching:
-            await self._topology_once()
+            await self._topology_once(trust_leases)
 
-    async def _topology_once(self) -> None:
+    async def _topology_once(self, trust_leases: bool) -> None:
         old = self.registry.topology
-        lost = self.registry.lost(self._workers, self._trust_leases)
+        lost = self.registry.lost(self._workers, trust_leases)
         draining = self.registry.draining(self._workers)
         if old is None or lost or draining:
             topo = self.registry.assemble(self._workers)
