@@ -8,13 +8,13 @@ PACKAGES := libs/common libs/dejavulib libs/engine libs/worker libs/planner libs
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 PYTEST_ARGS ?=
 
-.PHONY: setup venv system-packages model run test lint bench clean help
+.PHONY: setup venv system-packages model kernels run test lint bench clean help
 
 help:
 	@echo "make setup | run | test | lint | bench | clean"
 
-## setup: virtualenv + pinned dependencies + redis-server + the default model (idempotent)
-setup: $(STAMP) system-packages model
+## setup: virtualenv + pinned dependencies + redis-server + the default model + native kernels (idempotent)
+setup: $(STAMP) system-packages model kernels
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ system-packages:
 
 model: $(STAMP)
 	$(BIN)/dejavu model prepare
+
+# The native CPU kernels, compiled for this host once (a worker that finds them missing builds them itself).
+kernels: $(STAMP)
+	$(BIN)/python -m dejavu_engine.native
 
 ## run: start the whole system on the default model and show it answering
 run: setup

@@ -232,7 +232,7 @@ def print_table(result: dict[str, object]) -> None:
 
 def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, object]]:
     """All (prompt length, batch) rows of one dtype: ours and (unless ``--no-hf``) transformers."""
-    pipeline = Pipeline(folder, 1, dtype=dtype, pack_gemms=not args.no_pack)
+    pipeline = Pipeline(folder, 1, dtype=dtype, pack_gemms=not args.no_pack, native_attention=not args.no_native)
     hf_model = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -284,6 +284,9 @@ def main() -> None:
     parser.add_argument(
         "--no-pack", action="store_true", help="dense weights, torch's default GEMM (no oneDNN packing)"
     )
+    parser.add_argument(
+        "--no-native", action="store_true", help="torch's attention per microbatch (not the native decode kernel)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.no_preload:
@@ -304,6 +307,7 @@ def main() -> None:
         "torch": torch.__version__,
         "runtime": describe_runtime(),
         "packed_gemms": not args.no_pack,
+        "native_attention": not args.no_native,
         "load_avg_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "rows": rows,
     }

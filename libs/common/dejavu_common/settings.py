@@ -100,6 +100,14 @@ class EngineSettings(BaseModel):
         "(torch's default GEMM on the dense weights).",
     )
 
+    native_attention: bool = Field(
+        True,
+        description="Decode attention of every row of a pass in one call of the native CPU kernel "
+        "(dejavu_engine.native, compiled for the host by `make setup` or on first use) where the host can "
+        "(CPU, float32, a C++ compiler): one call per layer whatever the number of microbatches, instead of "
+        "one torch attention call per microbatch. Off, or where the kernel cannot be built: torch's attention.",
+    )
+
     def packs_gemms(self, decodes: bool) -> bool:
         """Whether a stage that decodes (token or colocated: ``decodes``) or only prefills packs its GEMMs."""
         return self.packed_gemm == "on" or (self.packed_gemm == "auto" and decodes)

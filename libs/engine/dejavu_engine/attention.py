@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
+from dejavu_engine import native
 from dejavu_engine.family import ForwardContext
 from dejavu_engine.geometry import BatchGeometry
 
@@ -60,8 +61,11 @@ def attend(
     prefix. Returns ``[batch, n, heads * head_dim]``.
 
     With ``ctx.groups``, ``k_cache``/``v_cache`` hold one layer cache per group, and each group's rows
-    attend over their own cache and length only (one attention call per group).
+    attend over their own cache and length only (one attention call per group, or one call of the
+    native kernel for every group with ``ctx.spans``).
     """
+    if ctx.spans is not None:
+        return _attend_native(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.groups is not None:
         assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
         outs = [
@@ -85,6 +89,42 @@ def attend(
     )
     batch, heads, n, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+
+
+def decode_spans(geometries: Sequence[BatchGeometry]) -> torch.Tensor:
+    """``ForwardContext.spans`` of a one-token call over groups with these geometries: per row
+    ``(group, index, start, end)``, the span of cache positions the row attends (its own tokens,
+    the new one included)."""
+    spans = [(g, i, pad, geo.cur_len) for g, geo in enumerate(geometries) for i, pad in enumerate(geo.pad_lens)]
+    return torch.tensor(spans, dtype=torch.long)
+
+
+def _attend_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | Sequence[torch.Tensor],
+    v_cache: torch.Tensor | Sequence[torch.Tensor],
+    ctx: ForwardContext,
+    scale: float | None,
+) -> torch.Tensor:
+    """:func:`attend` of one token per row through the native kernel: in one call, every row of every
+    group writes its new K/V into its group's cache and attends over its own span."""
+    k_caches = [k_cache] if isinstance(k_cache, torch.Tensor) else list(k_cache)
+    v_caches = [v_cache] if isinstance(v_cache, torch.Tensor) else list(v_cache)
+    batch, heads, _, head_dim = q.shape
+    kv_heads = k.shape[1]
+    assert ctx.spans is not None
+    out = native.decode_attention(
+        q.reshape(batch, heads, head_dim).contiguous(),
+        k.reshape(batch, kv_heads, head_dim).contiguous(),
+        v.reshape(batch, kv_heads, head_dim).contiguous(),
+        k_caches,
+        v_caches,
+        ctx.spans,
+        scale if scale is not None else 1.0 / math.sqrt(head_dim),
+    )
+    return out.view(batch, 1, heads * head_dim)
 
 
 def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

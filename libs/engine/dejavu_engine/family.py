@@ -50,6 +50,10 @@ class ForwardContext:
     and attend in that group's cache with that group's context ``(a, b, ctx_g)``. ``positions`` and
     ``rope`` then cover every row (what the projections need); ``geometry``, ``start``, ``mask`` and
     ``causal`` are group 0's, and attention never reads them.
+
+    ``spans`` (int64 ``[batch, 4]``, one-token calls only) is set when the stage runs attention in the
+    native kernel (:mod:`dejavu_engine.native`): row ``r`` attends positions ``[start, end)`` of row
+    ``index`` of group ``group``'s cache, all rows of every group in one call.
     """
 
     geometry: BatchGeometry
@@ -59,6 +63,7 @@ class ForwardContext:
     causal: bool
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     groups: tuple[tuple[int, int, ForwardContext], ...] | None = None
+    spans: torch.Tensor | None = None
 
     @property
     def cur_len(self) -> int:

@@ -19,10 +19,19 @@ class Pipeline:
     """All layers of a checkpoint split into ``stages`` :class:`Stage` objects."""
 
     def __init__(
-        self, folder: str | Path, stages: int = 1, device: str = "cpu", dtype: str = "float32", pack_gemms: bool = True
+        self,
+        folder: str | Path,
+        stages: int = 1,
+        device: str = "cpu",
+        dtype: str = "float32",
+        pack_gemms: bool = True,
+        native_attention: bool = True,
     ) -> None:
         num_layers = family_for(load_config(Path(folder))).spec.num_layers
-        self.stages = [Stage(folder, bounds, device, dtype, pack_gemms) for bounds in split_layers(num_layers, stages)]
+        self.stages = [
+            Stage(folder, bounds, device, dtype, pack_gemms, native_attention)
+            for bounds in split_layers(num_layers, stages)
+        ]
         self.spec = self.stages[0].spec
 
     def allocate(self, batch: int, max_len: int) -> list[KVCache]:

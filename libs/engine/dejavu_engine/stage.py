@@ -8,12 +8,14 @@ serves many microbatches, one forward call at a time (not thread-safe).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from dejavu_engine import gemm
+from dejavu_engine import gemm, native
+from dejavu_engine.attention import decode_spans
 from dejavu_engine.families import family_for
 from dejavu_engine.family import ForwardContext, Weights
 from dejavu_engine.geometry import BatchGeometry
@@ -53,6 +55,7 @@ class Stage:
         device: str = "cpu",
         dtype: str = "float32",
         pack_gemms: bool = True,
+        native_attention: bool = True,
     ) -> None:
         self.folder = Path(folder)
         self.family = family_for(load_config(self.folder))
@@ -67,6 +70,11 @@ class Stage:
         self.is_last = last == self.spec.num_layers
         # oneDNN-packed GEMM weights where this host can (CPU float32): see dejavu_engine.gemm.
         self.packed_gemms = pack_gemms and gemm.can_pack(self.device, torch_dtype(dtype))
+        # One-token attention of every row in one native call where the host can (CPU float32 and the
+        # kernels build): see dejavu_engine.native. Torch's attention per microbatch otherwise.
+        self.native_attention = (
+            native_attention and self.device.type == "cpu" and dtype == "float32" and native.load() is not None
+        )
         self.weights = self._load(CheckpointReader(self.folder))
 
     def _load(self, reader: CheckpointReader) -> dict[str, torch.Tensor]:
@@ -131,6 +139,8 @@ class Stage:
         batch, n = x.shape[0], x.shape[1]
         self._check(cache, geometry, batch, n)
         ctx = self.family.context(geometry, n, self.device, torch_dtype(self.dtype))
+        if n == 1:
+            ctx = self._natively(ctx, [ctx], [cache])
         hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
         for index, (w, k_layer, v_layer) in enumerate(zip(self._layer_w, cache.k, cache.v, strict=True)):
             hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)
@@ -189,7 +199,7 @@ class Stage:
         for cache, geometry in groups:
             self._check(cache, geometry, geometry.batch, 1)
             contexts.append(self.family.context(geometry, 1, self.device, dtype))
-        ctx = ForwardContext.grouped(contexts)
+        ctx = self._natively(ForwardContext.grouped(contexts), contexts, [cache for cache, _ in groups])
         hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
         for index, w in enumerate(self._layer_w):
             hidden = self.family.layer(
@@ -202,6 +212,20 @@ class Stage:
         if not self.is_last:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.logits(hidden))
+
+    def _natively(
+        self, ctx: ForwardContext, contexts: Sequence[ForwardContext], caches: Sequence[KVCache]
+    ) -> ForwardContext:
+        """``ctx`` with the spans that route a one-token call's attention through the native kernel,
+        where this stage uses it and the call fits it: masks that only select positions (no additive
+        biases such as ALiBi) and contiguous caches. Otherwise ``ctx`` unchanged."""
+        if not self.native_attention:
+            return ctx
+        if any(c.mask is not None and c.mask.dtype != torch.bool for c in contexts):
+            return ctx
+        if not all(cache.k.is_contiguous() and cache.v.is_contiguous() for cache in caches):
+            return ctx
+        return replace(ctx, spans=decode_spans([c.geometry for c in contexts]))
 
     def _input(self, io: StageIO) -> torch.Tensor:
         x = io.input_ids if self.is_first else io.hidden

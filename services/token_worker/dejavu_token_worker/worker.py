@@ -49,7 +49,10 @@ class TokenWorker(WorkerProcess):
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         assert self.redis is not None and self.endpoint is not None
         m = self.settings.model
-        stage = Stage(m.folder, assignment.layers, m.device, m.dtype, self.settings.engine.packs_gemms(decodes=True))
+        engine = self.settings.engine
+        stage = Stage(
+            m.folder, assignment.layers, m.device, m.dtype, engine.packs_gemms(decodes=True), engine.native_attention
+        )
         swap = None
         if self.settings.swap.enabled:
             # Device buffers sized for the largest microbatch this pipeline admits.
@@ -68,10 +71,11 @@ class TokenWorker(WorkerProcess):
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
-            "loaded layers %s (%.1f MB, packed GEMMs %s)",
+            "loaded layers %s (%.1f MB, packed GEMMs %s, native attention %s)",
             assignment.layers,
             stage.param_bytes / 1e6,
             stage.packed_gemms,
+            stage.native_attention,
         )
 
     def serve(self, topology: Topology) -> None:

@@ -1,0 +1,127 @@
+"""Native CPU kernels, built once per host from the C++ in ``csrc/`` (the CPU seam).
+
+:func:`decode_attention` attends one query token per row over many caches in one call: each row
+reads its own group's cache over its own span. Iteration-level batching needs exactly that (every
+microbatch of a pass at its own length); without it a pass makes one attention call per microbatch
+per layer, whose fixed cost grows with the number of microbatches.
+
+The extension is compiled with the host's compiler the first time a process asks for it (ninja and
+g++, about a minute) into ``$DEJAVU_KERNEL_CACHE`` (default ``~/.cache/dejavu/kernels``), keyed by
+the source, torch's version and the CPU's flags, so a build is reused only where it was made for;
+``make setup`` builds it ahead (``python -m dejavu_engine.native``). Where it cannot be built (no
+compiler), :func:`load` returns None and stages use torch's attention per microbatch: same results,
+slower. ``engine.native_attention`` (``Stage(native_attention=...)``) turns it off. CUDA never takes
+this path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("dejavu.engine.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_key() -> str:
+    """What a build is valid for: the source, the compile flags, torch's version and the CPU."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DEJAVU_KERNEL_CACHE", Path.home() / ".cache" / "dejavu" / "kernels"))
+
+
+def load() -> ModuleType | None:
+    """The compiled kernels, built on first use; None where they cannot be built (the reason is
+    logged once)."""
+    global _module, _tried
+    if _module is not None or _tried:
+        return _module
+    with _lock:
+        if _module is not None or _tried:
+            return _module
+        _tried = True
+        try:
+            _module = _build()
+        except Exception as exc:  # a compiler's failure has many shapes; all of them mean "fall back"
+            log.warning("native kernels unavailable, attention runs per microbatch: %s", str(exc)[-600:])
+            _module = None
+        return _module
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    folder = cache_dir() / key
+    folder.mkdir(parents=True, exist_ok=True)
+    # ninja and the compiler are looked up on PATH; the venv's own bin (PyPI's ninja) may not be on it.
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
+    return cpp_extension.load(
+        name=f"dejavu_kernels_{key}",
+        sources=[str(SOURCE)],
+        extra_cflags=list(FLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        verbose=False,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    rows: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One-token attention of every row of ``q`` (``[rows, heads, head_dim]``, float32) over its own
+    cache and span. ``rows[r] = (group, index, start, end)``: row ``r`` writes its new key and value
+    (``k_new[r]``, ``v_new[r]``: ``[kv_heads, head_dim]``) at position ``end - 1`` of row ``index`` of
+    ``k_caches[group]`` / ``v_caches[group]`` (each ``[batch, kv_heads, max_len, head_dim]``,
+    contiguous float32), then attends positions ``[start, end)`` there. Returns ``[rows, heads, head_dim]``.
+    Raises RuntimeError where the kernels are not loaded or the arguments do not fit."""
+    module = load()
+    if module is None:
+        raise RuntimeError("native kernels are not available")
+    with torch.profiler.record_function("dejavu::decode_attention"):  # named in profiles like torch's ops
+        return module.decode_attention(q, k_new, v_new, k_caches, v_caches, rows, scale)
+
+
+if __name__ == "__main__":  # make setup: build ahead, so no worker or test waits for the compiler
+    logging.basicConfig(level=logging.INFO)
+    if load() is None:
+        print("native kernels could not be built; attention will run per microbatch")
+        sys.exit(0)
+    else:
+        print(f"native kernels ready in {cache_dir() / build_key()}")
