@@ -7,7 +7,9 @@ default: the planner's choice for this host), sends ``--requests`` streamed chat
 the ``openai`` client, ``--concurrency`` at a time, each with short everyday questions, sampling at
 ``--temperature`` with a per-request seed, and no ``max_tokens``. It reports the completion time,
 tokens per second, finish reasons, failures, every worker's RSS after a warm-up (8 requests), half-way and at the
-end, and what each worker reports holding once all requests ended (must be nothing). Writes
+end, and what each worker reports holding once all requests ended (must be nothing). ``--rounds N`` sends the
+same requests N times to the same deployment and also records every worker's RSS a few seconds after each
+round, once the workers are idle (memory must not grow from round to round). Writes
 ``benchmarks/results/chat.json``.
 """
 
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--up-args", default="", help="options of `dejavu up` for the deployment (quoted)")
     parser.add_argument("--request-timeout-s", type=float, default=900.0)
+    parser.add_argument("--rounds", type=int, default=1, help="send the requests this many times (memory per round)")
     parser.add_argument("--out", type=Path, default=RESULTS / "chat.json")
     args = parser.parse_args(argv)
 
@@ -162,10 +165,20 @@ def main(argv: list[str] | None = None) -> int:
                 if done % 100 == 0:
                     print(f"  {done} done after {time.monotonic() - started:.0f} s", flush=True)
 
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            list(pool.map(run, work))
-        elapsed = time.monotonic() - started
-        memory["end"] = _memory(launcher)
+        idle_wait_s = 3 * settings.recovery.heartbeat_interval_s + 3.0  # beats, and the workers' quiet period
+        round_s = []
+        for index in range(args.rounds):
+            round_started = time.monotonic()
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                list(pool.map(run, work))
+            round_s.append(round(time.monotonic() - round_started, 1))
+            if index == 0:
+                memory["end"] = _memory(launcher)
+            if args.rounds > 1:
+                time.sleep(idle_wait_s)  # idle: freed memory is handed back
+                memory[f"round_{index + 1}_idle"] = _memory(launcher)
+                print(f"  round {index + 1} done in {round_s[-1]} s; RSS idle {memory[f'round_{index + 1}_idle']}")
+        elapsed = sum(round_s)  # sending time only (not the idle waits between rounds)
         time.sleep(2 * settings.recovery.heartbeat_interval_s + 1.0)  # the last heartbeat reports what is held now
         held = _held(redis_url)
     finally:
@@ -176,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "deployment": layout,
         "requests": args.requests,
+        "rounds": args.rounds,
+        "round_s": round_s,
         "concurrency": args.concurrency,
         "temperature": args.temperature,
         "completed": len(ok),

@@ -86,3 +86,31 @@ def test_grouped_decode_of_microbatches_matches_each_alone(family: str, tiny_che
                 alone = stage.decode(alone, cs[s], g)
             torch.testing.assert_close(io.logits[row : row + g.batch], alone.logits, atol=1e-4, rtol=0)
             row += g.batch
+
+
+@pytest.mark.parametrize("native_attention", [True, False], ids=["native", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_decode_of_some_rows_computes_what_those_rows_compute_in_a_full_decode(
+    family: str, native_attention: bool, tiny_checkpoints: dict[str, Path]
+) -> None:
+    """Finished rows leave the computation: decoding only rows (0, 2) of a microbatch gives those rows'
+    results of a decode of every row, writes their cache rows only, and leaves the others untouched."""
+    from dejavu_engine.stage import Stage
+    from dejavu_engine.stage_io import StageIO
+
+    stage = Stage(tiny_checkpoints[family], (0, 2), native_attention=native_attention)
+    generator = torch.Generator().manual_seed(7)
+    geometry = BatchGeometry.for_prompts([5, 9, 3])
+    ids = torch.randint(3, 300, (3, geometry.cur_len), generator=generator)
+    full, part = stage.allocate_cache(3, geometry.cur_len + 2), stage.allocate_cache(3, geometry.cur_len + 2)
+    for cache in (full, part):
+        stage.prefill(StageIO(input_ids=ids), cache, geometry)
+    step = geometry.advance()
+    tokens = torch.tensor([[11], [12], [13]])
+    every = stage.decode_groups(StageIO(input_ids=tokens), [(full, step)]).hidden
+    some = stage.decode_groups(StageIO(input_ids=tokens[[0, 2]]), [(part, step.only((0, 2)))]).hidden
+    assert every is not None and some is not None
+    torch.testing.assert_close(some, every[[0, 2]], atol=1e-4, rtol=0)
+    written = slice(step.cur_len - 1, step.cur_len)
+    torch.testing.assert_close(part.k[:, [0, 2], :, written], full.k[:, [0, 2], :, written], atol=1e-5, rtol=0)
+    assert not part.k[:, 1, :, written].any() and not part.v[:, 1, :, written].any()  # row 1 was not computed

@@ -116,3 +116,59 @@ def test_each_pipeline_divides_the_hosts_cores_among_its_own_stages(tmp_path: Pa
     # Stages of one pipeline run together: they share the cores (at least one thread each).
     assert threads(1, 2 * cores) == {"p0": cores, "t0": 1}
     assert threads(1, 1, torch_threads=3) == {"p0": 3, "t0": 3}  # a setting wins
+
+
+_RELEASE_PROBE = """
+import json, resource, sys, torch
+from dejavu_engine.process import release_free_memory
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+base = rss_mb()
+blocks = [torch.ones(4 << 20) for _ in range(25)]  # 25 x 16 MB, touched
+peak = rss_mb()
+del blocks
+freed = rss_mb()
+which = release_free_memory()
+print(json.dumps({"base": base, "peak": peak, "freed": freed, "released": rss_mb(), "which": which}))
+"""
+
+
+@pytest.mark.parametrize("preload", [True, False], ids=["tcmalloc", "glibc"])
+def test_freed_memory_goes_back_to_the_os_when_released(preload: bool) -> None:
+    """What a worker frees (a finished request's KV) leaves its RSS once released, with tcmalloc
+    preloaded (which keeps freed pages for reuse) and with glibc's allocator."""
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    tcmalloc = find_tcmalloc()
+    if preload:
+        if tcmalloc is None:
+            pytest.skip("tcmalloc is not installed here")
+        env["LD_PRELOAD"] = str(tcmalloc)
+    out = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], env=env, capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    assert m["which"] == ("tcmalloc" if preload else "glibc")
+    assert m["peak"] - m["base"] > 350  # the 400 MB were resident
+    assert m["released"] - m["base"] < 100, m  # and are gone after the release
+
+
+def test_memory_is_released_only_once_the_worker_was_quiet_after_freeing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(process, "release_free_memory", lambda: calls.append(1) or "glibc")
+    clock = [100.0]
+    monkeypatch.setattr(process.time, "monotonic", lambda: clock[0])
+    releaser = process.MemoryReleaser(quiet_s=2.0)
+    assert not releaser.maybe_release()  # nothing freed yet
+    releaser.freed()
+    clock[0] += 1.0
+    assert not releaser.maybe_release()  # not quiet long enough
+    clock[0] += 1.5
+    assert not releaser.maybe_release(idle=False)  # still holding work
+    with releaser.busy():
+        clock[0] += 5.0
+        assert not releaser.maybe_release()  # a task runs
+    clock[0] += 2.5
+    assert releaser.maybe_release() and calls == [1]
+    assert not releaser.maybe_release()  # once per free

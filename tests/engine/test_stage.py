@@ -123,3 +123,16 @@ def test_stage_rejects_wrong_inputs(tiny_checkpoints: dict[str, Path]) -> None:
         Stage(folder, (2, 5))
     with pytest.raises(ValueError):
         StageIO()
+
+
+def test_a_geometry_restricted_to_some_rows_keeps_their_pads_and_names_their_cache_rows() -> None:
+    geometry = BatchGeometry.for_prompts([5, 9, 3, 9])
+    assert geometry.only((0, 1, 2, 3)) is geometry  # every row: unchanged
+    some = geometry.only((1, 3))
+    assert (some.pad_lens, some.rows, some.cache_rows, some.cur_len) == ((0, 0), (1, 3), (1, 3), 9)
+    assert some.advance().rows == (1, 3) and geometry.cache_rows == (0, 1, 2, 3)
+    for bad in ((), (4,), (2, 1)):
+        with pytest.raises(ValueError):
+            geometry.only(bad)
+    with pytest.raises(ValueError, match="every cache row"):
+        some.only((1,))

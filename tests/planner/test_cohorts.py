@@ -74,15 +74,18 @@ def test_a_burst_gets_lower_ttft_than_with_microbatches(make_profile: ProfileFac
     assert cohorts.makespan_s < paper.makespan_s
 
 
-def test_a_finished_microbatch_frees_its_rows_at_once_its_finished_rows_do_not(make_profile: ProfileFactory) -> None:
+def test_a_finished_microbatch_frees_its_rows_at_once_and_finished_rows_stop_being_computed(
+    make_profile: ProfileFactory,
+) -> None:
     # max_running 2: one cohort of up to 2 rows; the controller dispatches up to 2 + 1·2 = 4 requests.
     # Microbatch A = {r0: 1 token, r1: 6 tokens}, B = {r2, r3: 2 tokens}, all at 0 (both form at once).
-    # A: prompt [0, 3] (r0 ends there), then 5 passes [3, 8] of 2 rows: r0's row is computed until r1
-    # ends. B: prompt [3, 6], waits (the cohort is full) and joins the moment A leaves: pass [8, 9].
+    # A: prompt [0, 3] (r0 ends there), then 5 passes [3, 8] computing r1's row only, as the runtime
+    # does. B: prompt [3, 6], waits (its 2 rows do not fit beside r1's under the cap of 2) and joins the
+    # moment A leaves: pass [8, 9] of 2 rows.
     trace = Trace.of([(0, 10, 1), (0, 10, 6), (0, 10, 2), (0, 10, 2)])
     result = simulate(dejavu(b=2, max_running=2), trace, CostModel(make_profile()), record_timeline=True)
     assert times(result) == [(3.0, 3.0), (3.0, 8.0), (6.0, 9.0), (6.0, 9.0)]
-    assert token_passes(result) == [(3.0 + k, 4.0 + k, 2) for k in range(5)] + [(8.0, 9.0, 2)]
+    assert token_passes(result) == [(3.0 + k, 4.0 + k, 1) for k in range(5)] + [(8.0, 9.0, 2)]
 
 
 def test_dispatch_waits_for_unfinished_requests(make_profile: ProfileFactory) -> None:

@@ -40,6 +40,8 @@ class Pipeline:
     finish: dict[int, int]
     specs: dict[int, MicrobatchSpec]
     broken: set[int] = field(default_factory=set)
+    row_finish: dict[int, dict[int, int]] = field(default_factory=dict)  # mb -> row -> its last step
+    computed: list[dict[int, tuple[int, ...]]] = field(default_factory=list)  # per pass: mb -> rows computed
     swap: None = None
     states: dict[int, State] = field(default_factory=dict)
     passes: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
@@ -55,15 +57,17 @@ class Pipeline:
         pass
 
     def run(self, pos, members, kind, io, cohort=-1, next_mb=None):
-        assert kind is Kind.DECODE and io.input_ids.shape[0] == sum(len(s.spec.rows) for s, _ in members)
-        steps = tuple((s.spec.mb_id, step) for s, step in members)
+        assert kind is Kind.DECODE and io.input_ids.shape[0] == sum(len(m.rows) for m in members)
+        steps = tuple((m.state.spec.mb_id, m.step) for m in members)
         self.passes.append((cohort, steps))
-        ret = TokenReturn(
-            cohort,
-            tuple(
-                Returned(mb, step, (step,) * len(self.specs[mb].rows), step >= self.finish[mb]) for mb, step in steps
-            ),
-        )
+        self.computed.append({m.state.spec.mb_id: m.rows for m in members})
+        returned = []
+        for mb, step in steps:
+            n = len(self.specs[mb].rows)
+            last = self.row_finish.get(mb, {})
+            live = tuple(r for r in range(n) if step < last.get(r, self.finish[mb]))
+            returned.append(Returned(mb, step, (step,) * n, not live, live))
+        ret = TokenReturn(cohort, tuple(returned))
         if pos.depth == 1:
             return ret
         self.returns.append(ret.encode())
@@ -103,7 +107,9 @@ class Ready:
 
 
 def _drive(depth: int, rows: dict[int, int], finish: dict[int, int], ready_at: dict[int, int], **kw) -> Pipeline:
-    pipeline = Pipeline(depth, finish, {mb: _spec(mb, n) for mb, n in rows.items()}, kw.pop("broken", set()))
+    pipeline = Pipeline(
+        depth, finish, {mb: _spec(mb, n) for mb, n in rows.items()}, kw.pop("broken", set()), kw.pop("row_finish", {})
+    )
     pos = Position(0, depth, "t1" if depth > 1 else None, "t0", colocated=False)
     ready = Ready(pipeline, list(ready_at.items()))
     driver = Driver(pipeline, pipeline, None, "t0", pos, ready, 1.0, **kw)  # type: ignore[arg-type]
@@ -139,3 +145,14 @@ def test_a_member_whose_prompt_kv_never_completes_is_failed_alone() -> None:
     assert p.failed == [2] and set(p.released) == {1, 2}
     assert all(dict(steps).keys() == {1} for _, steps in p.passes)
     assert [dict(steps)[1] for _, steps in p.passes] == [1, 2, 3]
+
+
+def test_finished_rows_are_no_longer_computed_and_the_microbatch_leaves_with_its_last_row() -> None:
+    """Row 0 of microbatch 1 finishes at step 2, row 2 at step 4: from the next step on, the passes feed
+    and compute only the rows still running, and the cohort's row count (its balance) follows."""
+    p = _drive(depth=1, rows={1: 3}, finish={1: 6}, ready_at={1: 0}, row_finish={1: {0: 2, 2: 4}})
+    computed = [c[1] for c in p.computed]
+    assert computed[:2] == [(0, 1, 2), (0, 1, 2)]  # steps 1 and 2
+    assert computed[2:4] == [(1, 2), (1, 2)]  # steps 3 and 4: row 0 is done
+    assert computed[4:] == [(1,), (1,)]  # steps 5 and 6: only row 1
+    assert p.released == [1]

@@ -18,11 +18,11 @@ def test_stage_message_round_trip(dtype) -> None:
 
 
 def test_token_return_and_kv_chunk_round_trip() -> None:
-    ret = TokenReturn(cohort=1, members=(Returned(3, 4, (5, 0, 7), False), Returned(9, 1, (2,), True)))
+    ret = TokenReturn(cohort=1, members=(Returned(3, 4, (5, 0, 7), False, (0, 2)), Returned(9, 1, (2,), True)))
     assert TokenReturn.decode(ret.encode()) == ret
     x = torch.randn(3, 1, 8)
-    cohort = StageMessage(Kind.DECODE, mb_id=0, step=0, tensor=x, members=((3, 4, 2), (9, 1, 1)))
-    assert StageMessage.decode(cohort.encode()).members == ((3, 4, 2), (9, 1, 1))
+    cohort = StageMessage(Kind.DECODE, mb_id=0, step=0, tensor=x, members=((3, 4, (0, 2)), (9, 1, (0,))))
+    assert StageMessage.decode(cohort.encode()).members == ((3, 4, (0, 2)), (9, 1, (0,)))
     k, v = torch.randn(1, 2, 3, 4, 8), torch.randn(1, 2, 3, 4, 8)
     c = KVChunk(mb_id=2, layers=(5, 6), rows=(2, 4), positions=(3, 7), k=k, v=v)
     back = KVChunk.decode(c.encode())

@@ -74,10 +74,17 @@ def attend(
         ]
         return torch.cat(outs)
     assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
-    k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
-    v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
-    keys = k_cache[:, :, : ctx.cur_len]
-    values = v_cache[:, :, : ctx.cur_len]
+    if ctx.geometry.rows is None:
+        k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
+        v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
+        keys = k_cache[:, :, : ctx.cur_len]
+        values = v_cache[:, :, : ctx.cur_len]
+    else:  # some rows of the cache only: written in place, read as copies (the native path reads in place)
+        index = torch.tensor(ctx.geometry.rows, device=k_cache.device)
+        k_cache[index, :, ctx.start : ctx.cur_len] = k
+        v_cache[index, :, ctx.start : ctx.cur_len] = v
+        keys = k_cache[index, :, : ctx.cur_len]
+        values = v_cache[index, :, : ctx.cur_len]
     out = F.scaled_dot_product_attention(
         q,
         keys,
@@ -95,7 +102,11 @@ def decode_spans(geometries: Sequence[BatchGeometry]) -> torch.Tensor:
     """``ForwardContext.spans`` of a one-token call over groups with these geometries: per row
     ``(group, index, start, end)``, the span of cache positions the row attends (its own tokens,
     the new one included)."""
-    spans = [(g, i, pad, geo.cur_len) for g, geo in enumerate(geometries) for i, pad in enumerate(geo.pad_lens)]
+    spans = [
+        (g, row, pad, geo.cur_len)
+        for g, geo in enumerate(geometries)
+        for row, pad in zip(geo.cache_rows, geo.pad_lens, strict=True)
+    ]
     return torch.tensor(spans, dtype=torch.long)
 
 

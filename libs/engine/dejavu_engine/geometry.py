@@ -18,16 +18,27 @@ class BatchGeometry:
     ``pad_lens[r]`` pad slots precede row ``r``'s tokens; ``cur_len`` is the number of filled cache
     positions once the forward pass that receives this geometry has written its new tokens. A pass
     feeding ``n`` tokens per row writes positions ``[cur_len - n, cur_len)``.
+
+    ``rows`` names the cache rows the geometry's rows are, when a decode pass computes only some rows
+    of the microbatch (the others finished): row ``r`` of the pass is cache row ``rows[r]``. None:
+    every cache row, in order.
     """
 
     pad_lens: tuple[int, ...]
     cur_len: int
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.pad_lens:
             raise ValueError("BatchGeometry needs at least one row")
         if self.cur_len <= 0 or any(not 0 <= p < self.cur_len for p in self.pad_lens):
             raise ValueError(f"pad lengths {self.pad_lens} must lie in [0, cur_len={self.cur_len})")
+        if self.rows is not None and (
+            len(self.rows) != len(self.pad_lens)
+            or any(b <= a for a, b in zip(self.rows, self.rows[1:], strict=False))
+            or self.rows[0] < 0
+        ):
+            raise ValueError(f"rows {self.rows} must be {len(self.pad_lens)} increasing cache rows")
 
     @classmethod
     def for_prompts(cls, prompt_lens: Sequence[int]) -> BatchGeometry:
@@ -42,9 +53,24 @@ class BatchGeometry:
         return len(self.pad_lens)
 
     @property
+    def cache_rows(self) -> tuple[int, ...]:
+        """The cache row of each row of the pass."""
+        return self.rows if self.rows is not None else tuple(range(len(self.pad_lens)))
+
+    def only(self, rows: tuple[int, ...]) -> BatchGeometry:
+        """This geometry (of every cache row) restricted to cache ``rows``; itself when that is every row."""
+        if self.rows is not None:
+            raise ValueError("only() restricts a geometry of every cache row")
+        if tuple(rows) == tuple(range(len(self.pad_lens))):
+            return self
+        if not rows or not all(0 <= r < len(self.pad_lens) for r in rows):
+            raise ValueError(f"rows {rows} not within the {len(self.pad_lens)} rows of the microbatch")
+        return BatchGeometry(tuple(self.pad_lens[r] for r in rows), self.cur_len, tuple(rows))
+
+    @property
     def padded(self) -> bool:
         return any(self.pad_lens)
 
     def advance(self, steps: int = 1) -> BatchGeometry:
         """Geometry of the next decode step (one more filled position per step)."""
-        return BatchGeometry(self.pad_lens, self.cur_len + steps)
+        return BatchGeometry(self.pad_lens, self.cur_len + steps, self.rows)

@@ -13,9 +13,13 @@ shared by several workers better than GNU OpenMP's long spin.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from dejavu_common.settings import EngineSettings
@@ -72,6 +76,64 @@ def worker_environment(engine: EngineSettings, base: Mapping[str, str]) -> dict[
         if iomp:
             env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
     return env
+
+
+def release_free_memory() -> str | None:
+    """Hand the memory the allocator keeps of freed blocks back to the OS: tcmalloc's free pages where it
+    is preloaded (it otherwise keeps the peak of every size it served, e.g. KV caches of finished
+    requests), else glibc's ``malloc_trim``. Returns which ran, or None where neither exists."""
+    process = ctypes.CDLL(None)
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        try:
+            function = getattr(process, name)
+        except AttributeError:
+            continue
+        function(*args)
+        return "tcmalloc" if name.startswith("MallocExtension") else "glibc"
+    return None
+
+
+class MemoryReleaser:
+    """Calls :func:`release_free_memory` once a worker that freed memory has been idle for ``quiet_s``:
+    between bursts its RSS falls back to what is live instead of staying at the peak, and a busy worker
+    never pays for pages it would fault in again at once. The serving loop reports what it frees
+    (:meth:`freed`) and when it works (:meth:`busy`); the worker's control thread asks
+    :meth:`maybe_release` once per beat. Thread-safe."""
+
+    def __init__(self, quiet_s: float = 2.0) -> None:
+        self.quiet_s = quiet_s
+        self._lock = threading.Lock()
+        self._freed_at: float | None = None
+        self._busy = 0
+        self.releases = 0
+
+    def freed(self) -> None:
+        """Something large was freed (a finished microbatch's cache, a prompt task's)."""
+        with self._lock:
+            self._freed_at = time.monotonic()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Around a unit of work: no release while it runs; what it allocated counts as freed after."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._freed_at = time.monotonic()
+
+    def maybe_release(self, idle: bool = True) -> bool:
+        """Release if memory was freed, nothing runs (``idle``: nor holds state, by the caller's own
+        account) and ``quiet_s`` passed since the last free. Returns whether it released."""
+        with self._lock:
+            if not idle or self._busy or self._freed_at is None or time.monotonic() - self._freed_at < self.quiet_s:
+                return False
+            self._freed_at = None
+            self.releases += 1
+        release_free_memory()
+        return True
 
 
 def loaded_libraries(names: Sequence[str] = ("tcmalloc", "iomp5", "gomp")) -> list[str]:

@@ -237,7 +237,9 @@ class Stage:
         layout = cache.layout
         if layout.layer_range != self.layers:
             raise ValueError(f"cache holds layers {layout.layer_range}, stage runs {self.layers}")
-        if not batch == geometry.batch == layout.batch:
+        if not batch == geometry.batch or not (
+            geometry.batch == layout.batch if geometry.rows is None else geometry.rows[-1] < layout.batch
+        ):
             raise ValueError(f"batch mismatch: input {batch}, geometry {geometry.batch}, cache {layout.batch}")
         if not n <= geometry.cur_len <= layout.max_len:
             raise ValueError(f"{n} new tokens up to position {geometry.cur_len} do not fit max_len {layout.max_len}")

@@ -20,11 +20,12 @@ microbatch formation it reuses. It mirrors the controller's scheduler
   boundary too (balance). A pass batches every member's rows and visits the stages in order (each
   first come first served). When it leaves the last stage, every member advances one step; requests
   whose last token that was finish, and a microbatch whose every row finished leaves its cohort at
-  once (its rows are free for the next pass); the others keep computing their finished rows.
+  once; the others stop computing their finished rows (the runtime's passes compute only each
+  member's unfinished rows).
 * **Colocated prefill.** A cohort at its boundary with fewer rows than the cap takes the next formed
   microbatch and its pass prefills that microbatch alone (the other members skip that pass).
 * **Costs.** A pass on a stage costs :meth:`CostModel.cohort_step_time` (a token step of all its
-  members' rows), a prefill the stage's prompt time; the last stage adds the head.
+  members' unfinished rows), a prefill the stage's prompt time; the last stage adds the head.
 
 Pure Python; deterministic for a given input.
 """
@@ -53,8 +54,8 @@ class _Cohort:
 
     @property
     def rows(self) -> int:
-        """Rows its next pass computes: every row of every member, finished rows included."""
-        return sum(mb.batch for mb in self.members)
+        """Rows its next pass computes: the unfinished rows of every member."""
+        return sum(mb.live for mb in self.members)
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ class _Pass:
 
     @property
     def batch(self) -> int:
-        """Rows the pass computes."""
-        return sum(mb.batch for mb in self.members)
+        """Rows the pass computes: a prefill every row of its microbatch, a decode step the unfinished
+        rows of every member."""
+        return sum(mb.batch if self.prefill else mb.live for mb in self.members)
 
     @property
     def mid(self) -> int:
@@ -161,7 +163,7 @@ class CohortSimulator(Simulator):
         """Let prompt-done microbatches join ``cohort`` (at its boundary) while it has room."""
         cap = self.deployment.cohort_rows
         while len(cohort.members) < self._max_members and self._prompted:
-            if cohort.members and cohort.rows + self._prompted[0].batch > cap:
+            if cohort.members and cohort.rows + self._prompted[0].live > cap:
                 return
             lightest = min(c.rows for c in self._cohorts)
             if cohort.rows > lightest and any(not c.in_flight and c is not cohort for c in self._cohorts):
@@ -177,7 +179,7 @@ class CohortSimulator(Simulator):
         if mb.prefill:
             (member,) = mb.members
             return self.cost.prompt_stage_time(stage.layers, member.batch, member.prompt_len, last)
-        members = [(m.batch, m.prompt_len + m.step) for m in mb.members]
+        members = [(m.live, m.prompt_len + m.step) for m in mb.members]
         return self.cost.cohort_step_time(stage.layers, members, last, self.deployment.swap)
 
     def _step_done(self, pipeline: _Pipeline, mb) -> None:

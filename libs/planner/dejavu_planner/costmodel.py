@@ -55,9 +55,9 @@ class CostModel:
     ) -> float:
         """One step of a cohort on a stage: ``members`` are its microbatches as ``(rows, context)``.
 
-        The step batches every member's rows (finished rows included: a microbatch computes them until
-        it leaves), so its compute is one token step of ``sum(rows)`` rows, plus the profile's
-        ``member_time`` per member beyond the first (each attends in a call of its own). Attention
+        The step batches the members' rows it computes (their unfinished rows), so its compute is one
+        token step of ``sum(rows)`` rows, plus the profile's ``member_time`` per member beyond the
+        first (what each further microbatch adds to a step, as the profiler measured it). Attention
         runs per member over its own context, but the profile times token steps at one context (the
         profiler's ``decode_context``), so contexts enter only the swap-in: with ``swap`` the step lasts
         ``max(compute, swap-in of every member's KV)``, as :meth:`swap_in_time` for one microbatch.

@@ -63,6 +63,11 @@ class _Microbatch:
         return len(self.requests)
 
     @property
+    def live(self) -> int:
+        """Rows still running: requests that want more tokens than the steps done so far gave them."""
+        return sum(1 for r in self.requests if r.new_tokens > self.step)
+
+    @property
     def prompt_len(self) -> int:
         return max(r.prompt_len for r in self.requests)
 

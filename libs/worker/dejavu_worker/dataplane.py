@@ -78,38 +78,41 @@ def _np(dtype: torch.dtype) -> Any:
 @dataclass(frozen=True)
 class StageMessage:
     """One pass down a pipeline. In the token pipeline ``members`` lists (microbatch, step, rows) of
-    each group of rows of ``tensor``, in row order, and ``mb_id`` is stage 0's cohort slot; a prompt
-    pipeline's pass and RELEASE name one microbatch (or prompt task) in ``mb_id``."""
+    each group of rows of ``tensor``, in row order — ``rows`` being the microbatch's rows the pass
+    computes (its unfinished ones) — and ``mb_id`` is stage 0's cohort slot; a prompt pipeline's pass
+    and RELEASE name one microbatch (or prompt task) in ``mb_id``."""
 
     kind: Kind
     mb_id: int
     step: int
     tensor: torch.Tensor | None = None
     meta: dict[str, Any] | None = None
-    members: tuple[tuple[int, int, int], ...] = ()
+    members: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     def encode(self) -> bytes:
         meta = {"kind": self.kind.value, "mb": self.mb_id, "step": self.step, "x": self.meta or {}}
         if self.members:
-            meta["members"] = [list(m) for m in self.members]
+            meta["members"] = [[mb, step, list(rows)] for mb, step, rows in self.members]
         return frame(meta, self.tensor)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> StageMessage:
         meta, tensor = unframe(payload)
-        members = tuple((int(mb), int(step), int(rows)) for mb, step, rows in meta.get("members", ()))
+        members = tuple((int(mb), int(step), tuple(int(r) for r in rows)) for mb, step, rows in meta.get("members", ()))
         return cls(Kind(meta["kind"]), int(meta["mb"]), int(meta["step"]), tensor, meta.get("x") or {}, members)
 
 
 @dataclass(frozen=True)
 class Returned:
-    """One microbatch's part of a token return: its step, the tokens to feed at its next step, and
-    whether it is done (every row finished, or the microbatch failed)."""
+    """One microbatch's part of a token return: its step, the tokens to feed at its next step (one per
+    row), whether it is done (every row finished, or the microbatch failed), and the rows still running
+    (``live``: what its next step computes; None: unchanged)."""
 
     mb_id: int
     step: int
     tokens: tuple[int, ...]
     done: bool
+    live: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,15 +124,23 @@ class TokenReturn:
     members: tuple[Returned, ...]
 
     def encode(self) -> bytes:
-        members = [[m.mb_id, m.step, list(m.tokens), m.done] for m in self.members]
+        members = [
+            [m.mb_id, m.step, list(m.tokens), m.done, None if m.live is None else list(m.live)] for m in self.members
+        ]
         return frame({"cohort": self.cohort, "members": members}, None)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> TokenReturn:
         meta, _ = unframe(payload)
         members = tuple(
-            Returned(int(mb), int(step), tuple(int(t) for t in tokens), bool(done))
-            for mb, step, tokens, done in meta["members"]
+            Returned(
+                int(mb),
+                int(step),
+                tuple(int(t) for t in tokens),
+                bool(done),
+                None if live is None else tuple(int(r) for r in live),
+            )
+            for mb, step, tokens, done, live in meta["members"]
         )
         return cls(int(meta["cohort"]), members)
 

@@ -23,6 +23,7 @@ from dejavu_common.admin import AdminRejected, CommandVerifier
 from dejavu_common.fatal import die
 from dejavu_common.messages import AdminAction, AdminCommand, Topology, WorkerState
 from dejavu_common.settings import Settings
+from dejavu_engine.process import MemoryReleaser
 
 log = logging.getLogger("dejavu.worker.heartbeat")
 
@@ -51,6 +52,8 @@ class Heartbeat(threading.Thread):
         self._kv_bytes: dict[str, int] = {}
         self._kv_lock = threading.Lock()
         self.kv_held: Callable[[], tuple[int, int]] | None = None  # (bytes, microbatches) this worker holds
+        # Hands freed memory back to the OS once the serving loop has been idle a while (every beat asks).
+        self.memory = MemoryReleaser()
         # Writes this worker's registry record again; called when a beat finds it gone (Redis restarted empty).
         self.register: Callable[[], None] | None = None
         self.drain_deadline: float | None = None  # monotonic time a drain gives up waiting for a hand-over
@@ -104,10 +107,12 @@ class Heartbeat(threading.Thread):
             counts, self._kv_bytes = self._kv_bytes, {}
         for purpose, n in counts.items():
             pipe.hincrby(keys.KV_BYTES, purpose, n)
+        held_mbs = 0
         if self.kv_held is not None:
             held_bytes, held_mbs = self.kv_held()
             held = json.dumps({"bytes": held_bytes, "microbatches": held_mbs})
             pipe.set(keys.worker_kv(self.worker_id), held, px=4 * ttl_ms)
+        self.memory.maybe_release(idle=held_mbs == 0)
         pipe.hexists(keys.worker(self.worker_id), "info")  # a record without info is no registration
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)

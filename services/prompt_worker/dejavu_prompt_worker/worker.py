@@ -10,6 +10,7 @@ stage 0 that the rows are ready.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import redis
@@ -84,7 +85,8 @@ class PromptWorker(WorkerProcess):
                 claimed = self._claim() if me.stage == 0 else self._receive()
                 if claimed is not None:
                     try:
-                        self._process(*claimed)
+                        with self._busy():
+                            self._process(*claimed)
                     except TASK_FAILURES as exc:
                         self._fail_task(claimed[0], claimed[1], exc)
             except redis.ResponseError as exc:
@@ -94,6 +96,10 @@ class PromptWorker(WorkerProcess):
             except DeadlineExceeded as exc:
                 # A task whose microbatch is gone (a stale queue entry): drop it, keep serving.
                 log.error("dropped a prompt task: %s", exc)
+
+    def _busy(self) -> contextlib.AbstractContextManager[None]:
+        """A task runs: no memory release meanwhile; its cache counts as freed after it."""
+        return self.heartbeat.memory.busy() if self.heartbeat is not None else contextlib.nullcontext()
 
     # -- input --------------------------------------------------------------------------------
     def _claim(self) -> tuple[str, PromptTask, StageIO] | None:

@@ -3,7 +3,8 @@
 The token pipeline keeps up to D_t *cohorts* in flight, one per stage, as the paper keeps D_t
 microbatches. A cohort is a set of microbatches whose membership changes at its step boundary:
 when a cohort's step returns, finished microbatches leave (their caches are released along the
-pipeline at once) and microbatches whose prompt is done join (disaggregated: announced on the READY
+pipeline at once), finished rows of the others stop being computed, and microbatches whose prompt is
+done join (disaggregated: announced on the READY
 stream; colocated: claimed from the colocated queue and prefilled in the cohort's next pass). Each
 member is at its own step; one pass batches every member's active rows, each attending over its own
 cache and length. New members go to the cohort with the fewest rows, up to ``cohort_rows`` rows each
@@ -28,7 +29,7 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.ready import ReadyPrompts
-from dejavu_token_worker.runner import STEP_FAILURES, Position, StageRunner, history
+from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, StageRunner, history
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState
@@ -38,11 +39,16 @@ log = logging.getLogger("dejavu.token_worker.driver")
 
 @dataclass
 class Member:
-    """A microbatch in a cohort: the step it runs next, the tokens it feeds at that step, its rows."""
+    """A microbatch in a cohort: the step it runs next, the tokens it feeds at that step (one per row of
+    the microbatch), and its rows still running (``live``: the rows its passes compute)."""
 
     step: int
     feed: tuple[int, ...]
-    rows: int
+    live: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.live)
 
 
 @dataclass
@@ -53,7 +59,11 @@ class Cohort:
     index: int
     members: dict[int, Member] = field(default_factory=dict)
     pass_members: tuple[int, ...] | None = None
-    rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows the cohort's next pass computes."""
+        return sum(m.rows for m in self.members.values())
 
     @property
     def in_flight(self) -> bool:
@@ -97,10 +107,11 @@ class Driver:
                 log.error("no tokens of step %d for microbatch %d: cannot resume it", step - 1, mb)
                 continue
             n_rows = len(entries[-1].tokens)
-            if all(any(e.finished[r] is not None for e in entries) for r in range(n_rows)):
+            live = tuple(r for r in range(n_rows) if all(e.finished[r] is None for e in entries))
+            if not live:
                 self._release_everywhere(mb)
                 continue
-            self._waiting.append((mb, Member(step, tuple(self._latest_tokens(entries)), n_rows)))
+            self._waiting.append((mb, Member(step, tuple(self._latest_tokens(entries)), live)))
         log.info("resumed microbatches %s", {mb: m.step for mb, m in self._waiting})
 
     @staticmethod
@@ -127,7 +138,6 @@ class Driver:
                 return
             self._waiting.popleft()
             cohort.members[mb] = member
-            cohort.rows += member.rows
 
     def _poll_ready(self) -> bool:
         """Move one newly ready microbatch to the waiting line; False when there is none."""
@@ -139,7 +149,8 @@ class Driver:
         if ready.all_finished:
             self._release_everywhere(ready.spec.mb_id)
             return True
-        self._waiting.append((ready.spec.mb_id, Member(1, ready.first_tokens, len(ready.spec.rows))))
+        live = tuple(r for r, finished in enumerate(ready.finished) if finished is None)
+        self._waiting.append((ready.spec.mb_id, Member(1, ready.first_tokens, live)))
         return True
 
     # -- the loop ------------------------------------------------------------------------------
@@ -175,8 +186,8 @@ class Driver:
         if not states:  # every member failed and left
             self.runnable.append(cohort.index)
             return True
-        ids = torch.tensor([[t] for mb in states for t in cohort.members[mb].feed], dtype=torch.long)
-        members = [(states[mb], cohort.members[mb].step) for mb in states]
+        members = [PassMember(states[mb], cohort.members[mb].step, cohort.members[mb].live) for mb in states]
+        ids = torch.tensor([[cohort.members[mb].feed[r]] for mb in states for r in cohort.members[mb].live])
         cohort.pass_members = tuple(states)
         try:
             ret = self.runner.run(
@@ -248,11 +259,13 @@ class Driver:
         for r, row in enumerate(spec.rows):
             ids[r, spec.prompt_len - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
         state.mark_complete(0)
-        cohort.members[mb_id] = Member(0, (), len(spec.rows))
-        cohort.rows += len(spec.rows)
+        every_row = tuple(range(len(spec.rows)))
+        cohort.members[mb_id] = Member(0, (), every_row)
         cohort.pass_members = (mb_id,)
         try:
-            ret = self.runner.run(self.pos, [(state, 0)], Kind.PREFILL, StageIO(input_ids=ids), cohort.index)
+            ret = self.runner.run(
+                self.pos, [PassMember(state, 0, every_row)], Kind.PREFILL, StageIO(input_ids=ids), cohort.index
+            )
         except STEP_FAILURES as exc:
             cohort.pass_members = None
             self._fail(cohort, mb_id, exc)
@@ -284,6 +297,8 @@ class Driver:
                 self._leave(cohort, r.mb_id)
             else:
                 member.step, member.feed = r.step + 1, r.tokens
+                if r.live:  # finished rows are no longer computed
+                    member.live = r.live
         cohort.pass_members = None
         self.runnable.append(cohort.index)
 
@@ -294,9 +309,7 @@ class Driver:
         self._leave(cohort, mb_id)
 
     def _leave(self, cohort: Cohort, mb_id: int) -> None:
-        member = cohort.members.pop(mb_id, None)
-        if member is not None:
-            cohort.rows -= member.rows
+        cohort.members.pop(mb_id, None)
         self._release_everywhere(mb_id)
 
     def _release_everywhere(self, mb_id: int) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis
 import torch
@@ -43,6 +44,15 @@ STEP_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, Inde
 _INITIAL_ROOM = 64
 # Finished microbatches a stage remembers (ids grow monotonically, so older ones cannot recur).
 _FINISHED_REMEMBERED = 65_536
+
+
+class PassMember(NamedTuple):
+    """A microbatch in one pass: its state, the step the pass produces, and the rows the pass computes
+    (its unfinished rows, in order; a prefill computes every row)."""
+
+    state: MicrobatchState
+    step: int
+    rows: tuple[int, ...]
 
 
 class FinishedMicrobatch(Exception):
@@ -149,26 +159,27 @@ class StageRunner:
     def run(
         self,
         pos: Position,
-        members: list[tuple[MicrobatchState, int]],
+        members: list[PassMember],
         kind: Kind,
         io: StageIO,
         cohort: int = -1,
         next_mb: int | None = None,
     ) -> TokenReturn | None:
         """Run this stage's layers for one pass of ``members`` (each microbatch at its own step; rows of
-        ``io`` are the members' rows in order) and hand the result on.
+        ``io`` are the members' computed rows in order) and hand the result on.
 
         A DECODE pass batches every member (iteration-level batching: each attends over its own cache
-        and length); a PREFILL pass has one member. ``next_mb`` is the microbatch stage 0 expects to run
-        next: with swapping, its cache is prefetched while this pass computes. Returns the pass's
+        and length) and computes only each member's unfinished rows; a PREFILL pass has one member and
+        computes all its rows. ``next_mb`` is the microbatch stage 0 expects to run next: with
+        swapping, its cache is prefetched while this pass computes. Returns the pass's
         :class:`TokenReturn` on the last stage (also sent to stage 0 when this is not stage 0).
         """
         if kind is Kind.PREFILL and len(members) != 1:
             raise ValueError("a prefill pass runs one microbatch")
-        geometries = [state.geometry(step) for state, step in members]
+        geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
         caches = [
-            self._acquire(state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1))
-            for (state, _), g in zip(members, geometries, strict=True)
+            self._acquire(m.state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1))
+            for m, g in zip(members, geometries, strict=True)
         ]
         if next_mb is not None:
             self.prefetch(next_mb)
@@ -177,7 +188,7 @@ class StageRunner:
         else:
             out = self.stage.decode_groups(io, list(zip(caches, geometries, strict=True)))
         replicated = []
-        for (state, step), g in zip(members, geometries, strict=True):
+        for (state, step, _rows), g in zip(members, geometries, strict=True):
             written = (0, g.cur_len) if kind is Kind.PREFILL else (g.cur_len - 1, g.cur_len)
             if self.swap is not None:
                 self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
@@ -185,7 +196,7 @@ class StageRunner:
             replicated.append((state, step, written))
         if self.replicas is not None:
             self.replicas.send_pass(replicated)
-        steps = tuple((state.mb_id, step, len(state.spec.rows)) for state, step in members)
+        steps = tuple((state.mb_id, step, rows) for state, step, rows in members)
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
             hint = {"next": next_mb} if next_mb is not None else None
@@ -195,17 +206,19 @@ class StageRunner:
         assert out.logits is not None
         # Two Redis round trips per pass, whatever the number of members: cancellations, then tokens.
         pipe = self.redis.pipeline(transaction=False)
-        for state, _ in members:
-            pipe.smembers(keys.microbatch_cancel(state.mb_id))
+        for m in members:
+            pipe.smembers(keys.microbatch_cancel(m.state.mb_id))
         cancels = pipe.execute()
         returned, entries, row = [], [], 0
-        for (state, step), cancelled in zip(members, cancels, strict=True):
-            n = len(state.spec.rows)
-            entry = self._sample(state, step, out.logits[row : row + n, -1], {int(x) for x in cancelled})
+        for (state, step, rows), cancelled in zip(members, cancels, strict=True):
+            n = len(rows)
+            logits = out.logits[row : row + n, -1]
+            entry = self._sample(state, step, logits, {int(x) for x in cancelled}, rows)
             entries.append(entry)
             row += n
             feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
-            returned.append(Returned(state.mb_id, step, feed, self.trackers[state.mb_id].done))
+            tracker = self.trackers[state.mb_id]
+            returned.append(Returned(state.mb_id, step, feed, tracker.done, tuple(tracker.active_rows)))
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
             pipe.xadd(keys.tokens(entry.mb_id), {"step": entry.encode()})
@@ -249,9 +262,12 @@ class StageRunner:
             self.replicas.send(state, 0, (0, state.spec.prompt_len))
             state.prompt_replicated = True
 
-    def _sample(self, state: MicrobatchState, step: int, logits: torch.Tensor, cancelled: set[int]) -> TokenStep:
-        """Sample ``step``'s tokens and track finishes (``cancelled``: rows the controller cancelled);
-        the caller publishes the returned entry on the token stream."""
+    def _sample(
+        self, state: MicrobatchState, step: int, logits: torch.Tensor, cancelled: set[int], rows: tuple[int, ...]
+    ) -> TokenStep:
+        """Sample ``step``'s tokens of ``rows`` (``logits[i]`` is row ``rows[i]``'s) and track finishes
+        (``cancelled``: rows the controller cancelled); the caller publishes the returned entry on the
+        token stream."""
         spec = state.spec
         tracker = self.trackers.get(spec.mb_id)
         if tracker is None:
@@ -259,10 +275,10 @@ class StageRunner:
             tracker.replay(history(self.redis, spec.mb_id, before_step=step))
         params = [
             SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed)
-            for r in spec.rows
+            for r in (spec.rows[i] for i in rows)
         ]
-        sampled = sample(logits, params, [step] * len(spec.rows))
-        return tracker.step(step, sampled, cancelled)
+        sampled = sample(logits, params, [step] * len(rows))
+        return tracker.step(step, sampled, cancelled, rows)
 
 
 def history(client: redis.Redis, mb_id: int, before_step: int) -> list[TokenStep]:

@@ -26,7 +26,7 @@ from dejavu_token_worker import recovery
 from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
-from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
+from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, PassMember, Position, StageRunner
 from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
@@ -160,6 +160,8 @@ class TokenWorker(WorkerProcess):
         self.runner.release(mb_id, finished)
         if self.replica is not None:
             self.replica.drop(mb_id)
+        if self.heartbeat is not None:
+            self.heartbeat.memory.freed()
 
     def _release_all_but(self, keep: set[int]) -> None:
         """Recovery: free what does not resume (re-run prompts come back, so nothing is remembered)."""
@@ -304,12 +306,12 @@ class TokenWorker(WorkerProcess):
                 else:
                     state.wait_complete(self.settings.transport.deadline_s)
                     self.runner.replicate_prompt(state)
-                members.append((state, step))
-                kept.append(msg.tensor[row : row + rows])
+                members.append(PassMember(state, step, rows))
+                kept.append(msg.tensor[row : row + len(rows)])
             except STEP_FAILURES as exc:
                 self.runner.fail(mb, step, exc)
                 failed.append(Returned(mb, step, (), True))
-            row += rows
+            row += len(rows)
         if failed:
             # With members left, stage 0 learns of these apart (cohort -1); else this ends the pass.
             ret = TokenReturn(-1 if members else msg.mb_id, tuple(failed))
