@@ -1,12 +1,14 @@
 """`dejavu bench validate`: the simulator's predicted makespan against the real system, on one trace.
 
-Each of ``--rounds`` rounds profiles the default model on this host (one torch thread, as each worker
-gets when two share the 2 cores, and ``--co-runners`` other decoding processes, since the two workers
-compete for the same memory bandwidth), then replays the trace through the real system in two
-deployments — the colocated 2-stage baseline and DejaVu with 1 prompt + 1 token worker — and
-predicts each run's makespan with the discrete-event simulator from that round's profile, modelling
-the runtime's own policy (iteration-level batching in cohorts, ``Batching.COHORT`` with the
-controller's ``max_running``); the paper's microbatch policy's prediction is kept next to it
+Each of ``--rounds`` rounds profiles the default model on this host, then replays the trace through
+the real system in three deployments and predicts each run's makespan with the discrete-event
+simulator from that round's profile: the colocated 2-stage baseline and DejaVu with 1 prompt + 1
+token worker (profiled with one torch thread, as each worker gets when two share the 2 cores, and
+``--co-runners`` other decoding processes, since the two workers compete for the same memory
+bandwidth), and what ``dejavu up`` starts on this host, one colocated stage with both cores (profiled
+with two threads and no co-runner); ``--deployments`` picks some. The simulator models the runtime's
+own policy (iteration-level batching in cohorts, ``Batching.COHORT`` with the controller's
+``max_running``); the paper's microbatch policy's prediction is kept next to it
 (``simulated_paper_policy_s``), to show what modelling the runtime's policy changes. Profiling
 in every round keeps the profile and the real runs minutes apart on a host whose speed drifts.
 Prints the comparison table (every round, then medians) and writes
@@ -52,7 +54,7 @@ from benchmarks.procs import free_port  # noqa: E402
 BATCH_WAIT_MS = 50.0  # the controller's partial-microbatch wait, also given to the simulator
 
 
-def _settings(model: Path, colocated: bool, microbatch: int):
+def _settings(model: Path, colocated: bool, microbatch: int, depth: int = 2, threads: int = 1):
     from dejavu_common.settings import Mode, Settings
 
     base = Settings()
@@ -63,12 +65,12 @@ def _settings(model: Path, colocated: bool, microbatch: int):
         "batch_wait_ms": BATCH_WAIT_MS,
         "queue_bound": 10_000,
     }
-    ctl.update({"mode": Mode.COLOCATED, "token_depth": 2} if colocated else {"prompt_depth": 1, "token_depth": 1})
+    ctl.update({"mode": Mode.COLOCATED, "token_depth": depth} if colocated else {"prompt_depth": 1, "token_depth": 1})
     return base.model_copy(
         update={
             "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}),
             "model": base.model.model_copy(update={"path": model}),
-            "engine": base.engine.model_copy(update={"torch_threads": 1}),
+            "engine": base.engine.model_copy(update={"torch_threads": threads}),
             "controller": base.controller.model_copy(update=ctl),
         }
     )
@@ -83,12 +85,14 @@ def _warm_up(base_url: str, model: str) -> None:
     httpx.post(f"{base_url}/v1/completions", json=body, timeout=300).raise_for_status()
 
 
-def run_real(model: Path, trace, colocated: bool, microbatch: int, prompts) -> tuple[float, list]:
+def run_real(
+    model: Path, trace, colocated: bool, microbatch: int, prompts, depth: int = 2, threads: int = 1
+) -> tuple[float, list]:
     """Makespan of ``trace`` through a real deployment, and each request's client record (trace order)."""
     from benchmarks.loadgen import ClientConfig, LoadGenerator
     from dejavu_cli.launcher import Launcher
 
-    settings = _settings(model, colocated, microbatch)
+    settings = _settings(model, colocated, microbatch, depth, threads)
     launcher = Launcher(settings, restart_workers=False)
     try:
         launcher.start()
@@ -159,10 +163,15 @@ def per_request(records, sim) -> list[dict]:
     ]
 
 
-DEPLOYMENTS = (("colocated 2-stage baseline", True), ("DejaVu 1 prompt + 1 token", False))
+# name, colocated, stages of the decoding pipeline, torch threads per worker
+DEPLOYMENTS = (
+    ("colocated 2-stage baseline", True, 2, 1),
+    ("DejaVu 1 prompt + 1 token", False, 1, 1),
+    ("dejavu up: 1 colocated stage", True, 1, 2),
+)
 
 
-def measure(args: argparse.Namespace, settings: Settings) -> Profile:
+def measure(args: argparse.Namespace, settings: Settings, co_runners: int) -> Profile:
     """A fresh profile of the default model on this host, as the workers will run it."""
     from dejavu_planner.profiler import ProfilerOptions, measure_profile
 
@@ -176,7 +185,7 @@ def measure(args: argparse.Namespace, settings: Settings) -> Profile:
         decode_context=args.prompt_len + args.median_new // 2,
         decode_steps=8,
         repeats=3,
-        co_runners=args.co_runners,
+        co_runners=co_runners,
     )
     return measure_profile(settings, opts, progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
 
@@ -199,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         help="profile with this many other processes decoding (default 1: the two workers share this host)",
     )
     parser.add_argument("--profile", help="use this profile in every round instead of measuring one")
+    parser.add_argument(
+        "--deployments",
+        nargs="+",
+        type=int,
+        default=list(range(len(DEPLOYMENTS))),
+        help="which deployments, by index: " + ", ".join(f"{i} {d[0]}" for i, d in enumerate(DEPLOYMENTS)),
+    )
     args = parser.parse_args(argv)
 
     from benchmarks.loadgen import PromptBuilder
@@ -222,17 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {r.rid: builder.text(r.prompt_len, key=r.rid) for r in trace.requests}
     RESULTS.mkdir(parents=True, exist_ok=True)
 
+    chosen = [DEPLOYMENTS[i] for i in args.deployments]
     rows = []
     for round_no in range(1, args.rounds + 1):
-        if args.profile:
-            profile = Profile.load(Path(args.profile))
-        else:
-            print(f"round {round_no}: profiling (one thread, {args.co_runners} co-runner(s)) ...", file=sys.stderr)
-            profile = measure(args, Settings(engine={"torch_threads": 1}))
-            profile.save(RESULTS / f"validate-profile-{round_no}.json")
-        for name, colocated in DEPLOYMENTS:
+        profiles: dict[int, Profile] = {}
+        for threads in sorted({d[3] for d in chosen}):
+            if args.profile:
+                profiles[threads] = Profile.load(Path(args.profile))
+                continue
+            # Two one-thread workers share the host's memory bandwidth; the two-thread one has it alone.
+            co_runners = args.co_runners if threads == 1 else 0
+            print(f"round {round_no}: profiling ({threads} thread(s), {co_runners} co-runner(s)) ...", file=sys.stderr)
+            profiles[threads] = measure(args, Settings(engine={"torch_threads": threads}), co_runners)
+            profiles[threads].save(RESULTS / f"validate-profile-{round_no}-{threads}t.json")
+        for name, colocated, depth, threads in chosen:
+            profile = profiles[threads]
             print(f"round {round_no}: running {name} ...", file=sys.stderr, flush=True)
-            real, records = run_real(model, trace, colocated, args.microbatch, prompts)
+            real, records = run_real(model, trace, colocated, args.microbatch, prompts, depth, threads)
             generated = [r.generated for r in records]
             # Simulate the trace with the lengths this run really produced (EOS can end a request early).
             actual = Trace(
@@ -243,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             # The runtime's policy (cohorts, the controller's max_running), and the paper's for comparison.
             paper = (
-                Deployment(Policy.BASELINE, 2, args.microbatch)
+                Deployment(Policy.BASELINE, depth, args.microbatch)
                 if colocated
                 else Deployment(Policy.DEJAVU, 1, args.microbatch, token_depth=1)
             )
@@ -304,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['microbatches']:<6d}"
         )
     summary = []
-    for name, _ in DEPLOYMENTS:
+    for name, *_ in chosen:
         mine = [r for r in rows if r["deployment"] == name]
         real = statistics.median(r["real_makespan_s"] for r in mine)
         predicted = statistics.median(r["simulated_makespan_s"] for r in mine)
