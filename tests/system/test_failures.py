@@ -113,6 +113,24 @@ def _holder(settings: Settings, stage: int) -> str:
     return Topology.decode(raw).token_stages[stage].worker_id
 
 
+def _replaced(settings: Settings, workers: list[str], timeout_s: float = 60.0) -> None:
+    """Wait until the topology names none of ``workers``: their failure was detected and a repair
+    published. The next round then starts after it (``Round`` waits for /ready), not in the moment
+    between a failure and its detection, where /ready still says yes and the round's requests would be
+    refused with 503 a few milliseconds later: a round of 20 tokens can finish within a lease TTL."""
+    from dejavu_common.messages import Topology
+
+    client = redis.Redis.from_url(settings.redis.url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        topology = Topology.decode(client.get(keys.TOPOLOGY))
+        holders = {a.worker_id for a in (*topology.prompt_stages, *topology.token_stages)}
+        if not holders & set(workers):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{workers} still in the topology after {timeout_s} s")
+
+
 def _check(texts: dict[str, str], reference: dict[str, str], launcher) -> None:
     for p in PROMPTS:
         assert texts.get(p) == reference[p], f"{p!r}: {texts.get(p)!r} != {reference[p]!r}\n{logs(launcher)}"
@@ -130,6 +148,7 @@ def test_middle_last_and_first_token_stage_crashes(redis_url, model, reference) 
             r.wait_tokens(rng.randint(4, 20))
             _kill(launcher, victim)
             _check(r.finish(), reference, launcher)
+            _replaced(settings, [victim])
 
 
 def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url, model, reference) -> None:
@@ -151,12 +170,15 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
         cmd = sign(signing, paused, info.instance, AdminAction.PAUSE_HEARTBEATS, seconds=4.0)
         client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
         _check(r.finish(), reference, launcher)
+        _replaced(settings, [paused])
         # 2. Two non-adjacent failures at once.
         r = Round(launcher, settings)
         r.wait_tokens(8)
-        _kill(launcher, _holder(settings, 0))
-        _kill(launcher, _holder(settings, 2))
+        victims = [_holder(settings, 0), _holder(settings, 2)]
+        for victim in victims:
+            _kill(launcher, victim)
         _check(r.finish(), reference, launcher)
+        _replaced(settings, victims)
         # 3. A failure during recovery: kill stage 3, then stage 1 as soon as the repair epoch appears.
         r = Round(launcher, settings)
         r.wait_tokens(5)
@@ -178,9 +200,11 @@ def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_ur
     with running(settings, spares=2, prompt_spares=1) as launcher:
         r = Round(launcher, settings)
         r.wait_tokens(6)
-        _kill(launcher, _holder(settings, 1))
-        _kill(launcher, _holder(settings, 2))
+        victims = [_holder(settings, 1), _holder(settings, 2)]
+        for victim in victims:
+            _kill(launcher, victim)
         _check(r.finish(), reference, launcher)
+        _replaced(settings, victims)
         r = Round(launcher, settings)
         time.sleep(0.3)  # the prompts are being processed
         _kill(launcher, "p0")

@@ -6,12 +6,12 @@ microbatch of a pass at its own length); without it a pass makes one attention c
 per layer, whose fixed cost grows with the number of microbatches.
 
 The extension is compiled with the host's compiler the first time a process asks for it (ninja and
-g++, about a minute) into ``$DEJAVU_KERNEL_CACHE`` (default ``~/.cache/dejavu/kernels``), keyed by
-the source, torch's version and the CPU's flags, so a build is reused only where it was made for;
-``make setup`` builds it ahead (``python -m dejavu_engine.native``). Where it cannot be built (no
-compiler), :func:`load` returns None and stages use torch's attention per microbatch: same results,
-slower. ``engine.native_attention`` (``Stage(native_attention=...)``) turns it off. CUDA never takes
-this path.
+g++, about 30 s on the reference host) into ``$DEJAVU_KERNEL_CACHE`` (default
+``~/.cache/dejavu/kernels``), keyed by the source, torch's version and the CPU's flags, so a build is
+reused only where it was made for; ``make setup`` builds it ahead (``python -m dejavu_engine.native``).
+Where it cannot be built (no compiler), :func:`load` returns None and stages use torch's attention
+per microbatch: same results, slower. ``engine.native_attention`` (``Stage(native_attention=...)``)
+turns it off. CUDA never takes this path.
 """
 
 from __future__ import annotations
