@@ -105,7 +105,6 @@ class MemoryReleaser:
         self._lock = threading.Lock()
         self._freed_at: float | None = None
         self._busy = 0
-        self.releases = 0
 
     def freed(self) -> None:
         """Something large was freed (a finished microbatch's cache, a prompt task's)."""
@@ -131,7 +130,6 @@ class MemoryReleaser:
             if not idle or self._busy or self._freed_at is None or time.monotonic() - self._freed_at < self.quiet_s:
                 return False
             self._freed_at = None
-            self.releases += 1
         release_free_memory()
         return True
 

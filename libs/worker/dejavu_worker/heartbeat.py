@@ -112,11 +112,11 @@ class Heartbeat(threading.Thread):
             held_bytes, held_mbs = self.kv_held()
             held = json.dumps({"bytes": held_bytes, "microbatches": held_mbs})
             pipe.set(keys.worker_kv(self.worker_id), held, px=4 * ttl_ms)
-        self.memory.maybe_release(idle=held_mbs == 0)
         pipe.hexists(keys.worker(self.worker_id), "info")  # a record without info is no registration
         pipe.get(keys.TOPOLOGY)
         pipe.xread({keys.ADMIN_STREAM: self._admin_cursor}, count=32, block=None)
         results = pipe.execute()
+        self.memory.maybe_release(idle=held_mbs == 0)  # after the lease is renewed: a release takes a while
         registered, raw_topo, admin = results[-3], results[-2], results[-1]
         if not registered and self.register is not None:
             log.warning("registry record of %s is gone (Redis lost its state?): registering again", self.worker_id)
