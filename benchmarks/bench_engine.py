@@ -28,10 +28,10 @@ import torch
 from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import torch_dtype
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.process import describe_runtime, worker_environment
 from dejavu_engine.threads import configure_torch_threads
+from dejavulib.kvcache import torch_dtype
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"

@@ -10,6 +10,11 @@ SmolLM2-135M's real cache shape: 30 layers, 3 KV heads, head_dim 64, float32, ba
 3. Decode with each step's KV update streamed to another process vs no streaming (synthetic ~40 ms steps).
 4. UCX throughput between two processes, 1-256 MiB, next to memcpy bandwidth measured in the same run.
 
+Sections 2 and 3 run the path serving runs: a prompt worker's placement (``plan_pieces``) streamed by
+``LayerStreamer`` / a token stage's ``Streamer.submit_region`` (packing on the streaming thread), received
+with ``stream_in``. Section 1's per-chunk baseline (``scatter`` without a staging buffer) is what the
+buffered copy replaces; serving never uses it.
+
 The receiving process is this script run with ``--peer``; it is stopped by PID at the end.
 """
 
@@ -33,11 +38,11 @@ from dejavulib.chunks import contiguous_runs
 from dejavulib.endpoint import Endpoint
 from dejavulib.header import Channel, Header
 from dejavulib.kvcache import KVCache, StagingBuffer
-from dejavulib.layout import KVLayout, Region, Which
+from dejavulib.layout import KVLayout
 from dejavulib.scatter_gather import scatter
 from dejavulib.streamer import Streamer
 from dejavulib.streaming import LayerStreamer, stream_in
-from dejavulib.topology import Topology, plan_transfers
+from dejavulib.topology import Piece, plan_pieces
 from dejavulib.transport.local import LocalTransport
 from dejavulib.transport.ucx import UcxTransport
 
@@ -74,14 +79,12 @@ def serve_peer(address_file: str, progress: str) -> None:
                 scratch = np.empty(need, np.uint8)
             for key, nbytes in cmd["specs"]:
                 transport.fetch("driver", key, scratch[:nbytes], DEADLINE)
-        elif cmd["op"] == "recv_prompt":
-            topo = Topology.even(LAYERS, 1, BATCH)
-            stream_in(endpoint, {0: cache}, plan_transfers(topo, topo, [PROMPT]), 0, DEADLINE)
-        elif cmd["op"] == "recv_steps":
+        elif cmd["op"] == "recv_prompt":  # what a token stage does with prompt KV: one message per layer
+            for _ in range(LAYERS):
+                stream_in(cache, endpoint.recv(Channel.KV_PROMPT, DEADLINE))
+        elif cmd["op"] == "recv_steps":  # ... and with replicated steps
             for _ in range(cmd["count"]):
-                m = endpoint.recv(Channel.KV_REPLICA, DEADLINE)
-                h = m.header
-                cache.unpack(Region(h.microbatch, h.layers, h.rows, h.positions, Which(h.which)), m.tensor())
+                stream_in(cache, endpoint.recv(Channel.KV_REPLICA, DEADLINE))
         done = time.monotonic()
         endpoint.send("driver", Header(Channel.CONTROL), json.dumps({"t": done}).encode(), DEADLINE).wait()
     endpoint.close()
@@ -189,8 +192,8 @@ def bench_prompt(peer: Peer, prefill_s: float, reps: int) -> dict:
     lay = layout()
     cache = KVCache.allocate(lay)
     compute = Compute(prefill_s / LAYERS)
-    topo = Topology.even(LAYERS, 1, BATCH)
-    transfers = plan_transfers(topo, topo, [PROMPT])
+    # A prompt worker's placement of one batch into one token stage (as serving plans it).
+    transfers = plan_pieces([Piece(0, (0, BATCH), PROMPT, PROMPT)], PROMPT, (0, LAYERS), [(0, LAYERS)])
     streamer = Streamer(peer.endpoint, max_inflight_bytes=256 << 20)
 
     def layer(i: int) -> None:
@@ -203,7 +206,7 @@ def bench_prompt(peer: Peer, prefill_s: float, reps: int) -> dict:
         t0 = time.monotonic()
         for i in range(LAYERS):
             layer(i)
-        hook = LayerStreamer(streamer, cache, transfers, 0, 0, {0: "peer"}, DEADLINE)
+        hook = LayerStreamer(streamer, cache, transfers, {0: "peer"}, DEADLINE)
         for i in range(LAYERS):
             hook.on_layer_done(i)
         hook.wait()
@@ -212,7 +215,7 @@ def bench_prompt(peer: Peer, prefill_s: float, reps: int) -> dict:
     def layer_by_layer() -> float:
         peer.command(op="recv_prompt")
         t0 = time.monotonic()
-        hook = LayerStreamer(streamer, cache, transfers, 0, 0, {0: "peer"}, DEADLINE)
+        hook = LayerStreamer(streamer, cache, transfers, {0: "peer"}, DEADLINE)
         for i in range(LAYERS):
             layer(i)
             hook.on_layer_done(i)

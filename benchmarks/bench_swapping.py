@@ -34,10 +34,10 @@ from dejavu_common.kv_budget import KVBudget
 from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_worker.swap import SwapManager
+from dejavulib.kvcache import KVCache
 
 RESULTS = Path(__file__).resolve().parent / "results" / "swapping.json"
 

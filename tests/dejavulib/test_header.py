@@ -16,9 +16,10 @@ KEY = secret_key("deployment-secret")
 
 
 def _sealed() -> tuple[Header, np.ndarray]:
+    """A serving-shaped header: microbatch ids carry the controller incarnation in their top 32 bits."""
     payload = np.arange(1000, dtype=np.float32).view(np.uint8)
-    header = Header(Channel.KV_REPLICA, dtype=DType.FLOAT32, shape=(10, 100), which=3, microbatch=2, step=41,
-                    layers=(10, 20), rows=(0, 4), positions=(1000, 1001), user=7)  # fmt: skip
+    header = Header(Channel.KV_REPLICA, dtype=DType.FLOAT32, shape=(10, 100), which=3, microbatch=(3 << 32) + 2,
+                    step=41, layers=(10, 20), rows=(0, 4), positions=(1000, 1001), user=7)  # fmt: skip
     return header.with_payload(memoryview(payload), KEY, epoch=5, seq=9, sender="token-stage-1"), payload
 
 

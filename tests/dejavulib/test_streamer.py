@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dejavulib.endpoint import Endpoint
-from dejavulib.errors import BackPressureTimeout, PeerError
+from dejavulib.errors import BackPressureTimeout, PeerError, TransferTimeout
 from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header
 from dejavulib.streamer import Streamer
@@ -71,4 +71,47 @@ def test_failed_job_fails_only_its_handle() -> None:
     with pytest.raises(PeerError):
         bad.wait(5)
     assert streamer.inflight_bytes == 0
+    streamer.close()
+
+
+def test_sends_are_pipelined_and_staging_buffers_are_reused() -> None:
+    """The thread packs and sends the next region while earlier sends are still in flight, and a staging
+    buffer is reused only once the transport is done with it."""
+    import torch
+
+    from dejavulib.kvcache import KVCache
+    from dejavulib.layout import KVLayout, Which
+
+    a, b, held = _pair()
+    streamer = Streamer(a, max_inflight_bytes=1 << 20)
+    cache = KVCache.allocate(KVLayout(2, 2, 1, 8, 4))
+    cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view_as(cache.k))
+    regions = [cache.layout.region(positions=(p, p + 1)) for p in range(3)]
+    handles = [
+        streamer.submit_region("b", Header(Channel.KV_REPLICA, step=i), cache, r, 5) for i, r in enumerate(regions)
+    ]
+    _wait_held(held, 3)  # all three sent though none has completed
+    payloads = [b.recv(Channel.KV_REPLICA, 1) for _ in range(3)]
+    for i, m in enumerate(payloads):
+        want = cache.view(regions[i], Which.K).contiguous().view(-1)
+        assert torch.equal(m.tensor()[: want.numel()], want), "a buffer still in flight was overwritten"
+    for h in held.held:
+        h.set_done()
+    for h in handles:
+        h.wait(5)
+    assert streamer.inflight_bytes == 0
+    assert len(streamer._pool._free) == 3  # back in the pool once their sends completed
+    streamer.close()
+
+
+def test_a_send_that_never_completes_fails_at_its_deadline_and_frees_the_bound() -> None:
+    a, _b, held = _pair()
+    streamer = Streamer(a, max_inflight_bytes=1000)
+    stuck = streamer.submit("b", Header(Channel.KV_REPLICA), np.zeros(1000, np.uint8), deadline_s=0.2)
+    _wait_held(held, 1)
+    with pytest.raises(TransferTimeout):
+        stuck.wait(5)
+    assert streamer.inflight_bytes == 0
+    # The next job is admitted at once, though the stuck send never completed.
+    streamer.submit("b", Header(Channel.KV_REPLICA), np.zeros(1000, np.uint8), deadline_s=5, admit_deadline_s=0.5)
     streamer.close()

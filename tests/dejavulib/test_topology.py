@@ -1,4 +1,4 @@
-"""The pure planner: every (layer, request, position) of a round moves exactly once, to the right place."""
+"""The pure placement: every (layer, row, prompt position) of a prompt batch moves exactly once, to the right place."""
 
 from __future__ import annotations
 
@@ -6,80 +6,65 @@ import itertools
 
 import pytest
 
-from dejavulib.topology import Topology, plan_transfers, right_aligned, token_padded_lengths
+from dejavulib.topology import Piece, plan_pieces, right_aligned
 
-CASES = [
-    # (src depth, src microbatch, dst depth, dst microbatch, padded lengths of the prompt microbatches)
-    (1, 4, 2, 4, [7]),
-    (2, 4, 3, 8, [5, 9]),
-    (2, 8, 3, 4, [6]),
-    (3, 2, 2, 3, [3, 4, 5]),
-]
+TOKEN_STAGES = [(0, 4), (4, 9), (9, 12)]
 
 
-def _cells(transfers, src: Topology, dst: Topology):
-    """(dst stage, dst mb, dst row, layer, dst position) -> (src stage, src mb, src row, src position)."""
+def _cells(transfers, pieces: list[Piece], src_layers, dst_stages):
+    """(dst stage, dst mb, dst row, layer, dst position) -> (src row, src position)."""
     cells = {}
     for t in transfers:
-        assert src.stage_layer_ranges[t.src_stage][0] <= t.layers[0] < t.layers[1]
-        assert t.layers[1] <= src.stage_layer_ranges[t.src_stage][1]
-        assert dst.stage_layer_ranges[t.dst_stage][0] <= t.layers[0]
-        assert t.layers[1] <= dst.stage_layer_ranges[t.dst_stage][1]
+        assert src_layers[0] <= t.layers[0] < t.layers[1] <= src_layers[1]
+        assert dst_stages[t.dst_stage][0] <= t.layers[0] and t.layers[1] <= dst_stages[t.dst_stage][1]
         for r, layer, p in itertools.product(range(t.n_rows), range(*t.layers), range(*t.positions)):
             key = (t.dst_stage, t.dst_microbatch, t.dst_rows[0] + r, layer, p + t.dst_position_offset)
             assert key not in cells, f"{key} written twice"
-            cells[key] = (t.src_stage, t.src_microbatch, t.src_rows[0] + r, p)
+            cells[key] = (t.src_rows[0] + r, p)
     return cells
 
 
-@pytest.mark.parametrize(("dp", "mp", "dt", "mt", "lengths"), CASES)
-def test_plan_covers_every_cell_exactly_once(dp: int, mp: int, dt: int, mt: int, lengths: list[int]) -> None:
-    src, dst = Topology.even(12, dp, mp), Topology.even(12, dt, mt)
-    cells = _cells(plan_transfers(src, dst, lengths), src, dst)
-    dst_lengths = token_padded_lengths(src, dst, lengths)
-    assert len(cells) == sum(12 * mp * p for p in lengths)
-    for (d_stage, d_mb, d_row, layer, d_pos), (s_stage, s_mb, s_row, s_pos) in cells.items():
-        request = s_mb * mp + s_row
-        assert request == d_mb * mt + d_row, "a request must keep its identity"
-        assert layer in range(*src.stage_layer_ranges[s_stage]) and layer in range(*dst.stage_layer_ranges[d_stage])
-        assert d_pos - s_pos == dst_lengths[d_mb] - lengths[s_mb], "left padding: right-aligned"
+@pytest.mark.parametrize("src_layers", [(0, 12), (0, 6), (6, 12), (3, 10)])
+@pytest.mark.parametrize(
+    ("src_padded", "pieces"),
+    [
+        (9, [Piece(5, (0, 4), 9, 9)]),  # one whole token microbatch
+        (9, [Piece(5, (2, 4), 9, 12), Piece(6, (0, 3), 4, 4)]),  # merge into a longer one, split off a shorter one
+        (7, [Piece(1, (1, 2), 3, 20), Piece(2, (0, 1), 7, 7), Piece(3, (3, 5), 6, 6)]),
+    ],
+)
+def test_every_cell_moves_exactly_once_right_aligned(src_layers, src_padded: int, pieces: list[Piece]) -> None:
+    cells = _cells(plan_pieces(pieces, src_padded, src_layers, TOKEN_STAGES), pieces, src_layers, TOKEN_STAGES)
+    n_layers = src_layers[1] - src_layers[0]
+    assert len(cells) == sum(n_layers * p.n_rows * p.longest for p in pieces)
+    first_row = 0
+    for piece in pieces:
+        for (stage, mb, row, layer, d_pos), (s_row, s_pos) in cells.items():
+            if mb != piece.dst_microbatch or not first_row <= s_row < first_row + piece.n_rows:
+                continue
+            assert row - piece.dst_rows[0] == s_row - first_row, "a row keeps its identity"
+            assert layer in range(*TOKEN_STAGES[stage])
+            assert s_pos >= src_padded - piece.longest, "only positions holding prompts move"
+            assert d_pos - s_pos == piece.dst_padded - src_padded, "left padding: right-aligned"
+        first_row += piece.n_rows
 
 
-def test_merge_two_prompt_microbatches_into_one_token_microbatch() -> None:
-    src, dst = Topology.even(30, 2, 4), Topology.even(30, 3, 8)
-    transfers = plan_transfers(src, dst, [100, 80])
-    into_mb0 = {(t.src_microbatch, t.dst_rows, t.dst_position_offset) for t in transfers if t.dst_microbatch == 0}
-    assert into_mb0 == {(0, (0, 4), 0), (1, (4, 8), 20)}
-    assert {t.layers for t in transfers if t.src_stage == 0} == {(0, 10), (10, 15)}
+def test_split_across_depths_follows_the_token_stages() -> None:
+    transfers = plan_pieces([Piece(0, (0, 4), 10, 10)], 10, (2, 11), TOKEN_STAGES)
+    assert [(t.dst_stage, t.layers) for t in transfers] == [(0, (2, 4)), (1, (4, 9)), (2, (9, 11))]
 
 
-def test_split_one_prompt_microbatch_across_token_microbatches() -> None:
-    transfers = plan_transfers(Topology.even(4, 1, 8), Topology.even(4, 1, 4), [10])
-    assert sorted((t.dst_microbatch, t.src_rows, t.dst_rows) for t in transfers) == [
-        (0, (0, 4), (0, 4)),
-        (1, (4, 8), (0, 4)),
-    ]
+@pytest.mark.parametrize("dst_stages", [[(0, 4), (5, 12)], [(0, 6), (4, 12)], [(0, 6)]])
+def test_token_stages_that_do_not_cover_the_layers_once_are_refused(dst_stages) -> None:
+    with pytest.raises(ValueError, match="cover"):
+        plan_pieces([Piece(0, (0, 1), 3, 3)], 3, (0, 12), dst_stages)
 
 
-@pytest.mark.parametrize("ranges", [((0, 3), (4, 6)), ((1, 6),), ()])
-def test_topology_rejects_gaps(ranges) -> None:
-    with pytest.raises(ValueError):
-        Topology(ranges, 4)
-
-
-def test_layer_count_mismatch_rejected() -> None:
-    with pytest.raises(ValueError):
-        plan_transfers(Topology.even(4, 1, 4), Topology.even(6, 2, 4), [3])
-
-
-def test_even_split_is_the_serving_systems_stage_split() -> None:
-    """The library cannot import the serving packages, so the rule exists twice: they must agree, or a
-    streaming plan built with ``Topology.even`` would not line up with the stages the controller places."""
-    from dejavu_common.partition import split_layers
-
-    for layers in range(1, 40):
-        for depth in range(1, layers + 1):
-            assert list(Topology.even(layers, depth, 1).stage_layer_ranges) == split_layers(layers, depth)
+def test_a_piece_that_does_not_fit_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        Piece(0, (0, 2), 11, 10)
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_pieces([Piece(0, (0, 2), 11, 12)], 10, (0, 12), TOKEN_STAGES)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,9 @@ from dejavu_common import keys
 from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
 from dejavu_common.settings import Replication
 from dejavu_token_worker.replication import ReplicaStore
-from dejavu_worker.dataplane import KVChunk
+from dejavulib.endpoint import Message
+from dejavulib.header import Channel, Header
+from dejavulib.layout import Region
 
 
 def _store(client: redis.Redis, tmp_path) -> ReplicaStore:
@@ -20,23 +22,28 @@ def _store(client: redis.Redis, tmp_path) -> ReplicaStore:
     return ReplicaStore(client, None, 1, (2, 4), (2, 8, "float32"), Replication.BOTH, tmp_path, 1.0)  # type: ignore[arg-type]
 
 
-def _chunk(p0: int, p1: int, step: int) -> KVChunk:
+def _chunk(p0: int, p1: int, step: int) -> tuple[Region, int, Message]:
+    """What the predecessor's streamer sends after step ``step``: positions [p0, p1) of every layer and row."""
     k = torch.full((2, 1, 2, p1 - p0, 8), float(step))
-    return KVChunk(5, (2, 4), (0, 1), (p0, p1), k, k, step)
+    data = torch.stack((k, k)).reshape(-1).view(torch.uint8).numpy()
+    header = Header(Channel.KV_REPLICA, microbatch=5, step=step, layers=(2, 4), rows=(0, 1), positions=(p0, p1),
+                    which=3, nbytes=data.nbytes)  # fmt: skip
+    return Region(5, (2, 4), (0, 1), (p0, p1)), step, Message(header, data)
 
 
 def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored(redis_url, tmp_path) -> None:
     client = redis.Redis.from_url(redis_url)
     store = _store(client, tmp_path)
-    store.store(_chunk(0, 3, 0))  # the prompt
+    store.store(*_chunk(0, 3, 0))  # the prompt
     assert store.caches[5].layout.max_len == 67  # the prompt plus 64
     for step in range(1, 70):  # decode steps write one position each; the replica doubles when full
-        store.store(_chunk(2 + step, 3 + step, step))
+        store.store(*_chunk(2 + step, 3 + step, step))
     assert store.caches[5].layout.max_len == 134 and store.steps[5] == 69
     assert torch.equal(store.caches[5].k[0, 0, 0, 71], torch.full((8,), 69.0))
     assert client.hget(keys.watermark(1), 5) == b"69"
-    store.drop(5)
-    store.store(_chunk(72, 73, 70))  # in flight when the microbatch finished
+    store.drop(5, finished=True)
+    store.store(*_chunk(72, 73, 70))  # in flight when the microbatch finished
+    store.store(*_chunk(0, 3, 0))  # even its prompt's replica, overtaken by the release
     assert 5 not in store.caches and 5 not in store.steps
     assert client.hget(keys.watermark(1), 5) is None
     assert not list(tmp_path.iterdir())  # no replica file comes back either
@@ -48,7 +55,7 @@ def test_a_finished_microbatch_is_not_revived_by_late_prompt_kv_but_a_rerun_one_
 
     class Stage:  # what StageRunner.state asks of a stage
         def allocate_cache(self, batch, max_len):
-            from dejavu_engine.kv_cache import KVCache
+            from dejavulib.kvcache import KVCache
             from dejavulib.layout import KVLayout
 
             return KVCache.allocate(KVLayout(1, batch, 1, max_len, 4))
@@ -74,16 +81,16 @@ def test_the_watermark_is_the_last_contiguous_step_not_the_highest_seen(redis_ur
     stays before it until the hole is filled, so a restore never serves the hole as data."""
     client = redis.Redis.from_url(redis_url)
     store = _store(client, tmp_path)
-    store.store(_chunk(0, 3, 0))  # the prompt
-    store.store(_chunk(3, 4, 1))
+    store.store(*_chunk(0, 3, 0))  # the prompt
+    store.store(*_chunk(3, 4, 1))
     assert store.steps[5] == 1 and client.hget(keys.watermark(1), 5) == b"1"
-    store.store(_chunk(5, 6, 3))  # step 2 lost (or late)
-    store.store(_chunk(6, 7, 4))
+    store.store(*_chunk(5, 6, 3))  # step 2 lost (or late)
+    store.store(*_chunk(6, 7, 4))
     assert store.steps[5] == 1 and client.hget(keys.watermark(1), 5) == b"1"
-    store.store(_chunk(4, 5, 2))  # the hole filled: everything up to 4 is contiguous
+    store.store(*_chunk(4, 5, 2))  # the hole filled: everything up to 4 is contiguous
     assert store.steps[5] == 4 and client.hget(keys.watermark(1), 5) == b"4"
-    store.store(_chunk(8, 9, 6))  # step 5 lost again ...
-    store.store(_chunk(0, 8, 5))  # ... then a whole cache as of step 5 (a restore) covers every step up to 5
+    store.store(*_chunk(8, 9, 6))  # step 5 lost again ...
+    store.store(*_chunk(0, 8, 5))  # ... then a whole cache as of step 5 (a restore) covers every step up to 5
     assert store.steps[5] == 6 and client.hget(keys.watermark(1), 5) == b"6"
     store.drop(5)
     assert 5 not in store.ahead and client.hget(keys.watermark(1), 5) is None

@@ -14,9 +14,20 @@ import torch
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
-from dejavu_engine.kv_cache import KVCache
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
-from dejavulib.layout import KVLayout
+from dejavulib.endpoint import Message
+from dejavulib.errors import IntegrityError
+from dejavulib.header import Channel, Header
+from dejavulib.kvcache import KVCache
+from dejavulib.layout import KVLayout, Region
+
+
+def _place(state: MicrobatchState, layers, rows, positions, k, v) -> None:
+    """Deliver K/V of a region to ``state`` as a DejaVuLib KV message (packed: K then V)."""
+    data = torch.stack((k, v)).reshape(-1).view(torch.uint8).numpy()
+    header = Header(Channel.KV_PROMPT, microbatch=state.mb_id, layers=layers, rows=rows, positions=positions,
+                    which=3, nbytes=data.nbytes)  # fmt: skip
+    state.place(Region(state.mb_id, layers, rows, positions), Message(header, data))
 
 
 def _state(prompt_len: int, max_len: int, capacity: int) -> MicrobatchState:
@@ -32,7 +43,7 @@ def _state(prompt_len: int, max_len: int, capacity: int) -> MicrobatchState:
 def test_a_cache_doubles_up_to_its_span_and_keeps_what_was_written() -> None:
     state = _state(prompt_len=6, max_len=40, capacity=8)
     k, v = torch.randn(3, 2, 2, 6, 4), torch.randn(3, 2, 2, 6, 4)
-    state.write((5, 8), (0, 2), (0, 6), k, v)
+    _place(state, (5, 8), (0, 2), (0, 6), k, v)
     state.ensure_capacity(8)
     assert state.cache.layout.max_len == 8  # fits: no copy
     state.ensure_capacity(9)
@@ -48,11 +59,15 @@ def test_a_cache_doubles_up_to_its_span_and_keeps_what_was_written() -> None:
 def test_a_write_past_the_end_grows_the_cache_and_the_span_is_a_hard_limit() -> None:
     state = _state(prompt_len=4, max_len=12, capacity=5)
     k = torch.ones(1, 1, 2, 3, 4)
-    state.write((6, 7), (1, 2), (7, 10), k, k)
+    _place(state, (6, 7), (1, 2), (7, 10), k, k)
     assert state.cache.layout.max_len == 10
     assert torch.equal(state.cache.k[1, 1, :, 7:10], k[0, 0])
     with pytest.raises(ValueError, match="grows"):
         state.cache.grown(4)
+    with pytest.raises(ValueError, match="span"):
+        _place(state, (6, 7), (1, 2), (11, 13), torch.ones(1, 1, 2, 2, 4), torch.ones(1, 1, 2, 2, 4))
+    with pytest.raises(IntegrityError):  # a payload that is not the region's bytes is refused, not misread
+        _place(state, (6, 7), (0, 2), (7, 10), k, k)
 
 
 def test_waiting_for_a_spec_ends_at_its_deadline_or_at_once_when_the_epoch_changes(redis_url: str) -> None:

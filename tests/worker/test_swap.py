@@ -15,10 +15,10 @@ from engine.tiny_models import LAYERS, VOCAB, build_checkpoint
 
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.stage_io import StageIO
 from dejavu_worker.swap import SwapInError, SwapManager, SwapState, SwapStateError
+from dejavulib.kvcache import KVCache
 from dejavulib.layout import KVLayout
 
 STEPS = 6

@@ -22,7 +22,7 @@ from dejavulib.errors import (
 )
 from dejavulib.header import Channel, DType, Header
 from dejavulib.layout import DIM_ORDER, KVLayout, Region, Which
-from dejavulib.topology import Topology, Transfer, plan_transfers, token_padded_lengths
+from dejavulib.topology import Piece, Transfer, plan_pieces, right_aligned
 
 _LAZY = {
     "Endpoint": "dejavulib.endpoint",
@@ -36,6 +36,7 @@ _LAZY = {
     "stream_out": "dejavulib.streaming",
     "stream_in": "dejavulib.streaming",
     "LayerStreamer": "dejavulib.streaming",
+    "region_of": "dejavulib.streaming",
     "create_transport": "dejavulib.transport.factory",
 }
 
@@ -48,8 +49,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DIM_ORDER", "BackPressureTimeout", "Channel", "ClosedError", "DType", "DejaVuLibError", "Endpoint", "Handle",
-    "Header", "IntegrityError", "KVCache", "KVLayout", "LayerStreamer", "Message", "PeerError", "ProtocolError",
-    "Region", "StagingBuffer", "Streamer", "Topology", "Transfer", "TransferError", "TransferTimeout",
-    "TransportUnavailable", "Which", "create_transport", "gather", "plan_transfers", "scatter", "stream_in",
-    "stream_out", "token_padded_lengths",
+    "Header", "IntegrityError", "KVCache", "KVLayout", "LayerStreamer", "Message", "PeerError", "Piece",
+    "ProtocolError", "Region", "StagingBuffer", "Streamer", "Transfer", "TransferError", "TransferTimeout",
+    "TransportUnavailable", "Which", "create_transport", "gather", "plan_pieces", "region_of", "right_aligned",
+    "scatter", "stream_in", "stream_out",
 ]  # fmt: skip

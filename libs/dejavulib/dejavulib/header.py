@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from dejavulib.errors import IntegrityError
 
 MAGIC = 0x554A5644  # b"DVJU" little endian
-VERSION = 2  # 2: a payload MAC instead of a crc32
+VERSION = 3  # 2: a payload MAC instead of a crc32; 3: 64-bit microbatch ids (a controller incarnation is their top)
 SENDER_BYTES = 32
 
 
@@ -40,7 +40,7 @@ def sender_field(peer_id: str) -> str:
 
 
 MAC_BYTES = 16
-_BODY = struct.Struct(f"<IHBBBB4IIIHHHHIIQQ{MAC_BYTES}sQQ{SENDER_BYTES}s")
+_BODY = struct.Struct(f"<IHBBBB4IQIHHHHIIQQ{MAC_BYTES}sQQ{SENDER_BYTES}s")
 _PAYLOAD_DOMAIN = b"dejavu-payload\x00"  # a payload MAC is never a valid header MAC, and back
 
 

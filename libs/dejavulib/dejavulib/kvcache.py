@@ -1,5 +1,9 @@
 """One stage's KV cache for one microbatch as torch tensors, and region copies in and out of it.
 
+The one ``KVCache`` of the system: the engine computes in it (writing positions in place), the
+workers grow it as tokens are written, and every KV movement (prompt KV, replication, restores,
+swapping) packs a region of it on one side and unpacks it on the other.
+
 ``pack`` is the *buffered copy*: it gathers a non-contiguous region (layers x rows x heads x positions
 x head_dim, of K and/or V) into one contiguous buffer with one strided copy per tensor, instead of one
 copy per contiguous chunk. ``unpack`` is its inverse at the destination. The packed order is
@@ -8,7 +12,7 @@ copy per contiguous chunk. ``unpack`` is its inverse at the destination. The pac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,9 +21,15 @@ from dejavulib.layout import KVLayout, Region, Which
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name used in settings and layouts."""
+    return TORCH_DTYPES[name]
+
+
 @dataclass(frozen=True)
 class KVCache:
-    """K and V tensors of shape ``layout.shape`` on one device."""
+    """K and V tensors of shape ``layout.shape`` (``[layers, batch, kv_heads, max_len, head_dim]``) on one
+    device. Index ``i`` of the first dimension is global layer ``layout.first_layer + i``."""
 
     layout: KVLayout
     k: torch.Tensor
@@ -40,6 +50,46 @@ class KVCache:
             torch.zeros(layout.shape, dtype=dtype, device=device),
             torch.zeros(layout.shape, dtype=dtype, device=device),
         )
+
+    def grown(self, max_len: int) -> KVCache:
+        """A cache of ``max_len`` positions holding this one's positions (``max_len`` >= this one's)."""
+        old = self.layout.max_len
+        if max_len < old:
+            raise ValueError(f"a cache grows: {max_len} < {old} positions")
+        bigger = KVCache.allocate(replace(self.layout, max_len=max_len), self.k.device)
+        bigger.k[:, :, :, :old].copy_(self.k)
+        bigger.v[:, :, :, :old].copy_(self.v)
+        return bigger
+
+    def holding(self, positions: int, span: int) -> KVCache:
+        """This cache if it holds ``positions`` positions, else one grown to hold them: doubled (at least),
+        never past ``span``. Growth by doubling keeps the copies' cost amortised constant per token."""
+        capacity = self.layout.max_len
+        if positions <= capacity:
+            return self
+        if positions > span:
+            raise ValueError(f"{positions} positions exceed the span of {span}")
+        return self.grown(min(span, max(positions, 2 * capacity)))
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V together."""
+        return self.k.nbytes + self.v.nbytes
+
+    def local(self, global_layer: int) -> int:
+        """Index along the first dimension of a global layer index."""
+        a, b = self.layout.layer_range
+        if not a <= global_layer < b:
+            raise IndexError(f"layer {global_layer} not in this cache's layers [{a}, {b})")
+        return global_layer - a
+
+    def whole(self, microbatch: int = 0) -> Region:
+        """The region of every layer, row and position of this cache."""
+        return self.layout.region(microbatch=microbatch)
 
     def tensor(self, which: Which) -> torch.Tensor:
         return self.k if which == Which.K else self.v

@@ -1,11 +1,16 @@
-"""Where prompt KV goes: the pure-Python planner behind ``stream_out``/``stream_in``.
+"""Where prompt KV goes: the pure-Python placement behind ``stream_out``.
 
-Requests are numbered in order across a *round* of prompt microbatches: prompt microbatch ``i`` holds
-global requests ``[i*m_p, i*m_p + n_i)`` and token microbatch ``j`` holds ``[j*m_t, (j+1)*m_t)``. A
-transfer is the intersection of one source stage's layers with one destination stage's layers and of
-one source microbatch's rows with one destination microbatch's rows. Prompts are LEFT padded, so a
-prompt microbatch of padded length ``P1`` merged into a token microbatch of padded length ``P`` lands
-right-aligned: its positions shift by ``P - P1`` (``Transfer.dst_position_offset``).
+A prompt batch (one prompt stage's cache for one prompt microbatch) holds, in order, pieces of one or
+more token microbatches: consecutive rows of the prompt batch are rows ``dst_rows`` of token
+microbatch ``dst_microbatch``. Placing it is the paper's split/merge, done per piece:
+
+- *across depths*: each piece's KV is split by the token stages' layer ranges (the intersection of
+  the prompt stage's layers with each token stage's);
+- *across batch sizes*: a prompt batch may carry several token microbatches' rows (split) and a
+  token microbatch may be filled by several prompt batches (merge): each piece names its own rows;
+- *across padded lengths*: prompts are LEFT padded, so a piece's rows hold data only in the last
+  ``longest`` positions of the prompt batch; they land right-aligned in the token microbatch, which is
+  padded to its own longest prompt (:func:`right_aligned`). Only the positions holding prompts move.
 """
 
 from __future__ import annotations
@@ -20,53 +25,31 @@ def _intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None
 
 
 @dataclass(frozen=True)
-class Topology:
-    """A pipeline: each stage's global layer range [a, b) (contiguous, from 0) and its microbatch size."""
+class Piece:
+    """Rows ``dst_rows`` of token microbatch ``dst_microbatch`` (padded to ``dst_padded`` prompt
+    positions), sitting consecutively in a prompt batch; ``longest`` is their longest prompt."""
 
-    stage_layer_ranges: tuple[tuple[int, int], ...]
-    microbatch_size: int
+    dst_microbatch: int
+    dst_rows: tuple[int, int]
+    longest: int
+    dst_padded: int
 
     def __post_init__(self) -> None:
-        ranges = tuple(tuple(r) for r in self.stage_layer_ranges)
-        object.__setattr__(self, "stage_layer_ranges", ranges)
-        if not ranges:
-            raise ValueError("a topology needs at least one stage")
-        expected = 0
-        for lo, hi in ranges:
-            if lo != expected or hi <= lo:
-                raise ValueError(f"stage layer ranges must tile [0, L) in order, got {ranges}")
-            expected = hi
-        if self.microbatch_size <= 0:
-            raise ValueError("microbatch_size must be positive")
-
-    @classmethod
-    def even(cls, n_layers: int, depth: int, microbatch_size: int) -> Topology:
-        """``depth`` stages splitting ``n_layers`` as evenly as possible (earlier stages get the extra)."""
-        if not 1 <= depth <= n_layers:
-            raise ValueError(f"depth must be in [1, {n_layers}], got {depth}")
-        base, extra = divmod(n_layers, depth)
-        ranges, lo = [], 0
-        for s in range(depth):
-            hi = lo + base + (1 if s < extra else 0)
-            ranges.append((lo, hi))
-            lo = hi
-        return cls(tuple(ranges), microbatch_size)
+        if not 0 <= self.dst_rows[0] < self.dst_rows[1]:
+            raise ValueError(f"a piece needs rows, got {self.dst_rows}")
+        if not 0 < self.longest <= self.dst_padded:
+            raise ValueError(f"prompts of {self.longest} positions do not fit {self.dst_padded}")
 
     @property
-    def depth(self) -> int:
-        return len(self.stage_layer_ranges)
-
-    @property
-    def n_layers(self) -> int:
-        return self.stage_layer_ranges[-1][1]
+    def n_rows(self) -> int:
+        return self.dst_rows[1] - self.dst_rows[0]
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One rectangular piece of prompt KV: source rows/positions -> destination rows, shifted positions."""
+    """One rectangle of prompt KV: source rows/positions of global ``layers`` -> destination stage,
+    microbatch and rows, positions shifted by ``dst_position_offset``."""
 
-    src_stage: int
-    src_microbatch: int
     src_rows: tuple[int, int]
     dst_stage: int
     dst_microbatch: int
@@ -97,53 +80,31 @@ def right_aligned(src_padded: int, length: int, dst_padded: int) -> tuple[tuple[
     return (src_padded - length, src_padded), (dst_padded - length, dst_padded)
 
 
-def token_padded_lengths(src: Topology, dst: Topology, padded_lengths: Sequence[int]) -> list[int]:
-    """Padded prompt length of each destination microbatch: the longest of the prompt microbatches it merges."""
-    n_requests = len(padded_lengths) * src.microbatch_size
-    n_dst = -(-n_requests // dst.microbatch_size)
-    out = [0] * n_dst
-    for i, length in enumerate(padded_lengths):
-        first, last = i * src.microbatch_size, (i + 1) * src.microbatch_size - 1
-        for j in range(first // dst.microbatch_size, last // dst.microbatch_size + 1):
-            out[j] = max(out[j], length)
-    return out
-
-
-def plan_transfers(src: Topology, dst: Topology, padded_lengths: Sequence[int]) -> list[Transfer]:
-    """All transfers moving one round of prompt microbatches into the token pipeline.
-
-    ``padded_lengths[i]`` is the (left-padded) prompt length of prompt microbatch ``i``; every prompt
-    microbatch is full (``src.microbatch_size`` rows). Covers every (layer, request, position) of the
-    round exactly once. ``stream_out`` keeps the transfers of its (stage, microbatch), ``stream_in``
-    those of its own.
-    """
-    if src.n_layers != dst.n_layers:
-        raise ValueError(f"source has {src.n_layers} layers, destination {dst.n_layers}")
-    if any(p <= 0 for p in padded_lengths):
-        raise ValueError("padded lengths must be positive")
-    dst_lengths = token_padded_lengths(src, dst, padded_lengths)
+def plan_pieces(
+    pieces: Sequence[Piece],
+    src_padded: int,
+    src_layers: tuple[int, int],
+    dst_stages: Sequence[tuple[int, int]],
+) -> list[Transfer]:
+    """Every transfer moving a prompt batch of ``pieces`` (in row order, padded to ``src_padded``) held
+    by a prompt stage of global layers ``src_layers`` into token stages of layer ranges ``dst_stages``
+    (stage ``i`` holds ``dst_stages[i]``). Covers each (layer, row, prompt position) exactly once.
+    Raises ``ValueError`` when the token stages do not cover the prompt stage's layers."""
+    covered = 0
+    for d in dst_stages:
+        both = _intersect(src_layers, d)
+        covered += both[1] - both[0] if both is not None else 0
+    if covered != src_layers[1] - src_layers[0]:
+        raise ValueError(f"token stages {list(dst_stages)} do not cover layers {src_layers} exactly once")
     transfers: list[Transfer] = []
-    m_p, m_t = src.microbatch_size, dst.microbatch_size
-    for i, length in enumerate(padded_lengths):
-        for j in range((i * m_p) // m_t, ((i + 1) * m_p - 1) // m_t + 1):
-            rows = _intersect((i * m_p, (i + 1) * m_p), (j * m_t, (j + 1) * m_t))
-            assert rows is not None  # j ranges exactly over the overlapping token microbatches
-            for s, s_layers in enumerate(src.stage_layer_ranges):
-                for d, d_layers in enumerate(dst.stage_layer_ranges):
-                    layers = _intersect(s_layers, d_layers)
-                    if layers is None:
-                        continue
-                    transfers.append(
-                        Transfer(
-                            src_stage=s,
-                            src_microbatch=i,
-                            src_rows=(rows[0] - i * m_p, rows[1] - i * m_p),
-                            dst_stage=d,
-                            dst_microbatch=j,
-                            dst_rows=(rows[0] - j * m_t, rows[1] - j * m_t),
-                            layers=layers,
-                            positions=(0, length),
-                            dst_position_offset=dst_lengths[j] - length,
-                        )
-                    )
+    src = 0
+    for piece in pieces:
+        (s0, s1), (d0, _d1) = right_aligned(src_padded, piece.longest, piece.dst_padded)
+        rows = (src, src + piece.n_rows)
+        for stage, layers in enumerate(dst_stages):
+            both = _intersect(src_layers, layers)
+            if both is None:
+                continue
+            transfers.append(Transfer(rows, stage, piece.dst_microbatch, piece.dst_rows, both, (s0, s1), d0 - s0))
+        src += piece.n_rows
     return transfers

@@ -9,10 +9,10 @@ import torch
 from dejavu_common.partition import split_layers
 from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.stage import LayerHook, Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import load_config
+from dejavulib.kvcache import KVCache
 
 
 class Pipeline:

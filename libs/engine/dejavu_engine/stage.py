@@ -19,9 +19,9 @@ from dejavu_engine.attention import decode_spans
 from dejavu_engine.families import family_for
 from dejavu_engine.family import ForwardContext, Weights
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache, torch_dtype
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import CheckpointReader, load_config
+from dejavulib.kvcache import KVCache, torch_dtype
 from dejavulib.layout import KVLayout
 
 LayerHook = Callable[[int], None]

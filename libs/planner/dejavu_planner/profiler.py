@@ -30,7 +30,6 @@ from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model, model_path
 from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
@@ -38,6 +37,7 @@ from dejavu_engine.threads import configure_torch_threads
 from dejavu_engine.weights import load_config
 from dejavu_planner.profile import Profile
 from dejavu_planner.table import Curve, Grid
+from dejavulib.kvcache import KVCache
 
 Progress = Callable[[str], None]
 

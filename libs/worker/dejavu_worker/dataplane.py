@@ -1,15 +1,17 @@
 """The serving protocol between stages, over a DejaVuLib endpoint.
 
-Three kinds of traffic, each on its own channel so different threads can wait on each:
+Kinds of traffic, each on its own channel so different threads can wait on each:
 
 - stage messages (ACTIVATION): a pass moving down a pipeline — PREFILL / DECODE carry hidden states,
   RELEASE frees a microbatch's caches. A token pipeline's pass is a *cohort step*: it batches several
   microbatches (``members``: each one's id and step, in row order), iteration-level batching;
 - token returns (TOKENS): the last token stage hands stage 0 a cohort step's tokens, per member;
-- prompt KV (KV_PROMPT): a region of a prompt stage's cache, addressed to rows and positions of a
-  token microbatch, moved as one buffered transfer.
+- KV (KV_PROMPT, KV_REPLICA, KV_RESTORE): regions of caches, moved by DejaVuLib itself
+  (``stream_out`` / ``Streamer.submit_region`` / ``stream_in``): the message's sealed header names the
+  destination microbatch, layers, rows, positions and step, and the payload is the packed region.
+  Nothing here frames KV.
 
-A message is a small JSON ``meta`` plus at most one tensor, framed as
+A stage message or token return is a small JSON ``meta`` plus at most one tensor, framed as
 ``[u32 meta length][meta JSON][tensor bytes]``; dtype and shape ride in ``meta``. No pickle.
 """
 
@@ -143,98 +145,3 @@ class TokenReturn:
             for mb, step, tokens, done, live in meta["members"]
         )
         return cls(int(meta["cohort"]), members)
-
-
-@dataclass(frozen=True)
-class KVChunk:
-    """K and V of global layers [layers), destination rows [rows) and positions [positions) of ``mb_id``.
-
-    ``k``/``v`` have shape ``[layers, rows, kv_heads, positions, head_dim]``.
-    """
-
-    mb_id: int
-    layers: tuple[int, int]
-    rows: tuple[int, int]
-    positions: tuple[int, int]
-    k: torch.Tensor
-    v: torch.Tensor
-    step: int = 0  # replication and restores: the step the chunk brings the cache up to
-    role: str = ""  # restores: "primary" (the receiver's own cache) or "replica" (its predecessor's)
-
-    def encode(self) -> bytes:
-        both = torch.stack((self.k, self.v))  # one buffered transfer for K and V
-        meta = {
-            "mb": self.mb_id,
-            "layers": list(self.layers),
-            "rows": list(self.rows),
-            "positions": list(self.positions),
-            "step": self.step,
-            "role": self.role,
-        }
-        return frame(meta, both)
-
-    @classmethod
-    def decode(cls, payload: memoryview | bytes) -> KVChunk:
-        meta, both = unframe(payload)
-        if both is None or both.shape[0] != 2:
-            raise ValueError("a KV chunk carries stacked K and V")
-        return cls(
-            int(meta["mb"]),
-            tuple(meta["layers"]),
-            tuple(meta["rows"]),
-            tuple(meta["positions"]),
-            both[0],
-            both[1],
-            int(meta.get("step", 0)),
-            str(meta.get("role", "")),
-        )
-
-
-def encode_chunks(chunks: list[KVChunk]) -> bytes:
-    """Several KV chunks as one message (one buffered copy): a pass's replication of every member."""
-    metas, parts = [], []
-    for c in chunks:
-        both = torch.stack((c.k, c.v))
-        metas.append(
-            {
-                "mb": c.mb_id,
-                "layers": list(c.layers),
-                "rows": list(c.rows),
-                "positions": list(c.positions),
-                "step": c.step,
-                "shape": list(both.shape),
-            }
-        )
-        parts.append(both.reshape(-1))
-    return frame({"chunks": metas}, torch.cat(parts))
-
-
-def decode_chunks(payload: memoryview | bytes) -> list[KVChunk]:
-    """Inverse of :func:`encode_chunks`; a single :class:`KVChunk` message decodes as a list of one."""
-    meta, flat = unframe(payload)
-    if "chunks" not in meta:
-        return [KVChunk.decode(payload)]
-    if flat is None or flat.dim() != 1:
-        raise ValueError("a chunk batch carries one flat tensor")
-    out, offset = [], 0
-    for m in meta["chunks"]:
-        shape = [int(d) for d in m["shape"]]
-        n = int(np.prod(shape))
-        if len(shape) != 6 or shape[0] != 2 or offset + n > flat.numel():
-            raise ValueError(f"chunk shape {shape} does not fit the batch")
-        both = flat[offset : offset + n].view(shape)
-        offset += n
-        out.append(
-            KVChunk(
-                int(m["mb"]),
-                tuple(m["layers"]),
-                tuple(m["rows"]),
-                tuple(m["positions"]),
-                both[0],
-                both[1],
-                int(m["step"]),
-            )
-        )
-    if offset != flat.numel():
-        raise ValueError("bytes left over after the last chunk")
-    return out

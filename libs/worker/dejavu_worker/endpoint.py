@@ -5,9 +5,11 @@ are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVu
 header (size, payload MAC, epoch fencing, replay refusal, sender authentication with the deployment
 secret) and bounds payloads by ``transport.max_message_bytes``.
 
-Sends are asynchronous: :meth:`send` returns once the transfer is queued, and keeps the payload alive
-until the transfer completes. A failed or timed-out send is logged when noticed; the controller's
-lease-based failure detection, not the data plane, decides that a peer is dead.
+Every message leaves through one DejaVuLib :class:`Streamer` (one thread, FIFO across channels): a
+send returns once the message is queued; KV regions (:meth:`send_region`) are packed there, off the
+compute thread, into reused staging buffers; bytes in flight are bounded by
+``transport.max_inflight_bytes``. A failed or timed-out send is logged; the controller's lease-based
+failure detection, not the data plane, decides that a peer is dead.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from collections.abc import Callable
 
 import numpy as np
 import redis
+import torch
 
 from dejavu_common import keys
 from dejavu_common.exposure import check_data_plane
 from dejavu_common.fatal import die
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
-from dejavulib.endpoint import Endpoint
+from dejavulib.endpoint import Endpoint, Message
 from dejavulib.errors import PeerError, TransferError, TransferTimeout, TransportUnavailable
-from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header
+from dejavulib.kvcache import KVCache
+from dejavulib.layout import Region
+from dejavulib.streamer import Streamer
 
 __all__ = ["Channel", "DataEndpoint"]
 
@@ -68,7 +73,8 @@ class DataEndpoint:
             max_message_bytes=settings.max_message_bytes,
         )
         self._addresses: dict[str, bytes] = {}
-        self._inflight: collections.deque[tuple[Handle, np.ndarray]] = collections.deque()
+        self.streamer = Streamer(self._ep, settings.max_inflight_bytes)
+        self.streamer.observe = self._observe
         # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
         self.count_kv: Callable[[str, int], None] = lambda purpose, nbytes: None
 
@@ -119,36 +125,37 @@ class DataEndpoint:
             self._addresses[peer] = address
 
     def send(self, peer: str, channel: Channel, payload: bytes) -> None:
-        """Queue ``payload`` to ``peer`` on ``channel`` (FIFO per peer)."""
-        self._reap()
+        """Queue ``payload`` to ``peer`` on ``channel`` (FIFO per peer, across channels)."""
         data = np.frombuffer(payload, dtype=np.uint8)
-        purpose = _KV_PURPOSE.get(channel)
-        if purpose is not None:
-            self.count_kv(purpose, data.nbytes)
-        handle = self._ep.send(peer, Header(channel=channel), data, deadline_s=self.settings.deadline_s)
-        self._inflight.append((handle, data))
+        self.streamer.submit(peer, Header(channel=channel), data, self.settings.deadline_s)
+
+    def send_region(self, peer: str, header: Header, cache: KVCache, region: Region) -> None:
+        """Queue ``region`` of ``cache`` to ``peer``: packed on the streaming thread, with ``header``
+        (channel and destination place; see :meth:`Streamer.submit_region`). The region must not be
+        written again (past positions are not)."""
+        self.streamer.submit_region(peer, header, cache, region, self.settings.deadline_s)
+
+    def send_packed(self, peer: str, header: Header, packed: torch.Tensor) -> None:
+        """Queue an already packed region (``header`` describes it, as ``streamer.region_header`` makes it)."""
+        self.streamer.submit(peer, header, packed.reshape(-1), self.settings.deadline_s)
 
     def recv(self, channel: Channel, timeout_s: float) -> memoryview | None:
         """The next payload on ``channel``, or None after ``timeout_s``."""
+        message = self.recv_message(channel, timeout_s)
+        return None if message is None else memoryview(message.payload)
+
+    def recv_message(self, channel: Channel, timeout_s: float) -> Message | None:
+        """The next message on ``channel`` (its verified header and payload), or None after ``timeout_s``."""
         try:
-            return memoryview(self._ep.recv(channel, timeout_s).payload)
+            return self._ep.recv(channel, timeout_s)
         except TransferTimeout:
             return None
 
-    def _reap(self) -> None:
-        """Forget completed sends (logging failures) and sends past their deadline (a dead peer's:
-        the transport keeps their buffers until it gives up on them), so the queue stays bounded."""
-        now = time.monotonic()
-        while self._inflight:
-            handle, _ = self._inflight[0]
-            if handle.done():
-                if handle.error is not None:
-                    log.warning("a send failed: %s", handle.error)
-            elif handle.deadline is not None and now > handle.deadline:
-                log.warning("a send of %d bytes did not complete within its deadline", handle.nbytes)
-            else:
-                break  # FIFO with one deadline for all: the rest are younger
-            self._inflight.popleft()
+    def _observe(self, header: Header, nbytes: int) -> None:
+        purpose = _KV_PURPOSE.get(header.channel)
+        if purpose is not None and header.which:  # KV regions, not the markers between them
+            self.count_kv(purpose, nbytes)
 
     def close(self) -> None:
+        self.streamer.close()
         self._ep.close()

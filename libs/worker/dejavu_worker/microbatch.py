@@ -13,7 +13,10 @@ from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import MicrobatchSpec
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache
+from dejavulib.endpoint import Message
+from dejavulib.kvcache import KVCache
+from dejavulib.layout import Region
+from dejavulib.streaming import stream_in
 
 
 def fetch_spec(
@@ -62,14 +65,14 @@ class MicrobatchState:
         with self.lock:
             self.cache = self.cache.holding(positions, self.spec.max_len)
 
-    def write(self, layers: tuple[int, int], rows: tuple[int, int], positions: tuple[int, int], k, v) -> None:
-        """Copy K/V of global ``layers`` x ``rows`` x ``positions`` into the cache (any thread)."""
+    def place(self, region: Region, message: Message) -> None:
+        """Scatter a KV message (prompt KV, a restore) into ``region`` of the cache, grown to hold it
+        (any thread). Raises ``IntegrityError`` / ``ValueError`` for a message that does not fit."""
         with self.lock:
-            self.cache = self.cache.holding(positions[1], self.spec.max_len)
-            local = self.cache.local(layers[0])
-            sl = (slice(local, local + layers[1] - layers[0]), slice(*rows), slice(None), slice(*positions))
-            self.cache.k[sl].copy_(k)
-            self.cache.v[sl].copy_(v)
+            if region.positions[1] > self.spec.max_len:
+                raise ValueError(f"positions {region.positions} beyond microbatch {self.mb_id}'s span")
+            self.cache = self.cache.holding(region.positions[1], self.spec.max_len)
+            stream_in(self.cache, message, region)
 
     def add_prompt_cells(self, layers: tuple[int, int], rows: tuple[int, int]) -> None:
         """Record a received prompt-KV chunk; sets ``complete`` (and ``done_step = 0``) once every

@@ -33,9 +33,7 @@ import torch
 
 from dejavu_common.errors import DeadlineExceeded, FatalError
 from dejavu_common.kv_budget import resident_microbatches
-from dejavu_engine.kv_cache import KVCache, torch_dtype
-from dejavulib.kvcache import KVCache as StreamedCache
-from dejavulib.kvcache import StagingBuffer
+from dejavulib.kvcache import KVCache, StagingBuffer, torch_dtype
 from dejavulib.layout import KVLayout
 
 CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
@@ -446,12 +444,11 @@ class SwapManager:
         """Buffered copy of positions ``[p0, p1)`` (dejavulib's pack / unpack): gather every layer, row and
         head of those positions on the device into the staging buffer, one transfer, scatter on the host."""
         self._seam.sync_compute()  # the step's kernels must have written the positions
-        source, target = StreamedCache(device.layout, device.k, device.v), StreamedCache(host.layout, host.k, host.v)
         for a in range(p0, p1, self._staging_positions):
             region = host.layout.region(positions=(a, min(a + self._staging_positions, p1)))
             nbytes = region.nbytes(host.layout)
-            staged = source.pack(region, self._stage_device.get(nbytes))
+            staged = device.pack(region, self._stage_device.get(nbytes))
             landed = self._stage_host.get(nbytes).view(staged.dtype).view(staged.shape)
             self._copy(landed, staged)
             self._seam.sync_compute()  # the transfer ran on the compute stream
-            target.unpack(region, landed)
+            host.unpack(region, landed)

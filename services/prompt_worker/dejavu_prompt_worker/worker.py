@@ -30,17 +30,17 @@ from dejavu_common.messages import (
     WorkerRole,
 )
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
-from dejavu_worker.dataplane import Kind, KVChunk, StageMessage
+from dejavu_worker.dataplane import Kind, StageMessage
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
-from dejavulib.topology import right_aligned
+from dejavulib.streaming import LayerStreamer
+from dejavulib.topology import Piece, plan_pieces
 
 log = logging.getLogger("dejavu.prompt_worker")
 
@@ -156,12 +156,22 @@ class PromptWorker(WorkerProcess):
         lens = [len(specs[mb].rows[r].prompt_ids) for mb, r in rows]
         geometry = BatchGeometry.for_prompts(lens)
         cache = self.stage.allocate_cache(len(rows), geometry.cur_len)
-        out = self.stage.prefill(
-            io,
-            cache,
-            geometry,
-            on_layer_done=lambda layer: self._stream_layer(layer, cache, task, specs, geometry.cur_len),
-        )
+        # Each layer's KV of every piece leaves for the token stage holding the layer as soon as the
+        # layer is computed (packed on the endpoint's streaming thread while the next layer computes).
+        pieces = [
+            Piece(
+                p.mb_id,
+                p.dst_rows,
+                max(len(specs[p.mb_id].rows[r].prompt_ids) for r in range(*p.dst_rows)),
+                specs[p.mb_id].prompt_len,
+            )
+            for p in task.pieces
+        ]
+        stages = sorted(self.token_stages, key=lambda a: a.stage)
+        transfers = plan_pieces(pieces, geometry.cur_len, self.stage.layers, [a.layers for a in stages])
+        peers = {a.stage: a.worker_id for a in stages}
+        streamer = LayerStreamer(self.endpoint.streamer, cache, transfers, peers, self.settings.transport.deadline_s)
+        out = self.stage.prefill(io, cache, geometry, on_layer_done=streamer.on_layer_done)
         if self.next_peer is not None:
             msg = StageMessage(
                 Kind.PREFILL, task.task_id, 0, out.hidden, {"task": task.model_dump(mode="json"), "entry": entry}
@@ -170,33 +180,6 @@ class PromptWorker(WorkerProcess):
             return
         self._first_tokens(task, specs, out.logits[:, -1])
         self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
-
-    def _stream_layer(
-        self, layer: int, cache: KVCache, task: PromptTask, specs: dict[int, MicrobatchSpec], padded: int
-    ) -> None:
-        """Send global layer ``layer``'s KV of every piece to the token stage holding the layer."""
-        assert self.endpoint is not None
-        dest = next(a for a in self.token_stages if a.layers[0] <= layer < a.layers[1])
-        local = cache.local(layer)
-        src = 0
-        for piece in task.pieces:
-            n = piece.dst_rows[1] - piece.dst_rows[0]
-            spec = specs[piece.mb_id]
-            # A task can carry pieces of several token microbatches, each padded to its own longest
-            # prompt, which may be shorter or longer than this task's: only the positions holding the
-            # piece's prompts move, right-aligned in both.
-            longest = max(len(spec.rows[r].prompt_ids) for r in range(*piece.dst_rows))
-            (s0, s1), positions = right_aligned(padded, longest, spec.prompt_len)
-            chunk = KVChunk(
-                mb_id=piece.mb_id,
-                layers=(layer, layer + 1),
-                rows=piece.dst_rows,
-                positions=positions,
-                k=cache.k[local : local + 1, src : src + n, :, s0:s1],
-                v=cache.v[local : local + 1, src : src + n, :, s0:s1],
-            )
-            self.endpoint.send(dest.worker_id, Channel.KV_PROMPT, chunk.encode())
-            src += n
 
     def _fail_task(self, entry: str, task: PromptTask, error: Exception) -> None:
         """Fail every row of ``task``: an ERROR finish at step 0 on each token stream (the controller

@@ -14,11 +14,11 @@ back to waiting for the next topology.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import redis
 import torch
@@ -26,9 +26,15 @@ import torch
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress
-from dejavu_worker.dataplane import KVChunk, frame, unframe
+from dejavu_worker.dataplane import frame, unframe
 from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavulib.endpoint import Message
 from dejavulib.errors import IntegrityError
+from dejavulib.header import Header
+from dejavulib.kvcache import KVCache
+from dejavulib.layout import Region
+from dejavulib.streamer import region_header
+from dejavulib.streaming import region_of
 
 log = logging.getLogger("dejavu.token_worker.recovery")
 
@@ -46,26 +52,45 @@ def report_progress(client: redis.Redis, epoch: int, stage: int, worker_id: str,
     client.set(keys.progress(epoch, stage), msg.encode(), ex=3600)
 
 
-def restore_digest(chunks: list[KVChunk]) -> str:
-    """A checksum over what a restore carries, in order: each chunk's place (microbatch, layers, rows,
-    positions, step) and its K and V bytes. The sender puts it in the end marker and the replacement
-    checks it over what it received before using any of it: a chunk lost, reordered or altered between
+# Which cache a restore message carries, in its header's ``user`` field.
+ROLES = {"primary": 1, "replica": 2}
+_ROLE_NAMES = {code: name for name, code in ROLES.items()}
+
+
+@dataclass(frozen=True)
+class Restored:
+    """One cache received by a replacement: where it goes, the step it holds, its packed bytes."""
+
+    region: Region
+    step: int
+    message: Message
+
+
+def restore_digest(parts: Iterable[tuple[Region, int, torch.Tensor | memoryview]]) -> str:
+    """A checksum over what a restore carries, in order: each cache's place (microbatch, layers, rows,
+    positions), step and packed K/V bytes. The sender puts it in the end marker and the replacement
+    checks it over what it received before using any of it: a cache lost, reordered or altered between
     the two caches (not only on the wire, which the transport's MAC covers) fails the restore."""
     h = hashlib.blake2b(digest_size=16)
-    for c in chunks:
-        h.update(f"{c.mb_id}:{c.layers}:{c.rows}:{c.positions}:{c.step};".encode())
-        for t in (c.k, c.v):
-            t = t.detach().to("cpu").contiguous()
-            h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().data)
+    for region, step, data in parts:
+        h.update(f"{region.microbatch}:{region.layers}:{region.rows}:{region.positions}:{step};".encode())
+        h.update(data.numpy().data if isinstance(data, torch.Tensor) else data)
     return h.hexdigest()
 
 
-def send_caches(endpoint: DataEndpoint, peer: str, chunks: list[KVChunk], role: str) -> None:
-    """Send whole caches to a replacement; ``role`` is 'primary' (its own cache) or 'replica'. The end
-    marker carries how many chunks were sent and their :func:`restore_digest`."""
-    for chunk in chunks:
-        endpoint.send(peer, Channel.KV_RESTORE, dataclasses.replace(chunk, role=role).encode())
-    end = {"role": role, "end": True, "chunks": len(chunks), "digest": restore_digest(chunks)}
+def send_caches(endpoint: DataEndpoint, peer: str, caches: list[tuple[int, KVCache, int]], role: str) -> None:
+    """Send whole caches ``(microbatch, cache, step)`` to a replacement; ``role`` is 'primary' (its own
+    cache) or 'replica'. Each is packed once (DejaVuLib's buffered copy) and sent as one region message;
+    the end marker carries how many were sent and their :func:`restore_digest`."""
+    parts = []
+    for mb, cache, step in caches:
+        region = cache.whole(mb)
+        packed = cache.pack(region, torch.empty(region.nbytes(cache.layout), dtype=torch.uint8))
+        data = packed.reshape(-1).view(torch.uint8)
+        header = region_header(Header(Channel.KV_RESTORE, microbatch=mb, step=step, user=ROLES[role]), cache, region)
+        endpoint.send_packed(peer, header, data)
+        parts.append((region, step, data))
+    end = {"role": role, "end": True, "chunks": len(parts), "digest": restore_digest(parts)}
     endpoint.send(peer, Channel.KV_RESTORE, frame(end, None))
 
 
@@ -82,38 +107,39 @@ def expected_roles(stage: int, depth: int, replaced: set[int]) -> set[str]:
 
 def receive_caches(
     endpoint: DataEndpoint, roles: set[str], deadline_s: float, abandon: Callable[[], bool]
-) -> tuple[list[KVChunk], list[KVChunk]]:
-    """Collect restore chunks until the sender of each of ``roles`` said it is done:
-    (primary chunks, replica chunks). With a two-stage pipeline one peer sends both roles.
+) -> tuple[list[Restored], list[Restored]]:
+    """Collect restored caches until the sender of each of ``roles`` said it is done:
+    (primary caches, replica caches). With a two-stage pipeline one peer sends both roles.
     Raises :class:`DeadlineExceeded` past the deadline or once ``abandon()`` is true, and
     :class:`IntegrityError` when what arrived for a role is not what its sender's end marker lists
     (count and :func:`restore_digest`)."""
-    primary: list[KVChunk] = []
-    replica: list[KVChunk] = []
-    got = {"primary": primary, "replica": replica}
+    got: dict[str, list[Restored]] = {"primary": [], "replica": []}
     ended: set[str] = set()
     end = time.monotonic() + deadline_s
     while not roles <= ended:
         left = end - time.monotonic()
         if left <= 0 or abandon():
             raise DeadlineExceeded(f"cache restore incomplete after {deadline_s} s (got {sorted(ended)})")
-        payload = endpoint.recv(Channel.KV_RESTORE, timeout_s=min(left, 0.2))
-        if payload is None:
+        message = endpoint.recv_message(Channel.KV_RESTORE, timeout_s=min(left, 0.2))
+        if message is None:
             continue
-        meta, _ = unframe(payload)
-        if meta.get("end"):
+        if not message.header.which:  # an end marker
+            meta, _ = unframe(message.payload)
             role = str(meta.get("role"))
-            chunks = got.get(role, [])
-            if meta.get("chunks") != len(chunks) or meta.get("digest") != restore_digest(chunks):
+            parts = got.get(role, [])
+            digest = restore_digest((p.region, p.step, memoryview(p.message.payload)) for p in parts)
+            if meta.get("chunks") != len(parts) or meta.get("digest") != digest:
                 raise IntegrityError(
-                    f"restore of the {role} caches: {len(chunks)} chunk(s) arrived, the sender sent "
+                    f"restore of the {role} caches: {len(parts)} arrived, the sender sent "
                     f"{meta.get('chunks')}, or their checksum differs: not using them"
                 )
             ended.add(role)
             continue
-        chunk = KVChunk.decode(payload)
-        (primary if chunk.role == "primary" else replica).append(chunk)
-    return primary, replica
+        role = _ROLE_NAMES.get(message.header.user)
+        if role is None:
+            raise IntegrityError(f"a restore message of unknown role {message.header.user}")
+        got[role].append(Restored(region_of(message.header), message.header.step, message))
+    return got["primary"], got["replica"]
 
 
 def wait_resume(client: redis.Redis, epoch: int, deadline_s: float, abandon: Callable[[], bool]) -> ResumePoint:

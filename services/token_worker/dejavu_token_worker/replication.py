@@ -1,7 +1,8 @@
 """Token-level KV replication: stage x streams its cache updates to stage (x + 1) mod D_t.
 
 The sender side ships the prompt part once, then after every decode step the one position that
-step wrote (all of the stage's layers, rows and heads: one buffered transfer). The receiver keeps
+step wrote (all of the stage's layers, rows and heads: one region, packed by DejaVuLib's streaming
+thread into one buffered transfer, its header naming the microbatch, positions and step). The receiver keeps
 the predecessor's caches in host memory and, once a chunk for microbatch j up to step t is
 written, records the watermark (x, j, t) in Redis, so the controller knows how far every replica
 reaches. With ``replication = disk`` or ``both`` the receiver also appends each chunk to a file per
@@ -10,6 +11,7 @@ reaches. With ``replication = disk`` or ``both`` the receiver also appends each 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -21,13 +23,19 @@ from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.private import ensure_private_dir
 from dejavu_common.settings import Replication
-from dejavu_engine.kv_cache import KVCache
-from dejavu_worker.dataplane import KVChunk, decode_chunks, encode_chunks
+from dejavu_worker.dataplane import frame
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
-from dejavulib.layout import KVLayout
+from dejavulib.endpoint import Message
+from dejavulib.errors import DejaVuLibError
+from dejavulib.header import Header
+from dejavulib.kvcache import KVCache
+from dejavulib.layout import KVLayout, Region
+from dejavulib.streaming import region_of, stream_in
 
 log = logging.getLogger("dejavu.token_worker.replication")
+
+_FINISHED_REMEMBERED = 4096  # finished microbatches remembered (ids grow: older ones cannot come back)
 
 
 class ReplicaSender:
@@ -42,24 +50,15 @@ class ReplicaSender:
         self.send_pass([(state, step, positions)])
 
     def send_pass(self, written: list[tuple[MicrobatchState, int, tuple[int, int]]]) -> None:
-        """Replicate what one pass wrote, every member at once: one buffered copy, one message."""
-        if self.peer is None or not written:
+        """Replicate what one pass wrote: each member's written positions (every layer, row and head of
+        this stage), one region per member, packed off the compute thread."""
+        if self.peer is None:
             return
-        chunks = []
-        for state, step, (p0, p1) in written:
+        for state, step, positions in written:
             cache = state.cache
-            chunks.append(
-                KVChunk(
-                    mb_id=state.mb_id,
-                    layers=cache.layout.layer_range,
-                    rows=(0, cache.layout.batch),
-                    positions=(p0, p1),
-                    k=cache.k[:, :, :, p0:p1],
-                    v=cache.v[:, :, :, p0:p1],
-                    step=step,
-                )
-            )
-        self.endpoint.send(self.peer, Channel.KV_REPLICA, encode_chunks(chunks))
+            region = cache.layout.region(positions=positions, microbatch=state.mb_id)
+            header = Header(Channel.KV_REPLICA, microbatch=state.mb_id, step=step)
+            self.endpoint.send_region(self.peer, header, cache, region)
 
 
 class ReplicaStore:
@@ -90,53 +89,54 @@ class ReplicaStore:
         self.steps: dict[int, int] = {}  # per microbatch, its watermark: the last step held contiguously
         self.ahead: dict[int, set[int]] = {}  # steps held past a hole in the steps (not yet contiguous)
         self.spans: dict[int, int] = {}  # each microbatch's whole span (its spec's max_len)
+        # Microbatches released as finished: a replica of theirs still on its way must not revive them.
+        self._finished: collections.deque[int] = collections.deque(maxlen=_FINISHED_REMEMBERED)
         self.lock = threading.Lock()
 
     def run(self, stop: threading.Event) -> None:
-        """Receive replica chunks until ``stop`` is set."""
+        """Receive replica messages until ``stop`` is set."""
         while not stop.is_set():
-            payload = self.endpoint.recv(Channel.KV_REPLICA, timeout_s=0.1)
-            if payload is None:
+            message = self.endpoint.recv_message(Channel.KV_REPLICA, timeout_s=0.1)
+            if message is None:
                 continue
             try:
-                for chunk in decode_chunks(payload):
-                    self.store(chunk)
-            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
-                log.error("dropped a replica chunk: %s", exc)
+                self.store(region_of(message.header), message.header.step, message)
+            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
+                log.error("dropped a replica message: %s", exc)
 
-    def store(self, chunk: KVChunk) -> None:
-        if tuple(chunk.layers) != self.source_layers:
-            raise ValueError(f"replica chunk layers {chunk.layers} are not stage {self.source_stage}'s")
-        cache = self._cache(chunk.mb_id, chunk.positions)
+    def store(self, region: Region, step: int, message: Message) -> None:
+        """Keep ``message`` (the predecessor's KV of ``region`` as of ``step``) and advance the watermark."""
+        if tuple(region.layers) != self.source_layers:
+            raise ValueError(f"replica layers {region.layers} are not stage {self.source_stage}'s")
+        mb = region.microbatch
+        cache = self._cache(mb, region.positions)
         if cache is None:
             return
-        sl = (slice(None), slice(*chunk.rows), slice(None), slice(*chunk.positions))
-        cache.k[sl].copy_(chunk.k)
-        cache.v[sl].copy_(chunk.v)
+        stream_in(cache, message, region)
         with self.lock:  # drop() takes the lock too: a released microbatch's file and watermark never come back
-            if chunk.mb_id not in self.caches:
+            if mb not in self.caches:
                 return
             if self.mode in (Replication.DISK, Replication.BOTH):
-                self._append_to_disk(chunk)
-            before = self.steps.get(chunk.mb_id, -1)
-            step = self._contiguous(chunk)
-            if step != before:
-                self.redis.hset(keys.watermark(self.source_stage), chunk.mb_id, step)
+                self._append_to_disk(region, step, message)
+            before = self.steps.get(mb, -1)
+            held = self._contiguous(mb, region.positions, step)
+            if held != before:
+                self.redis.hset(keys.watermark(self.source_stage), mb, held)
 
-    def _contiguous(self, chunk: KVChunk) -> int:
-        """Record ``chunk`` and return the microbatch's watermark: the last step up to which *every* step
-        is held. A chunk from position 0 (the prompt, or a whole cache restored as of a step) holds every
-        step up to its own; a decode step's chunk holds its step only. A step that arrives past a hole
-        (a chunk lost on the way) waits above the watermark until the hole is filled, so a restore never
-        serves the hole as data: recovery resumes from before it instead. Call with the lock held."""
-        mb = chunk.mb_id
+    def _contiguous(self, mb: int, positions: tuple[int, int], chunk_step: int) -> int:
+        """Record a replica of ``positions`` as of ``chunk_step`` and return the microbatch's watermark:
+        the last step up to which *every* step is held. A region from position 0 (the prompt, or a whole
+        cache restored as of a step) holds every step up to its own; a decode step's region holds its
+        step only. A step that arrives past a hole (a message lost on the way) waits above the watermark
+        until the hole is filled, so a restore never serves the hole as data: recovery resumes from
+        before it instead. Call with the lock held."""
         step = self.steps.get(mb, -1)
         ahead = self.ahead.setdefault(mb, set())
-        if chunk.positions[0] == 0 or chunk.step <= step + 1:
-            step = max(step, chunk.step)
+        if positions[0] == 0 or chunk_step <= step + 1:
+            step = max(step, chunk_step)
         else:
-            log.warning("replica of microbatch %d: step %d arrived past a hole after step %d", mb, chunk.step, step)
-            ahead.add(chunk.step)
+            log.warning("replica of microbatch %d: step %d arrived past a hole after step %d", mb, chunk_step, step)
+            ahead.add(chunk_step)
         while step + 1 in ahead:
             step += 1
         ahead.difference_update(range(step + 1))
@@ -151,7 +151,7 @@ class ReplicaStore:
         positions = chunk_positions[1]
         with self.lock:
             cache = self.caches.get(mb_id)
-            if cache is None and chunk_positions[0] > 0:
+            if cache is None and (chunk_positions[0] > 0 or mb_id in self._finished):
                 log.debug("ignored a replica step of released microbatch %d", mb_id)
                 return None
             if cache is None:
@@ -165,14 +165,21 @@ class ReplicaStore:
                 cache = self.caches[mb_id] = cache.holding(positions, self.spans[mb_id])
             return cache
 
-    def _append_to_disk(self, chunk: KVChunk) -> None:
+    def _append_to_disk(self, region: Region, step: int, message: Message) -> None:
         ensure_private_dir(self.replica_dir)  # replicas are KV caches: not in a folder others can read or plant in
-        path = self.replica_dir / f"stage{self.source_stage}-mb{chunk.mb_id}.kv"
-        with path.open("ab") as f:
-            f.write(chunk.encode())
+        path = self.replica_dir / f"stage{self.source_stage}-mb{region.microbatch}.kv"
+        meta = {"layers": list(region.layers), "rows": list(region.rows), "positions": list(region.positions),
+                "step": step, "dtype": self.dtype, "nbytes": message.payload.nbytes}  # fmt: skip
+        with path.open("ab") as f:  # a record: the framed place, then the packed K/V bytes
+            f.write(frame({"region": meta}, None))
+            f.write(memoryview(message.payload))
 
-    def drop(self, mb_id: int) -> None:
+    def drop(self, mb_id: int, finished: bool = False) -> None:
+        """Forget the replica of ``mb_id`` (its watermark and file too). ``finished``: it never comes back,
+        so a replica of it still on its way is ignored (unlike a prompt re-run after recovery)."""
         with self.lock:
+            if finished:
+                self._finished.append(mb_id)
             self.caches.pop(mb_id, None)
             self.steps.pop(mb_id, None)
             self.ahead.pop(mb_id, None)

@@ -22,7 +22,6 @@ import torch
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import FinishReason, TokenStep
-from dejavu_engine.kv_cache import KVCache
 from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
@@ -32,6 +31,7 @@ from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
+from dejavulib.kvcache import KVCache
 
 log = logging.getLogger("dejavu.token_worker")
 

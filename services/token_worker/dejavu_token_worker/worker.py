@@ -27,11 +27,12 @@ from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, PassMember, Position, StageRunner
-from dejavu_worker.dataplane import Kind, KVChunk, Returned, StageMessage, TokenReturn
+from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
-from dejavulib.errors import IntegrityError
+from dejavulib.errors import DejaVuLibError, IntegrityError, ProtocolError
+from dejavulib.streaming import region_of
 
 log = logging.getLogger("dejavu.token_worker")
 
@@ -118,7 +119,7 @@ class TokenWorker(WorkerProcess):
         threads = []
         if not pos.colocated:
             receive = guarded("prompt KV receiver", self._receive_prompt_kv, retry_on=(redis.RedisError,))
-            threads.append(threading.Thread(target=receive, args=(stop, recovered), daemon=True))
+            threads.append(threading.Thread(target=receive, args=(stop, recovered, pos.index), daemon=True))
         if self.replica is not None:
             receive = guarded("replica receiver", self.replica.run, retry_on=(redis.RedisError,))
             threads.append(threading.Thread(target=receive, args=(stop,), daemon=True))
@@ -159,7 +160,7 @@ class TokenWorker(WorkerProcess):
         assert self.runner is not None
         self.runner.release(mb_id, finished)
         if self.replica is not None:
-            self.replica.drop(mb_id)
+            self.replica.drop(mb_id, finished)
         if self.heartbeat is not None:
             self.heartbeat.memory.freed()
 
@@ -175,7 +176,7 @@ class TokenWorker(WorkerProcess):
         caches = [st.cache for st in list(self.runner.states.values())] if self.runner is not None else []
         if self.replica is not None:
             caches += list(self.replica.caches.values())
-        return sum(c.k.nbytes + c.v.nbytes for c in caches), len(caches)
+        return sum(c.nbytes for c in caches), len(caches)
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
@@ -222,26 +223,21 @@ class TokenWorker(WorkerProcess):
         depth = pos.depth
         for stage, new_worker in order.replaced.items():
             if depth > 1 and (stage + 1) % depth == pos.index and self.replica is not None:
-                chunks = [
-                    self._whole(mb, cache, self.replica.steps.get(mb, 0))
-                    for mb, cache in self.replica.caches.items()
+                caches = [
+                    (mb, cache, self.replica.steps.get(mb, 0))
+                    for mb, cache in list(self.replica.caches.items())
                     if mb in order.microbatches
                 ]
-                recovery.send_caches(self.endpoint, new_worker, chunks, "primary")
-                log.info("sent %s its caches of microbatches %s", new_worker, {c.mb_id: c.step for c in chunks})
+                recovery.send_caches(self.endpoint, new_worker, caches, "primary")
+                log.info("sent %s its caches of microbatches %s", new_worker, {mb: step for mb, _, step in caches})
             if depth > 1 and (stage - 1) % depth == pos.index:
-                chunks = [
-                    self._whole(mb, st.cache, st.done_step)
-                    for mb, st in self.runner.states.items()
+                caches = [
+                    (mb, st.cache, st.done_step)
+                    for mb, st in list(self.runner.states.items())
                     if mb in order.microbatches and st.complete.is_set()
                 ]
-                recovery.send_caches(self.endpoint, new_worker, chunks, "replica")
-                log.info("sent %s the replica of microbatches %s", new_worker, {c.mb_id: c.step for c in chunks})
-
-    @staticmethod
-    def _whole(mb: int, cache, step: int) -> KVChunk:
-        layout = cache.layout
-        return KVChunk(mb, layout.layer_range, (0, layout.batch), (0, layout.max_len), cache.k, cache.v, step)
+                recovery.send_caches(self.endpoint, new_worker, caches, "replica")
+                log.info("sent %s the replica of microbatches %s", new_worker, {mb: step for mb, _, step in caches})
 
     def _restore(self, order: RecoveryOrder, pos: Position) -> None:
         """As a replacement: receive this stage's caches (primary) and the predecessor's (replica)."""
@@ -254,17 +250,17 @@ class TokenWorker(WorkerProcess):
         )
         log.info(
             "restored caches of microbatches %s and the replica of %s",
-            {c.mb_id: c.step for c in primary},
-            {c.mb_id: c.step for c in replica},
+            {r.region.microbatch: r.step for r in primary},
+            {r.region.microbatch: r.step for r in replica},
         )
-        for chunk in primary:
-            state = self.runner.state(chunk.mb_id)
-            state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
-            state.mark_complete(chunk.step)
+        for r in primary:
+            state = self.runner.state(r.region.microbatch)
+            state.place(r.region, r.message)
+            state.mark_complete(r.step)
             state.prompt_replicated = True
         if self.replica is not None:
-            for chunk in replica:
-                self.replica.store(chunk)
+            for r in replica:
+                self.replica.store(r.region, r.step, r.message)
 
     # -- stages > 0 ---------------------------------------------------------------------------
     def _follow(self, pos: Position) -> None:
@@ -325,22 +321,24 @@ class TokenWorker(WorkerProcess):
         )
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
-    def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event) -> None:
+    def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
         assert self.endpoint is not None and self.runner is not None
         while not recovered.wait(0.1):
             if stop.is_set():
                 return
         while not stop.is_set():
-            payload = self.endpoint.recv(Channel.KV_PROMPT, timeout_s=0.1)
-            if payload is None:
+            message = self.endpoint.recv_message(Channel.KV_PROMPT, timeout_s=0.1)
+            if message is None:
                 continue
             try:
-                chunk = KVChunk.decode(payload)
+                region = region_of(message.header)
+                if message.header.user != index:
+                    raise ProtocolError(f"prompt KV for token stage {message.header.user} arrived at stage {index}")
                 try:
-                    state = self.runner.state(chunk.mb_id)
+                    state = self.runner.state(region.microbatch)
                 except FinishedMicrobatch:
                     continue  # late prompt KV of a microbatch that already finished
-                state.write(chunk.layers, chunk.rows, chunk.positions, chunk.k, chunk.v)
-                state.add_prompt_cells(chunk.layers, chunk.rows)
-            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded) as exc:
-                log.error("dropped a prompt KV chunk: %s", exc)
+                state.place(region, message)
+                state.add_prompt_cells(region.layers, region.rows)
+            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
+                log.error("dropped a prompt KV message: %s", exc)
