@@ -5,7 +5,8 @@ same dtype), beside the memory-bandwidth bound of a decode step, all measured in
 Usage: dejavu bench engine [--prompt-len 256 1000] [--batches 1 16] [--dtypes float32 bfloat16]
                            [--steps 16] [--threads 0] [--no-hf] [--profile] [--no-preload]
 The script re-runs itself with the libraries the launcher preloads into workers (tcmalloc, Intel
-OpenMP, where installed; ``--no-preload``: as started). Prints a table and writes
+OpenMP, where installed; ``--no-preload``: as started). Rows of batch > 1 also time a prefill of
+prompts of mixed lengths, ragged against padded. Prints a table and writes
 benchmarks/results/engine.json. ``--profile`` adds, per row, where one decode step of ours spends its
 time (GEMMs, attention, copies, other ops, and the rest: Python and
 dispatch), from torch.profiler's per-op self times against the unprofiled step time.
@@ -228,6 +229,13 @@ def print_table(result: dict[str, object]) -> None:
                 f"(CPU {prof['step_cpu_s'] * 1e3:.1f}) = {cats}, "
                 f"python+dispatch {prof['python_and_dispatch_s'] * 1e3:.1f} ({prof['ops_per_step']} ops)"
             )
+        mixed = r.get("mixed_prefill")
+        if mixed:
+            print(
+                f"{'':>22}prefill of mixed lengths {mixed['lengths'][0]}..{mixed['lengths'][-1]} "
+                f"({mixed['tokens']} tokens): ragged {mixed['ragged_s']:.2f}s, padded {mixed['padded_s']:.2f}s "
+                f"({mixed['padded_s'] / mixed['ragged_s']:.2f}x)"
+            )
 
 
 def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, object]]:
@@ -257,9 +265,32 @@ def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: f
             row |= {"decode_bytes_per_step": bytes_step, "decode_bound_s": bytes_step / bandwidth}
             if args.profile:
                 row["profile"] = profile_steps(found["ours"], args.steps)  # type: ignore[arg-type]
+            if batch > 1:
+                row["mixed_prefill"] = mixed_prefill(pipeline, prompt_len, batch)
             rows.append(row)
             print(f"done: {dtype} prompt {prompt_len} batch {batch}", flush=True)
     return rows
+
+
+def mixed_prefill(pipeline: Pipeline, prompt_len: int, batch: int, reps: int = 3) -> dict[str, object]:
+    """Prefill of ``batch`` prompts of mixed lengths (evenly spread from ``prompt_len // 8`` to
+    ``prompt_len``, left padded to the longest): ragged (the prompts' tokens only, back to back) against
+    padded (every row computed to the longest), medians of ``reps`` interleaved runs."""
+    low = max(1, prompt_len // 8)
+    lengths = [round(low + (prompt_len - low) * i / max(1, batch - 1)) for i in range(batch)]
+    geometry = BatchGeometry.for_prompts(lengths)
+    ids = random_ids(batch, prompt_len, pipeline.spec.vocab_size)
+    caches = pipeline.allocate(batch, prompt_len)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(reps):
+        for ragged in (True, False):
+            for stage in pipeline.stages:
+                stage.ragged_prefill = ragged
+            times[ragged].append(timed(lambda: pipeline.forward(ids, caches, geometry)))
+    for stage in pipeline.stages:
+        stage.ragged_prefill = True
+    ragged_s, padded_s = statistics.median(times[True]), statistics.median(times[False])
+    return {"lengths": lengths, "tokens": sum(lengths), "ragged_s": ragged_s, "padded_s": padded_s}
 
 
 def run_as_worker() -> None:

@@ -76,10 +76,11 @@ def test_prompt_packing_splits_and_merges(token_b, prompt_b, n_mbs, expected) ->
     for i in range(token_b * n_mbs):
         s.admit(_req(i))
     mbs = s.form(now=1.0)
-    tasks = s.pack_prompt_tasks(mbs)
+    tasks = s.pack_prompt_tasks(mbs, epoch=7)
     got = [[(p.mb_id, p.dst_rows) for p in t.pieces] for t in tasks]
     assert got == expected
     assert [t.task_id for t in tasks] == list(range(len(tasks)))
+    assert {t.epoch for t in tasks} == {7}  # the epoch they are queued under (a prompt worker waits for it)
 
 
 def test_cancelled_waiting_requests_are_dropped() -> None:

@@ -9,7 +9,7 @@ import torch
 
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
-from engine.tiny_models import FAMILIES
+from engine.tiny_models import FAMILIES, LAYERS
 
 LENGTHS = (7, 3, 11, 1)
 STEPS = 4
@@ -114,3 +114,36 @@ def test_a_decode_of_some_rows_computes_what_those_rows_compute_in_a_full_decode
     written = slice(step.cur_len - 1, step.cur_len)
     torch.testing.assert_close(part.k[:, [0, 2], :, written], full.k[:, [0, 2], :, written], atol=1e-5, rtol=0)
     assert not part.k[:, 1, :, written].any() and not part.v[:, 1, :, written].any()  # row 1 was not computed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_ragged_prefill_computes_no_padding_and_matches_the_padded_one(
+    family: str, tiny_checkpoints: dict[str, Path]
+) -> None:
+    """Prefill of left-padded prompts runs their tokens only, back to back (stage 0 hands the next stage
+    one packed row); the caches' prompt positions and the last-position logits are the padded call's."""
+    from dejavu_common.partition import split_layers
+    from dejavu_engine.stage import Stage
+    from dejavu_engine.stage_io import StageIO
+
+    folder = tiny_checkpoints[family]
+    generator = torch.Generator().manual_seed(5)
+    geometry = BatchGeometry.for_prompts(LENGTHS)
+    ids = torch.zeros(len(LENGTHS), geometry.cur_len, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        ids[row, geometry.pad_lens[row] :] = torch.randint(3, 300, (n,), generator=generator)
+    results = {}
+    for ragged in (True, False):
+        stages = [Stage(folder, tuple(r), ragged_prefill=ragged) for r in split_layers(LAYERS, 2)]
+        caches = [s.allocate_cache(len(LENGTHS), geometry.cur_len) for s in stages]
+        hidden = stages[0].prefill(StageIO(input_ids=ids), caches[0], geometry).hidden
+        shape = (1, sum(LENGTHS)) if ragged else (len(LENGTHS), geometry.cur_len)
+        assert tuple(hidden.shape[:2]) == shape
+        logits = stages[1].prefill(StageIO(hidden=hidden), caches[1], geometry).logits
+        results[ragged] = (caches, logits)
+    (ragged_caches, ragged_logits), (padded_caches, padded_logits) = results[True], results[False]
+    torch.testing.assert_close(ragged_logits, padded_logits, atol=1e-4, rtol=0)
+    for a, b in zip(ragged_caches, padded_caches, strict=True):
+        for row, pad in enumerate(geometry.pad_lens):
+            for x, y in ((a.k, b.k), (a.v, b.v)):
+                torch.testing.assert_close(x[:, row, :, pad:], y[:, row, :, pad:], atol=1e-4, rtol=0)

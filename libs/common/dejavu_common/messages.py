@@ -123,10 +123,13 @@ class PromptPiece(Message):
 
 
 class PromptTask(Message):
-    """A prompt microbatch: the concatenation of its pieces' rows, in order."""
+    """A prompt microbatch: the concatenation of its pieces' rows, in order. ``epoch``: the topology
+    epoch the controller queued it under (a prompt worker still serving an older epoch holds it until it
+    serves that one, so its KV goes to that epoch's token stages, not to the ones it replaced)."""
 
     task_id: int
     pieces: tuple[PromptPiece, ...]
+    epoch: int = 0
 
 
 class FinishReason(str, enum.Enum):

@@ -108,6 +108,12 @@ class EngineSettings(BaseModel):
         "one torch attention call per microbatch. Off, or where the kernel cannot be built: torch's attention.",
     )
 
+    ragged_prefill: bool = Field(
+        True,
+        description="Prefill of a batch of prompts of different lengths runs their tokens only, back to back "
+        "(each attending over its own), instead of every row padded to the longest. Off: the padded batch.",
+    )
+
     def packs_gemms(self, decodes: bool) -> bool:
         """Whether a stage that decodes (token or colocated: ``decodes``) or only prefills packs its GEMMs."""
         return self.packed_gemm == "on" or (self.packed_gemm == "auto" and decodes)

@@ -66,6 +66,9 @@ def attend(
     """
     if ctx.spans is not None:
         return _attend_native(q, k, v, k_cache, v_cache, ctx, scale)
+    if ctx.segments is not None:
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        return _attend_ragged(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.groups is not None:
         assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
         outs = [
@@ -96,6 +99,40 @@ def attend(
     )
     batch, heads, n, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+
+
+def _attend_ragged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ctx: ForwardContext,
+    scale: float | None,
+) -> torch.Tensor:
+    """:func:`attend` of a ragged prefill (``ctx.segments``): ``q``/``k``/``v`` hold every prompt's tokens
+    back to back in one row; each prompt writes its K/V into its own cache row (right-aligned, as left
+    padding places it) and attends causally over its own tokens only. No padding is computed."""
+    assert ctx.segments is not None
+    outs = []
+    for offset, length, row, start, seg in ctx.segments:
+        ks, vs = k[:, :, offset : offset + length], v[:, :, offset : offset + length]
+        k_cache[row, :, start : start + length].copy_(ks[0])
+        v_cache[row, :, start : start + length].copy_(vs[0])
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, offset : offset + length],
+                ks,
+                vs,
+                attn_mask=seg.mask,
+                is_causal=seg.causal,
+                scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+        )
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    _, heads, n, head_dim = out.shape
+    return out.transpose(1, 2).reshape(1, n, heads * head_dim)
 
 
 def decode_spans(geometries: Sequence[BatchGeometry]) -> torch.Tensor:

@@ -54,6 +54,12 @@ class ForwardContext:
     ``spans`` (int64 ``[batch, 4]``, one-token calls only) is set when the stage runs attention in the
     native kernel (:mod:`dejavu_engine.native`): row ``r`` attends positions ``[start, end)`` of row
     ``index`` of group ``group``'s cache, all rows of every group in one call.
+
+    ``segments`` is set for a *ragged* prefill (:meth:`Stage.forward` of whole left-padded prompts): the
+    call's one row is every prompt's tokens back to back, without padding. Segment
+    ``(offset, length, row, start, ctx_s)`` is tokens ``[offset, offset + length)``: cache row ``row``'s
+    prompt, written at cache positions ``[start, start + length)``, attending only over itself with its own
+    context ``ctx_s`` (causal; ALiBi biases). ``positions`` and ``rope`` cover every token.
     """
 
     geometry: BatchGeometry
@@ -64,10 +70,26 @@ class ForwardContext:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     groups: tuple[tuple[int, int, ForwardContext], ...] | None = None
     spans: torch.Tensor | None = None
+    segments: tuple[tuple[int, int, int, int, ForwardContext], ...] | None = None
 
     @property
     def cur_len(self) -> int:
         return self.geometry.cur_len
+
+    @classmethod
+    def ragged(cls, geometry: BatchGeometry, contexts: list[ForwardContext]) -> ForwardContext:
+        """One context for a ragged prefill of ``geometry``'s rows (whole prompts, left padded in the
+        cache): ``contexts[r]`` is row ``r``'s own context, as if its prompt were alone and unpadded."""
+        segments, offset = [], 0
+        for row, (pad, ctx) in enumerate(zip(geometry.pad_lens, contexts, strict=True)):
+            length = geometry.cur_len - pad
+            segments.append((offset, length, row, pad, ctx))
+            offset += length
+        rope = None
+        if contexts[0].rope is not None:
+            rope = tuple(torch.cat([c.rope[i] for c in contexts], dim=1) for i in range(2))  # type: ignore[index]
+        positions = torch.cat([c.positions for c in contexts], dim=1)
+        return cls(geometry, 0, positions, None, False, rope, segments=tuple(segments))  # type: ignore[arg-type]
 
     @classmethod
     def grouped(cls, contexts: list[ForwardContext]) -> ForwardContext:

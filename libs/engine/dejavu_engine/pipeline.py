@@ -26,10 +26,11 @@ class Pipeline:
         dtype: str = "float32",
         pack_gemms: bool = True,
         native_attention: bool = True,
+        ragged_prefill: bool = True,
     ) -> None:
         num_layers = family_for(load_config(Path(folder))).spec.num_layers
         self.stages = [
-            Stage(folder, bounds, device, dtype, pack_gemms, native_attention)
+            Stage(folder, bounds, device, dtype, pack_gemms, native_attention, ragged_prefill)
             for bounds in split_layers(num_layers, stages)
         ]
         self.spec = self.stages[0].spec

@@ -56,6 +56,7 @@ class Stage:
         dtype: str = "float32",
         pack_gemms: bool = True,
         native_attention: bool = True,
+        ragged_prefill: bool = True,
     ) -> None:
         self.folder = Path(folder)
         self.family = family_for(load_config(self.folder))
@@ -75,6 +76,8 @@ class Stage:
         self.native_attention = (
             native_attention and self.device.type == "cpu" and dtype == "float32" and native.load() is not None
         )
+        # Prefill of left-padded prompts computes their tokens only, back to back (ForwardContext.segments).
+        self.ragged_prefill = ragged_prefill
         self.weights = self._load(CheckpointReader(self.folder))
 
     def _load(self, reader: CheckpointReader) -> dict[str, torch.Tensor]:
@@ -136,19 +139,56 @@ class Stage:
         is called after each layer has written its KV.
         """
         x = self._input(io)
+        if self._ragged(x, geometry, all_logits):
+            return self._forward_ragged(x, cache, geometry, on_layer_done)
         batch, n = x.shape[0], x.shape[1]
         self._check(cache, geometry, batch, n)
         ctx = self.family.context(geometry, n, self.device, torch_dtype(self.dtype))
         if n == 1:
             ctx = self._natively(ctx, [ctx], [cache])
+        hidden = self._layers(x, cache, ctx, on_layer_done)
+        if not self.is_last:
+            return StageIO(hidden=hidden)
+        return StageIO(logits=self.logits(hidden if all_logits else hidden[:, -1:]))
+
+    def _layers(
+        self, x: torch.Tensor, cache: KVCache, ctx: ForwardContext, on_layer_done: LayerHook | None
+    ) -> torch.Tensor:
+        """Embed (a first stage) and run every layer of this stage over ``x`` with ``ctx``."""
         hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
         for index, (w, k_layer, v_layer) in enumerate(zip(self._layer_w, cache.k, cache.v, strict=True)):
             hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)
             if on_layer_done is not None:
                 on_layer_done(self.layers[0] + index)
+        return hidden
+
+    def _ragged(self, x: torch.Tensor, geometry: BatchGeometry, all_logits: bool) -> bool:
+        """Whether this call is a ragged prefill: whole left-padded prompts (or their tokens already
+        packed back to back by an earlier stage: one row of ``sum(lengths)`` tokens), all rows."""
+        if geometry.batch == 1 or geometry.rows is not None or not geometry.padded:
+            return False
+        if x.shape[0] == 1:  # packed by the previous stage (a padded batch has geometry.batch > 1 rows)
+            return x.shape[1] == geometry.batch * geometry.cur_len - sum(geometry.pad_lens)
+        return self.ragged_prefill and not all_logits and x.shape[1] == geometry.cur_len
+
+    def _forward_ragged(
+        self, x: torch.Tensor, cache: KVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None
+    ) -> StageIO:
+        """:meth:`forward` of a ragged prefill: every prompt's tokens back to back in one row (the padding
+        is never computed), each written right-aligned into its own cache row. Returns hidden states in
+        the same packed form (``[1, tokens, hidden]``, what the next stage takes) or, from a last stage,
+        each row's last-position logits ``[batch, 1, vocab]``, as the padded path does."""
+        lengths = [geometry.cur_len - pad for pad in geometry.pad_lens]
+        if x.shape[0] != 1:  # pack: row r's tokens are its last lengths[r] positions
+            x = torch.cat([x[r, pad:] for r, pad in enumerate(geometry.pad_lens)]).unsqueeze(0)
+        self._check(cache, geometry, geometry.batch, geometry.cur_len)
+        dtype = torch_dtype(self.dtype)
+        contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
+        hidden = self._layers(x, cache, ForwardContext.ragged(geometry, contexts), on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden)
-        return StageIO(logits=self.logits(hidden if all_logits else hidden[:, -1:]))
+        ends = torch.tensor(lengths, device=hidden.device).cumsum(0) - 1
+        return StageIO(logits=self.logits(hidden[0, ends].unsqueeze(1)))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,8 +206,10 @@ class Stage:
         on_layer_done: LayerHook | None = None,
         all_logits: bool = False,
     ) -> StageIO:
-        """:meth:`forward` over whole (left-padded) prompts: positions ``[0, cur_len)``."""
-        if self._input(io).shape[1] != geometry.cur_len:
+        """:meth:`forward` over whole (left-padded) prompts: positions ``[0, cur_len)`` (or, from a
+        previous stage's ragged prefill, every prompt's tokens packed in one row)."""
+        x = self._input(io)
+        if x.shape[1] != geometry.cur_len and not (x.shape[0] == 1 and self._ragged(x, geometry, all_logits)):
             raise ValueError("prefill feeds all cur_len positions of the microbatch")
         return self.forward(io, cache, geometry, on_layer_done, all_logits)
 

@@ -426,7 +426,9 @@ class PipelineBackend:
             if write_specs:
                 pipe.set(keys.microbatch(mb.spec.mb_id), mb.spec.encode())
                 self._stream_ids[mb.spec.mb_id] = b"0-0"
-        for task in self.scheduler.pack_prompt_tasks(mbs):
+        # Stamped with the epoch they are queued under (dispatch and topology changes exclude each other).
+        epoch = self.registry.topology.epoch if self.registry.topology is not None else 0
+        for task in self.scheduler.pack_prompt_tasks(mbs, epoch):
             pipe.xadd(self._queue, {"task": task.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
         await pipe.execute()
         log.info("dispatched microbatches %s", [(m.spec.mb_id, len(m.requests)) for m in mbs])

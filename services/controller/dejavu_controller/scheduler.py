@@ -146,8 +146,9 @@ class Scheduler:
         )
         return Microbatch(spec=spec, requests=reqs)
 
-    def pack_prompt_tasks(self, mbs: list[Microbatch]) -> list[PromptTask]:
-        """Pack the rows of ``mbs`` in order into prompt microbatches of at most ``prompt_microbatch`` rows."""
+    def pack_prompt_tasks(self, mbs: list[Microbatch], epoch: int = 0) -> list[PromptTask]:
+        """Pack the rows of ``mbs`` in order into prompt microbatches of at most ``prompt_microbatch`` rows,
+        queued under topology ``epoch``."""
         tasks: list[PromptTask] = []
         pieces: list[PromptPiece] = []
         room = self.limits.prompt_microbatch
@@ -159,14 +160,14 @@ class Scheduler:
                 row += take
                 room -= take
                 if room == 0:
-                    tasks.append(self._task(pieces))
+                    tasks.append(self._task(pieces, epoch))
                     pieces, room = [], self.limits.prompt_microbatch
         if pieces:
-            tasks.append(self._task(pieces))
+            tasks.append(self._task(pieces, epoch))
         return tasks
 
-    def _task(self, pieces: list[PromptPiece]) -> PromptTask:
-        task = PromptTask(task_id=self._next_task, pieces=tuple(pieces))
+    def _task(self, pieces: list[PromptPiece], epoch: int) -> PromptTask:
+        task = PromptTask(task_id=self._next_task, pieces=tuple(pieces), epoch=epoch)
         self._next_task += 1
         return task
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import redis
 import torch
@@ -55,11 +56,18 @@ class PromptWorker(WorkerProcess):
     def __init__(self, settings, worker_id: str, spare: bool = False) -> None:
         super().__init__(settings, worker_id, spare, configure_torch_threads(settings.engine.torch_threads))
         self.stage: Stage | None = None
+        self._held: tuple[str, PromptTask, StageIO] | None = None  # a task of an epoch not served yet
 
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         m = self.settings.model
+        engine = self.settings.engine
         self.stage = Stage(
-            m.folder, assignment.layers, m.device, m.dtype, self.settings.engine.packs_gemms(decodes=False)
+            m.folder,
+            assignment.layers,
+            m.device,
+            m.dtype,
+            engine.packs_gemms(decodes=False),
+            ragged_prefill=engine.ragged_prefill,
         )
         log.info(
             "loaded layers %s (%.1f MB, packed GEMMs %s)",
@@ -82,7 +90,7 @@ class PromptWorker(WorkerProcess):
             _ensure_group(self.redis)
         while not self.epoch_changed():
             try:
-                claimed = self._claim() if me.stage == 0 else self._receive()
+                claimed = self._next_task(topology.epoch, me.stage == 0)
                 if claimed is not None:
                     try:
                         with self._busy():
@@ -96,6 +104,25 @@ class PromptWorker(WorkerProcess):
             except DeadlineExceeded as exc:
                 # A task whose microbatch is gone (a stale queue entry): drop it, keep serving.
                 log.error("dropped a prompt task: %s", exc)
+
+    def _next_task(self, epoch: int, first: bool) -> tuple[str, PromptTask, StageIO] | None:
+        """The next task to run at ``epoch``: one held back earlier, or a newly claimed (stage 0) or
+        received one. A task queued under a newer epoch than the one served (the controller published a
+        topology this worker has not seen yet: a repair's re-run) is held back until this worker serves
+        that epoch; run now, its KV would go to the old epoch's token stages, sealed with the old epoch,
+        and be dropped (its requests then failing at the token stages' deadline)."""
+        if self._held is not None:
+            if self._held[1].epoch > epoch:
+                time.sleep(0.005)  # the newer topology is on its way: epoch_changed() ends this epoch
+                return None
+            claimed, self._held = self._held, None
+            return claimed
+        claimed = self._claim() if first else self._receive()
+        if claimed is not None and claimed[1].epoch > epoch:
+            log.info("task %d was queued at epoch %d: holding it until this worker serves it (now %d)",
+                     claimed[1].task_id, claimed[1].epoch, epoch)  # fmt: skip
+            self._held, claimed = claimed, None
+        return claimed
 
     def _busy(self) -> contextlib.AbstractContextManager[None]:
         """A task runs: no memory release meanwhile; its cache counts as freed after it."""

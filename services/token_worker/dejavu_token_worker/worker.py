@@ -52,7 +52,13 @@ class TokenWorker(WorkerProcess):
         m = self.settings.model
         engine = self.settings.engine
         stage = Stage(
-            m.folder, assignment.layers, m.device, m.dtype, engine.packs_gemms(decodes=True), engine.native_attention
+            m.folder,
+            assignment.layers,
+            m.device,
+            m.dtype,
+            engine.packs_gemms(decodes=True),
+            engine.native_attention,
+            engine.ragged_prefill,
         )
         swap = None
         if self.settings.swap.enabled:
@@ -303,7 +309,8 @@ class TokenWorker(WorkerProcess):
                     state.wait_complete(self.settings.transport.deadline_s)
                     self.runner.replicate_prompt(state)
                 members.append(PassMember(state, step, rows))
-                kept.append(msg.tensor[row : row + len(rows)])
+                # A prefill's one member may come packed (a ragged prefill: one row of every prompt's tokens).
+                kept.append(msg.tensor if msg.kind is Kind.PREFILL else msg.tensor[row : row + len(rows)])
             except STEP_FAILURES as exc:
                 self.runner.fail(mb, step, exc)
                 failed.append(Returned(mb, step, (), True))
