@@ -52,3 +52,27 @@ def test_one_failing_pass_is_survived_and_persistent_failure_closes_the_transpor
             waiter.wait(1)
     finally:
         transport.close()
+
+
+def test_workers_leave_out_cross_memory_attach_unless_told_otherwise() -> None:
+    """With cma, a receiver reads a rendezvous message out of the sender's memory; a sender SIGKILLed
+    mid-message then made UCX abort the receiver (process_vm_readv: No such process), turning one
+    failure into two in the failure tests. Workers use shared-memory segments instead."""
+    import os
+
+    if "UCX_TLS" in os.environ:
+        pytest.skip("UCX_TLS is set in the environment, which wins")
+    a, b = UcxTransport("tls-a"), UcxTransport("tls-b")
+    try:
+        a.connect("tls-b", b.address)
+        assert "cma" not in a.selected["tls-b"] and a.selected["tls-b"]
+    finally:
+        a.close()
+        b.close()
+    c, d = UcxTransport("tls-c", tls=None), UcxTransport("tls-d", tls=None)
+    try:
+        c.connect("tls-d", d.address)  # UCX's own choice still works (and may take cma)
+        assert c.selected["tls-d"]
+    finally:
+        c.close()
+        d.close()

@@ -156,3 +156,29 @@ def test_finished_rows_are_no_longer_computed_and_the_microbatch_leaves_with_its
     assert computed[2:4] == [(1, 2), (1, 2)]  # steps 3 and 4: row 0 is done
     assert computed[4:] == [(1,), (1,)]  # steps 5 and 6: only row 1
     assert p.released == [1]
+
+
+def test_a_colocated_task_of_a_newer_epoch_is_held_until_that_epoch_and_runs_first_then() -> None:
+    """A repair's re-run claimed before this worker saw the new topology would prefill at the old epoch:
+    its pass would be dropped by stages serving the new one, and its requests would wait for nothing."""
+    from dejavu_common.messages import PromptPiece, PromptTask
+
+    def task(task_id: int, epoch: int) -> PromptTask:
+        return PromptTask(task_id=task_id, pieces=(PromptPiece(mb_id=task_id, dst_rows=(0, 1)),), epoch=epoch)
+
+    queue = [task(1, 3), task(2, 4), task(3, 4)]
+    held: list[PromptTask] = []
+    pos = Position(0, 1, None, "t0", colocated=True)
+
+    def driver(epoch: int) -> Driver:
+        runner = Pipeline(1, {}, {}, set(), {})  # the driver's runner; nothing runs here
+        d = Driver(runner, runner, None, "t0", pos, None, 1.0, epoch=epoch, held=held)  # type: ignore[arg-type]
+        d._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+        return d
+
+    at3 = driver(3)
+    assert at3._claim_colocated(block=False).task_id == 1
+    assert at3._claim_colocated(block=False) is None and [t.task_id for t in held] == [2]
+    assert at3._claim_colocated(block=False) is None and len(queue) == 1  # nothing else is claimed meanwhile
+    at4 = driver(4)  # the worker's next epoch: a new driver, the same held list
+    assert [at4._claim_colocated(block=False).task_id for _ in range(2)] == [2, 3]

@@ -55,7 +55,11 @@ def _transport(settings: TransportSettings, worker_id: str):
     from dejavulib.transport.ucx import UcxTransport
 
     transport = UcxTransport(
-        worker_id, progress=settings.ucx_progress, require=settings.ucx_require, host=settings.host
+        worker_id,
+        progress=settings.ucx_progress,
+        require=settings.ucx_require,
+        host=settings.host,
+        tls=settings.ucx_tls,
     )
     # A worker without its I/O thread can neither send nor receive: end it, so its lease expires.
     transport.on_failure = lambda exc: die(f"UCX I/O thread of {worker_id}", exc)

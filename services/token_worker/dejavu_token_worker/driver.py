@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,8 +83,14 @@ class Driver:
         deadline_s: float,
         max_running: int = 64,
         release: Callable[[int], None] | None = None,
+        epoch: int = 0,
+        held: list[PromptTask] | None = None,
     ) -> None:
         self.runner = runner
+        self.epoch = epoch  # the topology epoch this driver serves
+        # Colocated tasks queued under a newer epoch than this driver's (a repair's re-runs, claimed in the
+        # moment before this worker saw that epoch): kept by the worker across epochs, run at theirs.
+        self.held = held if held is not None else []
         self.release = release or runner.release  # frees a microbatch's cache (and replica) on this stage
         self.endpoint = endpoint
         self.redis = client
@@ -229,6 +236,24 @@ class Driver:
 
     # -- colocated prefill -----------------------------------------------------------------------
     def _claim_colocated(self, block: bool) -> PromptTask | None:
+        """The next colocated task to prefill at this epoch: a held one first; one claimed now unless it
+        was queued under a newer epoch (then it is held: its prefill pass would carry this epoch and be
+        dropped by stages already serving the newer one, and its requests would wait for nothing)."""
+        if self.held:
+            if self.held[0].epoch <= self.epoch:
+                return self.held.pop(0)
+            if block:
+                time.sleep(0.005)  # idle until the newer topology ends this epoch (the claim would have blocked)
+            return None
+        task = self._claim_queued(block)
+        if task is not None and task.epoch > self.epoch:
+            log.info("colocated task %d was queued at epoch %d: holding it (serving %d)", task.task_id, task.epoch,
+                     self.epoch)  # fmt: skip
+            self.held.append(task)
+            return None
+        return task
+
+    def _claim_queued(self, block: bool) -> PromptTask | None:
         resp = self.redis.xreadgroup(
             keys.COLOCATED_GROUP, self.worker_id, {keys.COLOCATED_QUEUE: ">"}, count=1, block=5 if block else None
         )

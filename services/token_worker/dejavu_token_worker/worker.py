@@ -17,7 +17,7 @@ import torch
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.fatal import guarded
-from dejavu_common.messages import RecoveryOrder, StageAssignment, Topology, WorkerRole
+from dejavu_common.messages import PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
 from dejavu_common.settings import Mode, Replication, Settings
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
@@ -45,6 +45,7 @@ class TokenWorker(WorkerProcess):
         self.runner: StageRunner | None = None
         self.replica: ReplicaStore | None = None
         self.ready: ReadyPrompts | None = None
+        self.held_tasks: list[PromptTask] = []  # colocated tasks of an epoch this worker does not serve yet
 
     # -- lifecycle hooks ----------------------------------------------------------------------
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
@@ -149,6 +150,8 @@ class TokenWorker(WorkerProcess):
                     self.settings.transport.deadline_s,
                     self.settings.controller.max_running,
                     self.release,
+                    topology.epoch,
+                    self.held_tasks,
                 )
                 driver.resume(resume)
                 driver.run(self.epoch_changed)

@@ -111,13 +111,28 @@ class _Pending:
     posted: float = field(default_factory=time.monotonic)
 
 
+#: UCX transports a worker uses (``UCX_TLS``; the environment's wins). Cross-memory attach (``cma``) is
+#: left out: its zero-copy rendezvous has the *receiver* read the sender's memory with process_vm_readv,
+#: and with endpoint error handling off (what lets UCX use shared memory at all) a sender that dies
+#: mid-message makes UCX abort the receiver ("cma_ep.c: process_vm_readv ... No such process"): one
+#: failure became two. Without it, large messages go through shared-memory segments (copy in, copy out),
+#: and a dead sender leaves the receiver a message that never completes, which its deadlines handle.
+DEFAULT_TLS = "^cma"
+
+
 class UcxTransport(MessageTransport):
     """See the module docstring. ``require`` names a transport that every connection must select;
     ``host`` binds the data plane to the interface carrying that address (``UCX_NET_DEVICES``, unless
-    the environment sets it already; None or a wildcard: every interface)."""
+    the environment sets it already; None or a wildcard: every interface); ``tls`` is ``UCX_TLS``
+    (unless the environment sets it; None: UCX's choice, cma included)."""
 
     def __init__(
-        self, self_id: str, progress: str = "polling", require: str | None = None, host: str | None = None
+        self,
+        self_id: str,
+        progress: str = "polling",
+        require: str | None = None,
+        host: str | None = None,
+        tls: str | None = DEFAULT_TLS,
     ) -> None:
         super().__init__(self_id)
         import ucxx._lib.libucxx as ucx_api
@@ -129,6 +144,8 @@ class UcxTransport(MessageTransport):
         self.progress_mode, self.require = progress, require
         self._hash = peer_hash(self_id)
         config = {"PROTO_INFO": "y"}
+        if tls is not None and "UCX_TLS" not in os.environ:
+            config["TLS"] = tls
         device = interface_of(host) if host is not None and "UCX_NET_DEVICES" not in os.environ else None
         if device is not None:
             config["NET_DEVICES"] = device
