@@ -115,3 +115,30 @@ def test_a_send_that_never_completes_fails_at_its_deadline_and_frees_the_bound()
     # The next job is admitted at once, though the stuck send never completed.
     streamer.submit("b", Header(Channel.KV_REPLICA), np.zeros(1000, np.uint8), deadline_s=5, admit_deadline_s=0.5)
     streamer.close()
+
+
+def test_a_failure_of_the_thread_itself_is_reported_and_closes_the_streamer() -> None:
+    """Not one job's failure (that fails its handle only) but the thread's: nothing would leave any more,
+    so the owner is told (a worker ends its process, its lease expires) and new jobs are refused."""
+    import threading
+
+    from dejavulib.errors import ClosedError
+
+    class Broken(Streamer):
+        armed = threading.Event()
+
+        def _expire(self) -> None:  # breaks on the streaming thread only, outside any job
+            if self.armed.is_set() and threading.current_thread() is self._thread:
+                raise RuntimeError("the streaming thread broke")
+            super()._expire()
+
+    a, _b, _held = _pair()
+    streamer = Broken(a, max_inflight_bytes=1 << 20)
+    failed: list[BaseException] = []
+    reported = threading.Event()
+    streamer.on_failure = lambda exc: (failed.append(exc), reported.set())
+    Broken.armed.set()
+    streamer.submit("b", Header(Channel.KV_REPLICA), np.zeros(8, np.uint8), deadline_s=5)  # wakes the thread
+    assert reported.wait(5) and "broke" in str(failed[0])
+    with pytest.raises(ClosedError):
+        streamer.submit("b", Header(Channel.KV_REPLICA), np.zeros(8, np.uint8), deadline_s=1)

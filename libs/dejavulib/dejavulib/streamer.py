@@ -42,7 +42,7 @@ POOL_SIZE = 4
 
 
 class _Pool:
-    """Staging buffers free for reuse (on the streamer's device), largest kept first."""
+    """Staging buffers free for reuse (on the streamer's device), at most ``size`` of them."""
 
     def __init__(self, device: str | torch.device, pin: bool, size: int = POOL_SIZE) -> None:
         self.device, self.pin, self.size = device, pin, size
@@ -88,6 +88,9 @@ class Streamer:
         self.max_inflight_bytes = max_inflight_bytes
         # Called on the streaming thread with each message's header and size as its send starts (accounting).
         self.observe: Callable[[Header, int], None] = lambda header, nbytes: None
+        # Called on the streaming thread if the thread itself fails (not one job: those fail their handles);
+        # a worker points it at ending its process, since nothing it sends would leave any more.
+        self.on_failure: Callable[[BaseException], None] = lambda exc: log.critical("streamer is dead: %s", exc)
         self._pool = _Pool(device, pin)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._sending: collections.deque[_Job] = collections.deque()  # sent, not yet settled, oldest first
@@ -209,6 +212,19 @@ class Streamer:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread's own failure: every queued job fails, then the owner decides
+            log.exception("the streaming thread of %s failed", self.endpoint.self_id)
+            with self._cond:
+                self._closed = True
+                jobs, self._jobs = list(self._jobs), collections.deque()
+                self._cond.notify_all()
+            for job in jobs:
+                job.handle.set_done(ClosedError(f"streamer failed: {exc}"))
+            self.on_failure(exc)
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:

@@ -79,6 +79,8 @@ class DataEndpoint:
         self._addresses: dict[str, bytes] = {}
         self.streamer = Streamer(self._ep, settings.max_inflight_bytes)
         self.streamer.observe = self._observe
+        # A worker whose messages can no longer leave must end, so its lease expires and it is replaced.
+        self.streamer.on_failure = lambda exc: die(f"streaming thread of {worker_id}", exc)
         # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
         self.count_kv: Callable[[str, int], None] = lambda purpose, nbytes: None
 
