@@ -191,6 +191,10 @@ def test_make_images_tags_version_and_revision() -> None:
         dockerfile = re.search(r"-f (\S+)", line).group(1)
         assert (REPO / dockerfile).is_file()
         assert line.endswith(" .")
+        assert "--label org.dejavu.built-by=make-images" in line
+    # What a rebuild untagged is removed, and only images these builds labelled.
+    (prune,) = [line for line in out.splitlines() if line.startswith("docker image prune")]
+    assert "--filter label=org.dejavu.built-by=make-images" in prune and " -a" not in prune
     # The controller has no torch, so it builds on the CPU base whatever the variant.
     (controller,) = [line for line in builds if "controller.Dockerfile" in line]
     assert "dejavu-base-python:r3v-cpu" in controller
