@@ -106,3 +106,157 @@ def test_a_host_that_cannot_build_the_kernel_decodes_with_torch(
     stage.prefill(StageIO(input_ids=torch.tensor([[5, 6, 7, 8]])), cache, geometry)
     out = stage.decode(StageIO(input_ids=torch.tensor([[9]])), cache, geometry.advance())
     assert out.hidden is not None and torch.isfinite(out.hidden).all()
+
+
+@pytest.fixture
+def kernels() -> None:
+    """Skips a test of the kernels themselves where they cannot be built (no compiler)."""
+    if native.load() is None:
+        pytest.skip("native kernels cannot be built here")
+
+
+def paged_reference(q, k_new, v_new, k_slabs, v_slabs, tables, spans, scale):
+    """Each row's K/V gathered position by position through its table after every row's write (on
+    copies of the slabs), then softmax attention in float64."""
+    k_slabs = [k.clone() for k in k_slabs]
+    v_slabs = [v.clone() for v in v_slabs]
+    slab_blocks, kv_heads, block_size, _ = k_slabs[0].shape
+    g = q.shape[1] // kv_heads
+
+    def slot(r: int, pos: int) -> tuple[int, int, int]:
+        b = int(tables[r, pos // block_size])
+        return b // slab_blocks, b % slab_blocks, pos % block_size
+
+    for r, (_, end) in enumerate(spans.tolist()):
+        s, i, o = slot(r, end - 1)
+        k_slabs[s][i, :, o] = k_new[r]
+        v_slabs[s][i, :, o] = v_new[r]
+    outs = []
+    for r, (start, end) in enumerate(spans.tolist()):
+        where = [slot(r, pos) for pos in range(start, end)]
+        k = torch.stack([k_slabs[s][i, :, o] for s, i, o in where], dim=1).double().repeat_interleave(g, 0)
+        v = torch.stack([v_slabs[s][i, :, o] for s, i, o in where], dim=1).double().repeat_interleave(g, 0)
+        p = (torch.einsum("hd,hnd->hn", q[r].double(), k) * scale).softmax(-1)
+        outs.append(torch.einsum("hn,hnd->hd", p, v).float())
+    return torch.stack(outs), k_slabs, v_slabs
+
+
+def paged_case(heads, kv_heads, head_dim, block_size, spans, *, slab_blocks=40, seed=0):
+    """Random q, new K/V and two slabs; each row's touched blocks get distinct ids drawn at random from
+    both slabs (so a row's blocks are not contiguous), the blocks it does not touch -1."""
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = max(end for _, end in spans) // block_size + 1
+    k_slabs = [torch.randn(slab_blocks, kv_heads, block_size, head_dim, generator=generator) for _ in range(2)]
+    v_slabs = [torch.randn(slab_blocks, kv_heads, block_size, head_dim, generator=generator) for _ in range(2)]
+    ids = iter(torch.randperm(2 * slab_blocks, generator=generator).tolist())
+    tables = torch.full((len(spans), max_blocks), -1, dtype=torch.long)
+    for r, (start, end) in enumerate(spans):
+        for lb in range(start // block_size, (end - 1) // block_size + 1):
+            tables[r, lb] = next(ids)
+    q = torch.randn(len(spans), heads, head_dim, generator=generator) * 4  # peaked softmaxes too
+    k_new = torch.randn(len(spans), kv_heads, head_dim, generator=generator)
+    v_new = torch.randn(len(spans), kv_heads, head_dim, generator=generator)
+    return q, k_new, v_new, k_slabs, v_slabs, tables, torch.tensor(spans, dtype=torch.long)
+
+
+# head_dim 64 and 128 take the vectorised path on AVX2 hosts, 32 the generic one.
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(6, 3, 64, 16), (4, 4, 64, 4), (6, 3, 32, 4), (4, 4, 32, 16), (8, 2, 128, 16)],
+)
+@pytest.mark.usefixtures("kernels")
+def test_paged_rows_attend_as_each_alone(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    # One position; left padding (start not block-aligned) ending mid-block; ending on a block's end;
+    # one position mid-block; long, from 0; rows of different lengths in one call.
+    spans = [(0, 1), (5, 37), (0, 32), (13, 14), (3, 50), (0, 47)]
+    case = paged_case(heads, kv_heads, head_dim, block_size, spans, seed=heads * head_dim + block_size)
+    k_slabs, v_slabs, tables = case[3], case[4], case[5]
+    used = tables[tables >= 0]
+    assert (used < 40).any() and (used >= 40).any()  # both slabs are read
+    expected, k_after, v_after = paged_reference(*case, 0.1)
+    out = native.paged_decode_attention(*case, 0.1)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    for mine, theirs in zip(k_slabs + v_slabs, k_after + v_after, strict=True):
+        assert torch.equal(mine, theirs)  # the new K/V landed where each row's span ends, nothing else moved
+
+
+@pytest.mark.usefixtures("kernels")
+def test_paged_new_kv_land_in_their_slot_and_nowhere_else() -> None:
+    kv_heads, head_dim, block_size, slab_blocks = 2, 64, 4, 16
+    spans = [(0, 1), (2, 9), (4, 8), (1, 16), (6, 7), (0, 13)] * 2  # enough (row, kv head) items for both threads
+    k_slabs = [torch.zeros(slab_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
+    v_slabs = [torch.zeros(slab_blocks, kv_heads, block_size, head_dim) for _ in range(2)]
+    tables = torch.full((len(spans), 4), -1, dtype=torch.long)
+    ids = iter(torch.randperm(2 * slab_blocks, generator=torch.Generator().manual_seed(1)).tolist())
+    for r, (start, end) in enumerate(spans):
+        for lb in range(start // block_size, (end - 1) // block_size + 1):
+            tables[r, lb] = next(ids)
+    k_new = torch.arange(1, len(spans) * kv_heads * head_dim + 1, dtype=torch.float32).view(len(spans), kv_heads, -1)
+    v_new = -k_new
+    q = torch.zeros(len(spans), 2 * kv_heads, head_dim)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native.paged_decode_attention(q, k_new, v_new, k_slabs, v_slabs, tables, torch.tensor(spans), 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    # The layout as documented: (slab s, index i, kv head kh, position o, dim e) is flat element
+    # ((i * kv_heads + kh) * block_size + o) * head_dim + e of slab s.
+    k_flat = [k.flatten() for k in k_slabs]
+    v_flat = [v.flatten() for v in v_slabs]
+    for r, (_, end) in enumerate(spans):
+        b = int(tables[r, (end - 1) // block_size])
+        s, i, o = b // slab_blocks, b % slab_blocks, (end - 1) % block_size
+        for kh in range(kv_heads):
+            at = ((i * kv_heads + kh) * block_size + o) * head_dim
+            assert torch.equal(k_flat[s][at : at + head_dim], k_new[r, kh])
+            assert torch.equal(v_flat[s][at : at + head_dim], v_new[r, kh])
+    written = len(spans) * kv_heads * head_dim
+    assert sum(int(k.count_nonzero()) for k in k_slabs) == written
+    assert sum(int(v.count_nonzero()) for v in v_slabs) == written
+
+
+def _bad(case: tuple, **change) -> tuple:
+    names = ("q", "k_new", "v_new", "k_slabs", "v_slabs", "tables", "spans")
+    return tuple(change.get(name, value) for name, value in zip(names, case, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tables": torch.tensor([[4, -1, 9], [2, 3, 5]])}, "logical block 1 is block -1"),
+        ({"tables": torch.tensor([[4, 6, 9], [2, 3, 16]])}, "logical block 2 is block 16"),
+        ({"tables": torch.tensor([[4, 6, 9], [-2, 3, 5]])}, "logical block 0 is block -2"),
+        ({"spans": torch.tensor([[1, 10], [0, 13]])}, "bad span"),  # past the table's 3 blocks of 4
+        ({"spans": torch.tensor([[1, 10], [5, 5]])}, "bad span"),
+        ({"spans": torch.tensor([[-1, 10], [0, 9]])}, "bad span"),
+        ({"spans": torch.tensor([[1, 10]])}, "spans"),
+        ({"spans": torch.tensor([[1, 10], [0, 9]], dtype=torch.int32)}, "spans"),
+        ({"tables": torch.tensor([[4, 6, 9], [2, 3, 5]], dtype=torch.int32)}, "tables"),
+        ({"tables": torch.tensor([4, 6, 9])}, "tables"),
+        ({"q": torch.zeros(2, 4, 8, dtype=torch.float64)}, "q:"),
+        ({"q": torch.zeros(2, 8, 4).transpose(1, 2)}, "q:"),
+        ({"q": torch.zeros(2, 3, 8)}, "multiple of kv_heads"),
+        ({"q": torch.zeros(2, 4, 16)}, "head_dim"),
+        ({"k_new": torch.zeros(2, 2, 8, dtype=torch.float64)}, "new k/v"),
+        ({"v_new": torch.zeros(2, 1, 8)}, "new k/v"),
+        ({"k_slabs": [torch.zeros(8, 2, 4, 8, dtype=torch.float64)] * 2}, "f32"),
+        ({"v_slabs": [torch.zeros(8, 2, 4, 8), torch.zeros(9, 2, 4, 8)]}, "shape of the first"),
+        ({"k_slabs": [torch.zeros(8, 2, 4, 8)], "v_slabs": [torch.zeros(8, 2, 4, 8)]}, "logical block 2 is block 9"),
+        ({"k_slabs": [], "v_slabs": []}, "at least one"),
+    ],
+)
+@pytest.mark.usefixtures("kernels")
+def test_paged_bad_arguments_are_refused_before_anything_is_written(change: dict, message: str) -> None:
+    # Two slabs of 8 blocks of 4 positions, 2 kv heads of 8 dims, 4 q heads; tables of 3 blocks.
+    k_slabs = [torch.zeros(8, 2, 4, 8) for _ in range(2)]
+    v_slabs = [torch.zeros(8, 2, 4, 8) for _ in range(2)]
+    tables = torch.tensor([[4, 6, 9], [2, 3, 5]])
+    spans = torch.tensor([[1, 10], [0, 9]])
+    case = (torch.zeros(2, 4, 8), torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_slabs, v_slabs, tables, spans)
+    native.paged_decode_attention(*case, 1.0)  # the unchanged case is fine
+    for slab in k_slabs + v_slabs:
+        slab.zero_()
+    with pytest.raises(RuntimeError, match=message):
+        native.paged_decode_attention(*_bad(case, **change), 1.0)
+    assert not any(slab.any() for slab in k_slabs + v_slabs)

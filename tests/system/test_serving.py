@@ -131,14 +131,22 @@ def _mixed_jobs(n: int) -> list[tuple[str, int]]:
     [
         # A prompt task of 4 rows feeds two token microbatches of 2, each padded to its own longest prompt.
         pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=4, token_microbatch=2), id="1P+2T"),
-        # Tasks of 3 rows straddle token microbatches of 2: pieces of one task land in different microbatches.
-        pytest.param(dict(prompt_depth=2, token_depth=3, prompt_microbatch=3, token_microbatch=2), id="2P+3T"),
+        # Tasks of 3 rows straddle token microbatches of 2: pieces of one task land in different microbatches;
+        # the token stages keep KV in paged pools of 4-position blocks (prompt KV, replicas and decode
+        # steps all cross block boundaries).
+        pytest.param(
+            dict(prompt_depth=2, token_depth=3, prompt_microbatch=3, token_microbatch=2, kv_block_size=4),
+            id="2P+3T-paged",
+        ),
     ],
 )
 def test_prompt_tasks_feeding_token_microbatches_of_different_prompt_lengths(
     deployment, redis_url, model, reference
 ) -> None:
+    deployment = dict(deployment)
+    block_size = deployment.pop("kv_block_size", 0)
     settings = cluster_settings(redis_url, model, **deployment)
+    settings.engine.kv_block_size = block_size
     with running(settings) as launcher:
         jobs = _mixed_jobs(12)
         got = _complete_all(_client(launcher), settings.model.name, jobs)

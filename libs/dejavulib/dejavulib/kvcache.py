@@ -111,19 +111,19 @@ class KVCache:
     def pack(self, region: Region, out: torch.Tensor) -> torch.Tensor:
         """Gather ``region`` into the front of contiguous ``out`` (any dtype/shape with enough bytes); return the
         packed tensor (a view of ``out`` with this cache's dtype and ``packed_shape``)."""
-        packed = _typed_prefix(out, self.packed_shape(region), self.k.dtype)
+        packed = typed_prefix(out, self.packed_shape(region), self.k.dtype)
         for i, which in enumerate(region.tensors):
             packed[i].copy_(self.view(region, which))
         return packed
 
     def unpack(self, region: Region, data: torch.Tensor, position_offset: int = 0) -> None:
         """Scatter packed ``data`` (as produced by ``pack``) into ``region`` shifted by ``position_offset``."""
-        packed = _typed_prefix(data, self.packed_shape(region), self.k.dtype)
+        packed = typed_prefix(data, self.packed_shape(region), self.k.dtype)
         for i, which in enumerate(region.tensors):
             self.view(region, which, position_offset).copy_(packed[i])
 
 
-def _typed_prefix(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def typed_prefix(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     flat = buf.reshape(-1).view(torch.uint8)
     nbytes = dtype.itemsize
     for n in shape:

@@ -157,21 +157,25 @@ def _attend_native(
     scale: float | None,
 ) -> torch.Tensor:
     """:func:`attend` of one token per row through the native kernel: in one call, every row of every
-    group writes its new K/V into its group's cache and attends over its own span."""
+    group writes its new K/V into its group's cache (or its blocks of a paged pool, ``ctx.tables``) and
+    attends over its own span."""
     k_caches = [k_cache] if isinstance(k_cache, torch.Tensor) else list(k_cache)
     v_caches = [v_cache] if isinstance(v_cache, torch.Tensor) else list(v_cache)
     batch, heads, _, head_dim = q.shape
     kv_heads = k.shape[1]
     assert ctx.spans is not None
-    out = native.decode_attention(
+    args = (
         q.reshape(batch, heads, head_dim).contiguous(),
         k.reshape(batch, kv_heads, head_dim).contiguous(),
         v.reshape(batch, kv_heads, head_dim).contiguous(),
         k_caches,
         v_caches,
-        ctx.spans,
-        scale if scale is not None else 1.0 / math.sqrt(head_dim),
     )
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    if ctx.tables is not None:  # the caches are a paged pool's slabs of this layer
+        out = native.paged_decode_attention(*args, ctx.tables, ctx.spans, scale)
+    else:
+        out = native.decode_attention(*args, ctx.spans, scale)
     return out.view(batch, 1, heads * head_dim)
 
 

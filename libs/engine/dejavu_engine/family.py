@@ -55,6 +55,10 @@ class ForwardContext:
     native kernel (:mod:`dejavu_engine.native`): row ``r`` attends positions ``[start, end)`` of row
     ``index`` of group ``group``'s cache, all rows of every group in one call.
 
+    ``tables`` (int64 ``[batch, blocks]``) is set with ``spans`` (then int64 ``[batch, 2]``: ``start, end``)
+    when the call's caches are blocks of one paged pool (:mod:`dejavulib.paged`): row ``r``'s logical
+    block ``i`` is pool block ``tables[r, i]``, and the layer's caches are the pool's slabs of that layer.
+
     ``segments`` is set for a *ragged* prefill (:meth:`Stage.forward` of whole left-padded prompts): the
     call's one row is every prompt's tokens back to back, without padding. Segment
     ``(offset, length, row, start, ctx_s)`` is tokens ``[offset, offset + length)``: cache row ``row``'s
@@ -70,6 +74,7 @@ class ForwardContext:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     groups: tuple[tuple[int, int, ForwardContext], ...] | None = None
     spans: torch.Tensor | None = None
+    tables: torch.Tensor | None = None
     segments: tuple[tuple[int, int, int, int, ForwardContext], ...] | None = None
 
     @property

@@ -3,7 +3,8 @@
 :func:`decode_attention` attends one query token per row over many caches in one call: each row
 reads its own group's cache over its own span. Iteration-level batching needs exactly that (every
 microbatch of a pass at its own length); without it a pass makes one attention call per microbatch
-per layer, whose fixed cost grows with the number of microbatches.
+per layer, whose fixed cost grows with the number of microbatches. :func:`paged_decode_attention` is
+the same over a paged cache: fixed-size blocks in shared slabs, each row's found through its block table.
 
 The extension is compiled with the host's compiler the first time a process asks for it (ninja and
 g++, about 30 s on the reference host) into ``$DEJAVU_KERNEL_CACHE`` (default
@@ -116,6 +117,33 @@ def decode_attention(
         raise RuntimeError("native kernels are not available")
     with torch.profiler.record_function("dejavu::decode_attention"):  # named in profiles like torch's ops
         return module.decode_attention(q, k_new, v_new, k_caches, v_caches, rows, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_slabs: list[torch.Tensor],
+    v_slabs: list[torch.Tensor],
+    tables: torch.Tensor,
+    spans: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`decode_attention` over a paged cache. Keys and values live in blocks of ``block_size``
+    positions held by slabs (``k_slabs`` / ``v_slabs``: each ``[slab_blocks, kv_heads, block_size,
+    head_dim]``, contiguous float32, all of one shape); block id ``b`` is index ``b % slab_blocks`` of
+    slab ``b // slab_blocks``. ``tables[r, i]`` (int64 ``[rows, max_blocks]``, -1 for none) is the block
+    holding row ``r``'s logical positions ``[i * block_size, (i + 1) * block_size)``, and ``spans[r] =
+    (start, end)`` (int64 ``[rows, 2]``): row ``r`` writes ``k_new[r]``, ``v_new[r]`` (``[kv_heads,
+    head_dim]``) at logical position ``end - 1``, then attends positions ``[start, end)``. Rows write
+    in parallel, so no two rows may write one slot, nor may one row read a slot another writes.
+    Returns ``[rows, heads, head_dim]``. Raises RuntimeError where the kernels are not loaded or the
+    arguments do not fit (a span past its table, a block it touches that is -1 or not in the slabs)."""
+    module = load()
+    if module is None:
+        raise RuntimeError("native kernels are not available")
+    with torch.profiler.record_function("dejavu::paged_decode_attention"):
+        return module.paged_decode_attention(q, k_new, v_new, k_slabs, v_slabs, tables, spans, scale)
 
 
 if __name__ == "__main__":  # make setup: build ahead, so no worker or test waits for the compiler

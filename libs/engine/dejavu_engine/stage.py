@@ -23,6 +23,9 @@ from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import CheckpointReader, load_config
 from dejavulib.kvcache import KVCache, torch_dtype
 from dejavulib.layout import KVLayout
+from dejavulib.paged import BlockGeometry, BlockPool, PagedKVCache
+
+AnyCache = KVCache | PagedKVCache
 
 LayerHook = Callable[[int], None]
 
@@ -121,6 +124,16 @@ class Stage:
         """A zeroed cache on this stage's device for one microbatch."""
         return KVCache.allocate(self.kv_layout(batch, max_len), self.device)
 
+    def block_pool(self, block_size: int, max_blocks: int, slab_blocks: int = 64) -> BlockPool:
+        """A paged KV pool of this stage's layers and heads on its device (see :mod:`dejavulib.paged`)."""
+        return BlockPool(BlockGeometry.of(self.kv_layout(1, 1), block_size), max_blocks, slab_blocks, self.device)
+
+    @property
+    def paged_attention(self) -> bool:
+        """Whether one-token calls over paged caches run in the native paged kernel (else a paged cache
+        is computed on through a contiguous copy of its positions)."""
+        return self.native_attention and hasattr(native.load(), "paged_decode_attention")
+
     @torch.inference_mode()
     def forward(
         self,
@@ -139,6 +152,16 @@ class Stage:
         is called after each layer has written its KV.
         """
         x = self._input(io)
+        if isinstance(cache, PagedKVCache):
+            out = self._decode_paged(x, [(cache, geometry)]) if x.shape[1] == 1 and not all_logits else None
+            if out is not None:
+                return out
+            # Prefill (or no paged kernel): compute on a contiguous copy, then write the new positions back.
+            n = geometry.cur_len if self._ragged(x, geometry, all_logits) else x.shape[1]
+            dense = cache.holding(geometry.cur_len).dense(geometry.cur_len)
+            out = self.forward(io, dense, geometry, on_layer_done, all_logits)
+            cache.write_back(dense, (geometry.cur_len - n, geometry.cur_len))
+            return out
         if self._ragged(x, geometry, all_logits):
             return self._forward_ragged(x, cache, geometry, on_layer_done)
         batch, n = x.shape[0], x.shape[1]
@@ -236,6 +259,18 @@ class Stage:
             raise ValueError("decode feeds exactly one token per row")
         if x.shape[0] != sum(g.batch for _, g in groups):
             raise ValueError(f"{x.shape[0]} rows for groups of {[g.batch for _, g in groups]} rows")
+        paged = [isinstance(cache, PagedKVCache) for cache, _ in groups]
+        if any(paged):
+            if not all(paged) or len({cache.pool for cache, _ in groups}) != 1:  # type: ignore[union-attr]
+                raise ValueError("one call's paged caches must all be blocks of one pool")
+            out = self._decode_paged(x, groups)  # type: ignore[arg-type]
+            if out is not None:
+                return out
+            dense = [(cache.holding(g.cur_len).dense(g.cur_len), g) for cache, g in groups]  # type: ignore[union-attr]
+            out = self.decode_groups(io, dense)  # type: ignore[arg-type]
+            for (cache, g), (copy, _) in zip(groups, dense, strict=True):
+                cache.write_back(copy, (g.cur_len - 1, g.cur_len))  # type: ignore[union-attr]
+            return out
         dtype = torch_dtype(self.dtype)
         contexts = []
         for cache, geometry in groups:
@@ -251,6 +286,36 @@ class Stage:
                 [cache.v[index] for cache, _ in groups],  # type: ignore[arg-type]
                 ctx,
             )
+        if not self.is_last:
+            return StageIO(hidden=hidden)
+        return StageIO(logits=self.logits(hidden))
+
+    def _decode_paged(self, x: torch.Tensor, groups: Sequence[tuple[PagedKVCache, BatchGeometry]]) -> StageIO | None:
+        """One decode step of paged caches of one pool in one call of the paged kernel: every row writes
+        its new K/V into its block and attends over its own span. None where the kernel does not apply
+        (not built, or the family's masks carry additive biases such as ALiBi)."""
+        if not self.paged_attention:
+            return None
+        dtype = torch_dtype(self.dtype)
+        contexts, tables, spans = [], [], []
+        for cache, geometry in groups:
+            self._check(cache, geometry, geometry.batch, 1)
+            contexts.append(self.family.context(geometry, 1, self.device, dtype))
+        if any(c.mask is not None and c.mask.dtype != torch.bool for c in contexts):
+            return None
+        for cache, geometry in groups:
+            cache.holding(geometry.cur_len)  # the block of the position this step writes
+            tables.append(cache.table[list(geometry.cache_rows)])
+            spans.extend((pad, geometry.cur_len) for pad in geometry.pad_lens)
+        width = max(t.shape[1] for t in tables)
+        table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in tables])
+        ctx = ForwardContext.grouped(contexts) if len(contexts) > 1 else contexts[0]
+        ctx = replace(ctx, spans=torch.tensor(spans, dtype=torch.long), tables=table)
+        pool = groups[0][0].pool
+        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        for index, w in enumerate(self._layer_w):
+            k_slabs, v_slabs = pool.layer(index)
+            hidden = self.family.layer(w, hidden, k_slabs, v_slabs, ctx)  # type: ignore[arg-type]
         if not self.is_last:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.logits(hidden))
@@ -275,7 +340,7 @@ class Stage:
             raise ValueError(f"stage {self.layers} expects {'input_ids' if self.is_first else 'hidden'}")
         return x
 
-    def _check(self, cache: KVCache, geometry: BatchGeometry, batch: int, n: int) -> None:
+    def _check(self, cache: AnyCache, geometry: BatchGeometry, batch: int, n: int) -> None:
         layout = cache.layout
         if layout.layer_range != self.layers:
             raise ValueError(f"cache holds layers {layout.layer_range}, stage runs {self.layers}")

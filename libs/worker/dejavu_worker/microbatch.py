@@ -16,6 +16,7 @@ from dejavu_engine.geometry import BatchGeometry
 from dejavulib.endpoint import Message
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import Region
+from dejavulib.paged import PagedKVCache
 from dejavulib.streaming import stream_in
 
 
@@ -42,12 +43,13 @@ class MicrobatchState:
     """Stage-local state of a token microbatch. ``cache`` covers this stage's layers only."""
 
     spec: MicrobatchSpec
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     expected_cells: int  # (layers x rows) of prompt KV this stage must receive before decoding
     cells: set[tuple[int, int]] = field(default_factory=set)  # (global layer, row) received: re-sends count once
     complete: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done_step: int = -1  # the last step whose KV this stage holds (0: prompt)
+    pool_wait_s: float = 0.0  # how long placing prompt KV waits for a paged pool's blocks
     prompt_replicated: bool = False
 
     @property
@@ -69,7 +71,10 @@ class MicrobatchState:
         """Scatter a KV message (prompt KV, a restore) into ``region`` of the cache, grown to hold it
         (any thread). Raises ``IntegrityError`` / ``ValueError`` for a message that does not fit."""
         with self.lock:
-            self.cache = self.cache.holding(region.positions[1], self.spec.max_len)  # refuses past the span
+            if isinstance(self.cache, PagedKVCache):  # blocks other microbatches return may be waited for
+                self.cache.holding(region.positions[1], self.spec.max_len, wait_s=self.pool_wait_s)
+            else:
+                self.cache = self.cache.holding(region.positions[1], self.spec.max_len)  # refuses past the span
             stream_in(self.cache, message, region)
 
     def add_prompt_cells(self, layers: tuple[int, int], rows: tuple[int, int]) -> None:

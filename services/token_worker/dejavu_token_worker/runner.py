@@ -32,6 +32,7 @@ from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
 from dejavulib.kvcache import KVCache
+from dejavulib.paged import BlockPool, PagedKVCache
 
 log = logging.getLogger("dejavu.token_worker")
 
@@ -83,8 +84,10 @@ class StageRunner:
         deadline_s: float,
         swap: SwapManager | None = None,
         abandon: Callable[[], bool] | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
         self.stage = stage
+        self.pool = pool  # the paged KV pool every microbatch's cache takes blocks from (None: contiguous)
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         self.swap = swap  # microbatch swapping: caches live in host memory, two device buffers
         self.redis = client
@@ -114,20 +117,28 @@ class StageRunner:
             if st is None and mb_id in self._finished_set:
                 raise FinishedMicrobatch(f"microbatch {mb_id} finished")
             if st is None:
+                cache: KVCache | PagedKVCache
                 if self.swap is not None:  # swapped caches keep their whole span (fixed device buffers)
                     cache = self.swap.add(mb_id, self.stage.kv_layout(len(spec.rows), spec.max_len))
+                elif self.pool is not None:  # blocks taken as positions are written, none for padding
+                    cache = self.pool.cache(self.stage.kv_layout(len(spec.rows), spec.max_len), spec.pad_lens)
                 else:  # grows as tokens are written (MicrobatchState.ensure_capacity)
                     initial = min(spec.max_len, spec.prompt_len + _INITIAL_ROOM)
                     cache = self.stage.allocate_cache(len(spec.rows), initial)
                 st = MicrobatchState(spec, cache, expected_cells=self.stage.num_layers * len(spec.rows))
+                if self.pool is not None:
+                    st.pool_wait_s = self.deadline_s
                 self.states[mb_id] = st
             return st
 
     def release(self, mb_id: int, finished: bool = True) -> None:
         """Free ``mb_id``'s state. ``finished``: it never comes back (unlike a prompt re-run after recovery)."""
         with self._lock:
-            if self.states.pop(mb_id, None) is not None and self.swap is not None:
+            st = self.states.pop(mb_id, None)
+            if st is not None and self.swap is not None:
                 self.swap.drop(mb_id)
+            if st is not None and isinstance(st.cache, PagedKVCache):
+                st.cache.free()  # its blocks go back to the pool now
             if finished and mb_id not in self._finished_set:
                 self._finished.append(mb_id)
                 self._finished_set.add(mb_id)
@@ -178,7 +189,7 @@ class StageRunner:
             raise ValueError("a prefill pass runs one microbatch")
         geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
         caches = [
-            self._acquire(m.state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1))
+            self._acquire(m.state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1), m.rows)
             for m, g in zip(members, geometries, strict=True)
         ]
         if next_mb is not None:
@@ -228,9 +239,15 @@ class StageRunner:
             self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
         return ret
 
-    def _acquire(self, state: MicrobatchState, filled: int) -> KVCache:
-        """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache."""
+    def _acquire(self, state: MicrobatchState, filled: int, rows: tuple[int, ...] = ()) -> KVCache | PagedKVCache:
+        """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache. A paged
+        cache first returns the blocks of its rows that finished (every row not in ``rows``) to the pool."""
         if self.swap is None:
+            cache = state.cache
+            if isinstance(cache, PagedKVCache) and rows:
+                done = [r for r, live in enumerate(cache.live) if live and r not in rows]
+                if done:
+                    cache.free_rows(done)
             state.ensure_capacity(filled + 1)
             return state.cache
         if self.swap.state(state.mb_id) is SwapState.HOST:  # not prefetched (a missed hint)

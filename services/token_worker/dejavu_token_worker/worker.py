@@ -9,7 +9,9 @@ Microbatch caches and replicas survive an epoch change: that is what recovery re
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 
 import redis
 import torch
@@ -32,6 +34,7 @@ from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
 from dejavu_worker.swap import SwapManager
 from dejavulib.errors import DejaVuLibError, IntegrityError, ProtocolError
+from dejavulib.paged import BlockGeometry
 from dejavulib.streaming import region_of
 
 log = logging.getLogger("dejavu.token_worker")
@@ -69,8 +72,25 @@ class TokenWorker(WorkerProcess):
                 layout, len(topology.token_stages), m.device, deadline_s=self.settings.transport.deadline_s
             )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
+        pool = None
+        if swap is None and engine.kv_block_size > 0:
+            blocks = self._pool_blocks(BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size))
+            pool = stage.block_pool(engine.kv_block_size, blocks)
+            log.info(
+                "paged KV pool: blocks of %d positions (%.2f MB), up to %d blocks (%.1f GB)",
+                engine.kv_block_size,
+                pool.geometry.bytes_per_block / 1e6,
+                pool.max_blocks,
+                pool.max_blocks * pool.geometry.bytes_per_block / 1e9,
+            )
         self.runner = StageRunner(
-            stage, self.redis, self.endpoint, self.settings.transport.deadline_s, swap, abandon=self.epoch_changed
+            stage,
+            self.redis,
+            self.endpoint,
+            self.settings.transport.deadline_s,
+            swap,
+            abandon=self.epoch_changed,
+            pool=pool,
         )
         self.replica = None
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
@@ -85,6 +105,13 @@ class TokenWorker(WorkerProcess):
             stage.packed_gemms,
             stage.native_attention,
         )
+
+    def _pool_blocks(self, geometry: BlockGeometry) -> int:
+        """Blocks of the paged pool: ``engine.kv_pool_bytes``, or 60% of the memory available now."""
+        budget = self.settings.engine.kv_pool_bytes
+        if budget is None:
+            budget = int(0.6 * available_memory_bytes())
+        return max(1, budget // geometry.bytes_per_block)
 
     def serve(self, topology: Topology) -> None:
         assert self.endpoint is not None and self.runner is not None and self.redis is not None
@@ -352,3 +379,14 @@ class TokenWorker(WorkerProcess):
                 state.add_prompt_cells(region.layers, region.rows)
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
                 log.error("dropped a prompt KV message: %s", exc)
+
+
+def available_memory_bytes() -> int:
+    """Memory the host can still give (Linux ``MemAvailable``; elsewhere physical memory)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

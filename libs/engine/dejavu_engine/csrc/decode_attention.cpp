@@ -5,7 +5,8 @@
 // `group_r`'s cache, so rows of differently sized microbatches, each at its own length, attend in
 // one parallel loop instead of one attention call per microbatch. Caches are
 // [batch, kv_heads, max_len, head_dim] float32 and contiguous; the q heads of one kv head are done
-// together, so each key and value is read once per row.
+// together, so each key and value is read once per row. paged_decode_attention does the same over a
+// paged cache: fixed-size blocks in shared slabs, found through each row's block table.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -49,11 +50,13 @@ inline float hsum(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
-// scores[h * n + j] = scale * q[h] . k[j] for h < g, j < n, head_dim = 8 * C: each key is loaded once
-// for the g heads that share it. The keys ahead and this key's value are prefetched, so the value pass
-// that follows finds them in cache (one row's K and V of one kv head are a few hundred KB at most).
+// scores[h * ld + j] = scale * q[h] . k[j] for h < g, j < n, head_dim = 8 * C: each key is loaded once
+// for the g heads that share it (ld > n where k is one chunk of a longer span, as in a paged cache).
+// The keys ahead and this key's value are prefetched, so the value pass that follows finds them in cache
+// (one row's K and V of one kv head are a few hundred KB at most).
 template <int C>
-void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, int64_t n, float scale, float* scores) {
+void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, int64_t n, float scale, float* scores,
+                    int64_t ld) {
   constexpr int64_t d = 8 * C;
   constexpr int64_t ahead = 8;  // keys
   for (int64_t j = 0; j < n; ++j) {
@@ -72,16 +75,17 @@ void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, i
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), kv[c], a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c + 8), kv[c + 1], a1);
       }
-      scores[h * n + j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+      scores[h * ld + j] = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
   }
 }
 
-// out = sum_j p[j] * v[j] over j < n, head_dim = 8 * C (accumulators kept in registers).
+// out = sum_j p[j] * v[j] over j < n, head_dim = 8 * C (accumulators kept in registers); out += that
+// where `accumulate` (the chunks of a span after its first).
 template <int C>
-void weigh_values(const float* p, const float* v, int64_t n, float* out) {
+void weigh_values(const float* p, const float* v, int64_t n, float* out, bool accumulate) {
   __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) acc[c] = accumulate ? _mm256_loadu_ps(out + 8 * c) : _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
     const float* vj = v + j * 8 * C;
@@ -102,8 +106,8 @@ void dot_keys_any(const float* q, const float* k, int64_t n, int64_t d, float sc
   }
 }
 
-void weigh_values_any(const float* p, const float* v, int64_t n, int64_t d, float* out) {
-  std::fill(out, out + d, 0.0f);
+void weigh_values_any(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate) {
+  if (!accumulate) std::fill(out, out + d, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + j * d;
 #pragma omp simd
@@ -111,22 +115,41 @@ void weigh_values_any(const float* p, const float* v, int64_t n, int64_t d, floa
   }
 }
 
+// scores of head h land at scores[h * ld, h * ld + n).
 void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, int64_t n, int64_t d, float scale,
-                    float* scores) {
+                    float* scores, int64_t ld) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return dot_keys_heads<8>(q, g, k, v, n, scale, scores);
-  if (d == 128) return dot_keys_heads<16>(q, g, k, v, n, scale, scores);
+  if (d == 64) return dot_keys_heads<8>(q, g, k, v, n, scale, scores, ld);
+  if (d == 128) return dot_keys_heads<16>(q, g, k, v, n, scale, scores, ld);
 #endif
   (void)v;
-  for (int64_t h = 0; h < g; ++h) dot_keys_any(q + h * d, k, n, d, scale, scores + h * n);
+  for (int64_t h = 0; h < g; ++h) dot_keys_any(q + h * d, k, n, d, scale, scores + h * ld);
 }
 
-void weigh_values(const float* p, const float* v, int64_t n, int64_t d, float* out) {
+void weigh_values(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate = false) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return weigh_values<8>(p, v, n, out);
-  if (d == 128) return weigh_values<16>(p, v, n, out);
+  if (d == 64) return weigh_values<8>(p, v, n, out, accumulate);
+  if (d == 128) return weigh_values<16>(p, v, n, out, accumulate);
 #endif
-  weigh_values_any(p, v, n, d, out);
+  weigh_values_any(p, v, n, d, out, accumulate);
+}
+
+// Softmax of each of the g rows of n scores at s[h * n], in place (max subtracted, so exp's argument <= 0).
+void softmax_rows(float* scores, int64_t g, int64_t n) {
+  for (int64_t h = 0; h < g; ++h) {
+    float* s = scores + h * n;
+    float m = s[0];
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = exp_nonpositive(s[j] - m);
+      total += s[j];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  }
 }
 
 }  // namespace
@@ -194,7 +217,7 @@ torch::Tensor decode_attention(
       std::memcpy(v + (n - 1) * d, vnp + (r * kv_heads + kh) * d, sizeof(float) * d);
       const float* qh = qp + (r * heads + kh * g) * d;
       scores.resize(g * n);
-      dot_keys_heads(qh, g, k, v, n, d, sc, scores.data());
+      dot_keys_heads(qh, g, k, v, n, d, sc, scores.data(), n);
       for (int64_t h = 0; h < g; ++h) {
         float* s = scores.data() + h * n;
         float m = s[0];
@@ -216,6 +239,122 @@ torch::Tensor decode_attention(
   return out;
 }
 
+// The same over a paged cache: keys and values live in blocks of block_size positions, a row's table maps its
+// logical block i (positions [i * block_size, (i + 1) * block_size)) to a physical block id, and block id b is
+// index b % slab_blocks of slab b / slab_blocks. Slabs are [slab_blocks, kv_heads, block_size, head_dim] float32
+// and contiguous, so one kv head's positions of one block are contiguous and are read as one chunk: scores are
+// computed chunk by chunk into one array per row, softmaxed whole, then values are summed chunk by chunk.
+torch::Tensor paged_decode_attention(
+    const torch::Tensor& q,                     // [rows, heads, head_dim]
+    const torch::Tensor& k_new,                 // [rows, kv_heads, head_dim]: written at logical position end - 1
+    const torch::Tensor& v_new,
+    const std::vector<torch::Tensor>& k_slabs,  // each [slab_blocks, kv_heads, block_size, head_dim]
+    const std::vector<torch::Tensor>& v_slabs,
+    const torch::Tensor& tables,                // int64 [rows, max_blocks]: physical block ids, -1 = none
+    const torch::Tensor& spans,                 // int64 [rows, 2]: start, end (logical positions)
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.device().is_cpu(),
+              "q: [rows, heads, head_dim] f32, contiguous, on the CPU");
+  const int64_t n_rows = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(!k_slabs.empty() && k_slabs.size() == v_slabs.size(), "as many k slabs as v slabs, at least one");
+  const auto slab_shape = k_slabs[0].sizes().vec();
+  TORCH_CHECK(slab_shape.size() == 4, "slabs: [slab_blocks, kv_heads, block_size, head_dim]");
+  const int64_t slab_blocks = slab_shape[0], kv_heads = slab_shape[1], block_size = slab_shape[2];
+  TORCH_CHECK(slab_blocks > 0 && block_size > 0, "slabs hold at least one block of at least one position");
+  TORCH_CHECK(slab_shape[3] == d, "slabs' head_dim (", slab_shape[3], ") is the query's (", d, ")");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (",
+              kv_heads, ")");
+  const int64_t g = heads / kv_heads;
+  TORCH_CHECK(k_new.dim() == 3 && k_new.sizes() == v_new.sizes() && k_new.size(0) == n_rows &&
+                  k_new.size(1) == kv_heads && k_new.size(2) == d,
+              "new k/v: [rows, kv_heads, head_dim]");
+  TORCH_CHECK(k_new.scalar_type() == torch::kFloat32 && v_new.scalar_type() == torch::kFloat32, "new k/v are f32");
+  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "new k/v are contiguous");
+  TORCH_CHECK(k_new.device().is_cpu() && v_new.device().is_cpu(), "new k/v are on the CPU");
+  std::vector<float*> kp, vp;
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    const auto& k = k_slabs[i];
+    const auto& v = v_slabs[i];
+    TORCH_CHECK(k.sizes() == slab_shape && v.sizes() == slab_shape, "slab ", i,
+                ": every k and v slab has the shape of the first, ", k_slabs[0].sizes());
+    TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "slab ", i, ": f32");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "slab ", i, ": contiguous");
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "slab ", i, ": on the CPU");
+    kp.push_back(k.data_ptr<float>());
+    vp.push_back(v.data_ptr<float>());
+  }
+  const int64_t n_blocks = static_cast<int64_t>(kp.size()) * slab_blocks;
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.size(0) == n_rows &&
+                  tables.device().is_cpu(),
+              "tables: int64 [rows, max_blocks] on the CPU");
+  TORCH_CHECK(spans.dim() == 2 && spans.scalar_type() == torch::kInt64 && spans.size(0) == n_rows &&
+                  spans.size(1) == 2 && spans.device().is_cpu(),
+              "spans: int64 [rows, 2] on the CPU");
+  const int64_t max_blocks = tables.size(1);
+  auto tables_c = tables.contiguous();
+  auto spans_c = spans.contiguous();
+  const int64_t* table = tables_c.data_ptr<int64_t>();
+  const int64_t* span = spans_c.data_ptr<int64_t>();
+  // Every block a row touches is checked here, so the loop below reads and writes only inside the slabs.
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t start = span[2 * r], end = span[2 * r + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= max_blocks * block_size,
+                "row ", r, ": bad span [", start, ", ", end, ") for ", max_blocks, " blocks of ", block_size);
+    for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
+      const int64_t b = table[r * max_blocks + lb];
+      TORCH_CHECK(0 <= b && b < n_blocks, "row ", r, ": logical block ", lb, " is block ", b, ", not one of the ",
+                  n_blocks, " in the slabs");
+    }
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* knp = k_new.data_ptr<float>();
+  const float* vnp = v_new.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // Offset of kv head kh's position o of block id b in its slab (b's slab is b / slab_blocks).
+  auto at = [&](int64_t b, int64_t kh, int64_t o) {
+    return (((b % slab_blocks) * kv_heads + kh) * block_size + o) * d;
+  };
+  at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t r = item / kv_heads, kh = item % kv_heads;
+      const int64_t start = span[2 * r], end = span[2 * r + 1];
+      const int64_t n = end - start;
+      const int64_t* row_table = table + r * max_blocks;
+      const int64_t last = row_table[(end - 1) / block_size];  // this step's K/V
+      const int64_t last_at = at(last, kh, (end - 1) % block_size);
+      std::memcpy(kp[last / slab_blocks] + last_at, knp + (r * kv_heads + kh) * d, sizeof(float) * d);
+      std::memcpy(vp[last / slab_blocks] + last_at, vnp + (r * kv_heads + kh) * d, sizeof(float) * d);
+      const float* qh = qp + (r * heads + kh * g) * d;
+      scores.resize(g * n);
+      // Chunk of logical block lb: positions [lo, hi) of the span, at offset lo - start of each head's scores.
+      const int64_t first = start / block_size, past = (end - 1) / block_size + 1;
+      for (int64_t lb = first; lb < past; ++lb) {
+        const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
+        const int64_t b = row_table[lb], off = at(b, kh, lo - lb * block_size);
+        dot_keys_heads(qh, g, kp[b / slab_blocks] + off, vp[b / slab_blocks] + off, hi - lo, d, sc,
+                       scores.data() + (lo - start), n);
+      }
+      softmax_rows(scores.data(), g, n);
+      // Block-major, so each chunk of values is read once (from L1) for the g heads that share it.
+      float* oh = op + (r * heads + kh * g) * d;
+      for (int64_t lb = first; lb < past; ++lb) {
+        const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
+        const int64_t b = row_table[lb];
+        const float* v = vp[b / slab_blocks] + at(b, kh, lo - lb * block_size);
+        for (int64_t h = 0; h < g; ++h) {
+          weigh_values(scores.data() + h * n + (lo - start), v, hi - lo, d, oh + h * d, lb != first);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention of many rows over their own caches and spans");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one-token attention of many rows over their own spans of a paged cache (block tables over slabs)");
 }

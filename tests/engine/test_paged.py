@@ -1,0 +1,86 @@
+"""Microbatches whose caches are blocks of a paged pool compute what contiguous caches compute: prefill,
+grouped decode at different steps, some rows only, in the native paged kernel and through the torch path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from engine.tiny_models import FAMILIES, LAYERS
+
+STEPS = 5
+GROUPS = [[9, 4], [3], [6, 6, 2]]  # prompt lengths per microbatch
+
+
+def _prefill(stages: list[Stage], caches: list, geometry: BatchGeometry, ids: torch.Tensor) -> torch.Tensor:
+    io = StageIO(input_ids=ids)
+    for stage, cache in zip(stages, caches, strict=True):
+        io = stage.prefill(io, cache, geometry)
+    assert io.logits is not None
+    return io.logits
+
+
+@pytest.mark.parametrize("native_attention", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_caches_compute_what_contiguous_caches_compute(
+    family: str, native_attention: bool, tiny_checkpoints: dict[str, Path]
+) -> None:
+    folder = tiny_checkpoints[family]
+    ranges = [(0, 2), (2, LAYERS)]
+    plain = [Stage(folder, r, native_attention=native_attention) for r in ranges]
+    paged = [Stage(folder, r, native_attention=native_attention) for r in ranges]
+    pools = [s.block_pool(block_size=4, max_blocks=64, slab_blocks=8) for s in paged]
+    generator = torch.Generator().manual_seed(3)
+    state = []
+    for lengths in GROUPS:
+        geometry = BatchGeometry.for_prompts(lengths)
+        ids = torch.zeros(len(lengths), geometry.cur_len, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            ids[row, geometry.pad_lens[row] :] = torch.randint(3, 300, (n,), generator=generator)
+        span = geometry.cur_len + STEPS
+        contiguous = [s.allocate_cache(len(lengths), span) for s in plain]
+        blocks = [pool.cache(s.kv_layout(len(lengths), span), geometry.pad_lens).holding(geometry.cur_len)
+                  for s, pool in zip(paged, pools, strict=True)]  # fmt: skip
+        torch.testing.assert_close(
+            _prefill(paged, blocks, geometry, ids), _prefill(plain, contiguous, geometry, ids), atol=1e-4, rtol=0
+        )
+        state.append([geometry, contiguous, blocks])
+    assert all(pool.used_blocks > 0 for pool in pools)
+    tokens = torch.randint(3, 300, (sum(len(g) for g in GROUPS), STEPS), generator=generator)
+    for step in range(STEPS):
+        # From step 2 on, row 1 of the last microbatch has finished: it leaves the computation and its
+        # blocks go back to the pool.
+        done = step >= 2
+        if step == 2:
+            for cache in state[2][2]:
+                cache.free_rows([1])
+        feeds, groups_plain, groups_paged, row = [], [], [], 0
+        for i, (geometry, contiguous, blocks) in enumerate(state):
+            geometry = state[i][0] = geometry.advance()
+            rows = (0, 2) if (i == 2 and done) else tuple(range(geometry.batch))
+            feeds.append(tokens[[row + r for r in rows], step : step + 1])
+            groups_plain.append((contiguous, geometry.only(rows)))
+            groups_paged.append((blocks, geometry.only(rows)))
+            row += geometry.batch
+        io_plain = io_paged = StageIO(input_ids=torch.cat(feeds))
+        for s in range(len(ranges)):
+            io_plain = plain[s].decode_groups(io_plain, [(cs[s], g) for cs, g in groups_plain])
+            io_paged = paged[s].decode_groups(io_paged, [(cs[s], g) for cs, g in groups_paged])
+        torch.testing.assert_close(io_paged.logits, io_plain.logits, atol=1e-4, rtol=0)
+    for _, _, blocks in state:
+        for cache in blocks:
+            cache.free()
+    assert all(pool.used_blocks == 0 for pool in pools)
+
+
+def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, Path]) -> None:
+    stage = Stage(tiny_checkpoints["llama"], (0, LAYERS))
+    if not stage.native_attention:
+        pytest.skip("native kernels unavailable on this host")
+    assert stage.paged_attention
+    assert not Stage(tiny_checkpoints["llama"], (0, LAYERS), native_attention=False).paged_attention

@@ -1,0 +1,48 @@
+"""A token stage's microbatches take blocks of its paged pool as positions are written, and give them back:
+a finished row's at the next pass that leaves it out, the rest when the microbatch is released."""
+
+from __future__ import annotations
+
+import redis
+
+from dejavu_common import keys
+from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
+from dejavulib.layout import KVLayout
+from dejavulib.paged import BlockGeometry, BlockPool, PagedKVCache
+
+
+class Stage:  # what StageRunner.state asks of a stage
+    num_layers = 2
+
+    def kv_layout(self, batch: int, max_len: int) -> KVLayout:
+        return KVLayout(2, batch, 1, max_len, 4)
+
+
+def test_blocks_follow_the_rows_and_microbatches_that_use_them(redis_url: str) -> None:
+    from dejavu_token_worker.runner import StageRunner
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=32)
+    rows = tuple(
+        RowSpec(request_id=f"r{i}", prompt_ids=(1,) * n, sampling=SamplingSpec(max_tokens=8, seed=0))
+        for i, n in enumerate((6, 2, 5))
+    )
+    for mb in (1, 2):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=rows, prompt_len=6, max_len=14).encode())
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    state = runner.state(1)
+    assert isinstance(state.cache, PagedKVCache) and pool.used_blocks == 0  # nothing taken before KV comes
+    # The prefill pass writes positions [0, 6): rows padded by 0, 4 and 1 take 2, 1 and 2 blocks.
+    runner._acquire(state, 5, (0, 1, 2))
+    assert pool.used_blocks == 5
+    # Decode of step 3 (position 8, block 2) after row 1 finished: row 1's block goes back, rows 0 and 2
+    # take one more each.
+    runner._acquire(state, 8, (0, 2))
+    assert not state.cache.live[1] and pool.used_blocks == 6
+    runner._acquire(runner.state(2), 5, (0, 1, 2))
+    assert pool.used_blocks == 11
+    runner.release(1)
+    assert pool.used_blocks == 5
+    runner.release(2, finished=False)  # a microbatch whose prompt re-runs after a recovery: freed too
+    assert pool.used_blocks == 0
+    client.close()
