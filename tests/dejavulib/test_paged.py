@@ -123,3 +123,28 @@ def test_a_layout_of_other_heads_is_refused() -> None:
     pool = BlockPool(BlockGeometry.of(LAYOUT, 8), max_blocks=4)
     with pytest.raises(ValueError):
         PagedKVCache(pool, LAYOUT.with_layers(0, 3))
+
+
+def test_an_evicted_cache_keeps_its_contents_in_host_memory_and_takes_blocks_back_when_used() -> None:
+    pool = BlockPool(BlockGeometry.of(LAYOUT, 8), max_blocks=16, slab_blocks=4)
+    paged = pool.cache(LAYOUT, (0, 3, 9, 0)).holding(20)
+    source = _filled(LAYOUT, 1)
+    written = LAYOUT.region(positions=(0, 20))
+    paged.unpack(written, _region_bytes(source, written))
+    before = _region_bytes(paged, written)
+    held = pool.used_blocks
+    assert paged.evict() == held and paged.evicted and pool.used_blocks == 0
+    assert paged.evict() == 0  # once
+    assert torch.equal(_region_bytes(paged, written), before)  # read from the host copy meanwhile
+    step = LAYOUT.region(positions=(20, 21))
+    paged.unpack(step, _region_bytes(source, step))  # a write while evicted lands in the host copy
+    other = pool.cache(LAYOUT).holding(32)  # someone else takes 16 blocks: nothing left
+    with pytest.raises(PoolExhausted):
+        paged.holding(21)
+    assert paged.evicted and torch.equal(_region_bytes(paged, written), before)  # still whole, still evicted
+    other.free()
+    paged.holding(24)
+    assert not paged.evicted and pool.used_blocks == held  # position 20 is in block 2, taken already
+    assert torch.equal(_region_bytes(paged, written), before)
+    assert torch.equal(_region_bytes(paged, step), _region_bytes(source, step))
+    assert paged.evictions == 1

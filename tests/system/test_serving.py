@@ -138,18 +138,33 @@ def _mixed_jobs(n: int) -> list[tuple[str, int]]:
             dict(prompt_depth=2, token_depth=3, prompt_microbatch=3, token_microbatch=2, kv_block_size=4),
             id="2P+3T-paged",
         ),
+        # Paged pools too small for every microbatch in flight: a stage short of blocks preempts the
+        # microbatch it computed least recently to host memory and moves it back when it runs again.
+        pytest.param(
+            dict(
+                prompt_depth=1,
+                token_depth=2,
+                prompt_microbatch=2,
+                token_microbatch=2,
+                kv_block_size=4,
+                kv_pool_bytes=48 * 92_160,
+            ),
+            id="1P+2T-paged-preempting",
+        ),
     ],
 )
 def test_prompt_tasks_feeding_token_microbatches_of_different_prompt_lengths(
     deployment, redis_url, model, reference
 ) -> None:
     deployment = dict(deployment)
-    block_size = deployment.pop("kv_block_size", 0)
+    block_size, pool_bytes = deployment.pop("kv_block_size", 0), deployment.pop("kv_pool_bytes", None)
     settings = cluster_settings(redis_url, model, **deployment)
-    settings.engine.kv_block_size = block_size
+    settings.engine.kv_block_size, settings.engine.kv_pool_bytes = block_size, pool_bytes
     with running(settings) as launcher:
         jobs = _mixed_jobs(12)
         got = _complete_all(_client(launcher), settings.model.name, jobs)
         for (prompt, n), (text, _usage, _finish) in zip(jobs, got, strict=True):
             assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
         assert "dropped a prompt KV chunk" not in logs(launcher, tail=None)
+        if pool_bytes is not None:  # the pools were short: microbatches were preempted, and lost nothing
+            assert "moved to host memory" in logs(launcher, tail=None)

@@ -46,3 +46,29 @@ def test_blocks_follow_the_rows_and_microbatches_that_use_them(redis_url: str) -
     runner.release(2, finished=False)  # a microbatch whose prompt re-runs after a recovery: freed too
     assert pool.used_blocks == 0
     client.close()
+
+
+def test_a_full_pool_preempts_the_least_recently_computed_microbatch_to_host_memory(redis_url: str) -> None:
+    from dejavu_token_worker.runner import StageRunner
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=6, slab_blocks=2)
+    row = RowSpec(request_id="r", prompt_ids=(1,) * 4, sampling=SamplingSpec(max_tokens=8, seed=0))
+    for mb in (1, 2):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=(row, row), prompt_len=4, max_len=12).encode())
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    one, two = runner.state(1), runner.state(2)
+    for state in (one, two):
+        state.mark_complete()
+        runner._passes += 1
+        state.last_pass = runner._passes
+        runner._acquire(state, 3, (0, 1))  # 2 blocks each
+    assert pool.used_blocks == 4
+    runner._in_pass = {2}
+    runner._acquire(two, 7, (0, 1))  # 2 more blocks: 6 of 6 used
+    runner._acquire(two, 11, (0, 1))  # 2 more: microbatch 1 (computed least recently) goes to host memory
+    assert one.cache.evicted and not two.cache.evicted and pool.used_blocks == 6
+    runner._in_pass = {1}
+    runner._acquire(one, 4, (0, 1))  # back: needs 4 blocks, so microbatch 2 goes to host memory in turn
+    assert not one.cache.evicted and two.cache.evicted
+    client.close()

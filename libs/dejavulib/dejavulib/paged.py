@@ -218,7 +218,9 @@ class PagedKVCache:
         self.live = [True] * layout.batch  # rows whose blocks are kept (a finished row's are returned)
         self.filled = 0  # positions [0, filled) have blocks in every live row
         self.closed = False
-        self._lock = threading.Lock()
+        self.evictions = 0  # times the cache was moved to host memory to make room (see evict)
+        self._host: KVCache | None = None  # positions [0, filled) while evicted
+        self._lock = threading.RLock()
         self._finalizer = weakref.finalize(self, _release, pool, self.table)
 
     # -- what a KVCache offers ------------------------------------------------------------------------
@@ -264,12 +266,48 @@ class PagedKVCache:
             if self.live[r]
         )
 
+    @property
+    def evicted(self) -> bool:
+        """Whether the cache's positions are in host memory and its blocks back in the pool (see evict)."""
+        return self._host is not None
+
+    def evict(self) -> int:
+        """Make room in the pool: move positions ``[0, filled)`` to host memory and return every block.
+        The next :meth:`holding` takes blocks again and moves them back; ``pack`` and ``unpack`` meanwhile
+        read and write the host copy. Returns the blocks returned (0 for a cache holding none)."""
+        with self._lock:
+            if self.closed or self._host is not None or self.filled == 0 or self.blocks_held == 0:
+                return 0
+            dense = self.dense(self.filled)
+            self._host = KVCache(dense.layout, dense.k.cpu(), dense.v.cpu())
+            held = self.table[self.table >= 0]
+            self.table.fill_(-1)
+            self.evictions += 1
+        self.pool.free(held.tolist())
+        return int(held.numel())
+
+    def _restore(self, wait_s: float) -> None:
+        """Take blocks for positions ``[0, filled)`` and move the host copy back (with the lock held)."""
+        host, self._host = self._host, None
+        assert host is not None
+        filled, self.filled = self.filled, 0
+        try:
+            self.holding(filled, wait_s=wait_s)
+        except BaseException:
+            self._host, self.filled = host, filled
+            raise
+        self.write_back(KVCache(host.layout, host.k.to(self.device), host.v.to(self.device)), (0, filled))
+
     def holding(self, positions: int, span: int | None = None, wait_s: float = 0.0) -> PagedKVCache:
-        """This cache, with blocks taken so every live row holds positions ``[pad, positions)``. Raises
-        ValueError past the span, ``PoolExhausted`` (taking nothing) when the pool is still short after
-        ``wait_s``."""
+        """This cache, with blocks taken so every live row holds positions ``[pad, positions)`` (an evicted
+        cache's host copy moved back first). Raises ValueError past the span, ``PoolExhausted`` (taking
+        nothing) when the pool is still short after ``wait_s``."""
         if positions > self.layout.max_len or (span is not None and positions > span):
             raise ValueError(f"{positions} positions exceed the span of {self.layout.max_len}")
+        if self._host is not None:
+            with self._lock:
+                if self._host is not None:
+                    self._restore(wait_s)
         if positions <= self.filled:
             return self
         g = self.pool.geometry
@@ -312,6 +350,7 @@ class PagedKVCache:
         """Return every block to the pool; the cache holds nothing from now on. Idempotent."""
         with self._lock:
             self.closed = True
+            self._host = None
             self.live = [False] * self.layout.batch
             self._finalizer()
 
@@ -330,6 +369,12 @@ class PagedKVCache:
         """Gather ``region`` into the front of contiguous ``out`` in ``KVCache.pack``'s order
         (``[which][layer][row][head][position][head_dim]``); positions without a block read as zeros."""
         region.check_within(self.layout)
+        with self._lock:
+            if self._host is not None:
+                return self._host.pack(region, out)
+            return self._pack(region, out)
+
+    def _pack(self, region: Region, out: torch.Tensor) -> torch.Tensor:
         packed = typed_prefix(out, self.packed_shape(region), torch_dtype(self.layout.dtype))
         blocks, offsets = self._slots(region)
         l0, l1 = self.local(region.layers[0]), self.local(region.layers[1] - 1) + 1
@@ -343,6 +388,16 @@ class PagedKVCache:
         """Scatter packed ``data`` (as ``pack`` produces it) into ``region`` shifted by ``position_offset``;
         positions without a block (a row's padding, a finished row) are skipped."""
         region.check_within(self.layout)
+        with self._lock:
+            if self._host is not None:  # evicted: the host copy takes it (grown to hold it), blocks come later
+                end = region.positions[1] + position_offset
+                self._host = self._host.holding(end, self.layout.max_len)
+                self._host.unpack(region, data, position_offset)
+                self.filled = max(self.filled, end)
+                return
+            self._unpack(region, data, position_offset)
+
+    def _unpack(self, region: Region, data: torch.Tensor, position_offset: int) -> None:
         packed = typed_prefix(data, self.packed_shape(region), torch_dtype(self.layout.dtype))
         blocks, offsets = self._slots(region, position_offset)
         l0, l1 = self.local(region.layers[0]), self.local(region.layers[1] - 1) + 1
@@ -399,6 +454,11 @@ class PagedKVCache:
 
     def write_back(self, dense: KVCache, positions: tuple[int, int]) -> None:
         """Copy positions ``[p0, p1)`` of ``dense`` (from :meth:`dense`, then computed on) into the blocks."""
-        region = dense.layout.region(positions=positions)
-        buf = torch.empty(region.nbytes(dense.layout), dtype=torch.uint8, device=self.device)
-        self.unpack(region, dense.pack(region, buf))
+        p0, p1 = positions
+        blocks, offsets = self._slots(self.layout.region(positions=positions))
+        for which in (Which.K, Which.V):  # [L, R, H, P, D] -> cells [R * P, L, H, D], one copy
+            view = dense.tensor(which)[:, :, :, p0:p1]
+            cells = view.permute(1, 3, 0, 2, 4).reshape(
+                -1, self.layout.layers, self.layout.kv_heads, self.layout.head_dim
+            )
+            self._scatter(self.pool._slots(which), 0, self.layout.layers, blocks, offsets, cells)

@@ -158,7 +158,11 @@ class Stage:
                 return out
             # Prefill (or no paged kernel): compute on a contiguous copy, then write the new positions back.
             n = geometry.cur_len if self._ragged(x, geometry, all_logits) else x.shape[1]
-            dense = cache.holding(geometry.cur_len).dense(geometry.cur_len)
+            cache.holding(geometry.cur_len)
+            if n == geometry.cur_len:  # a whole prefill reads nothing it does not write: no copy in
+                dense = KVCache.allocate(self.kv_layout(geometry.batch, geometry.cur_len), self.device)
+            else:
+                dense = cache.dense(geometry.cur_len)
             out = self.forward(io, dense, geometry, on_layer_done, all_logits)
             cache.write_back(dense, (geometry.cur_len - n, geometry.cur_len))
             return out

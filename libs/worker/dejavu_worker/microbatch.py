@@ -50,6 +50,7 @@ class MicrobatchState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     done_step: int = -1  # the last step whose KV this stage holds (0: prompt)
     pool_wait_s: float = 0.0  # how long placing prompt KV waits for a paged pool's blocks
+    last_pass: int = 0  # the stage's pass count when this microbatch was last computed
     prompt_replicated: bool = False
 
     @property

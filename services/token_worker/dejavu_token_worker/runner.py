@@ -32,7 +32,7 @@ from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
 from dejavulib.kvcache import KVCache
-from dejavulib.paged import BlockPool, PagedKVCache
+from dejavulib.paged import BlockPool, PagedKVCache, PoolExhausted
 
 log = logging.getLogger("dejavu.token_worker")
 
@@ -97,6 +97,8 @@ class StageRunner:
         self.trackers: dict[int, RowTracker] = {}  # last stage only: per-row progress
         self.replicas: ReplicaSender | None = None
         self._lock = threading.Lock()
+        self._passes = 0  # passes run, for the least-recently-computed order of preemption
+        self._in_pass: set[int] = set()  # the microbatches of the pass being set up
         self._finished: collections.deque[int] = collections.deque()
         self._finished_set: set[int] = set()
 
@@ -188,6 +190,10 @@ class StageRunner:
         if kind is Kind.PREFILL and len(members) != 1:
             raise ValueError("a prefill pass runs one microbatch")
         geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
+        self._passes += 1
+        self._in_pass = {m.state.mb_id for m in members}
+        for m in members:
+            m.state.last_pass = self._passes
         caches = [
             self._acquire(m.state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1), m.rows)
             for m, g in zip(members, geometries, strict=True)
@@ -241,13 +247,25 @@ class StageRunner:
 
     def _acquire(self, state: MicrobatchState, filled: int, rows: tuple[int, ...] = ()) -> KVCache | PagedKVCache:
         """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache. A paged
-        cache first returns the blocks of its rows that finished (every row not in ``rows``) to the pool."""
+        cache first returns the blocks of its rows that finished (every row not in ``rows``) to the pool,
+        then takes the blocks the pass writes (moving its host copy back if it was preempted); when the pool
+        is full, microbatches not in this pass are preempted to host memory to make room."""
         if self.swap is None:
             cache = state.cache
-            if isinstance(cache, PagedKVCache) and rows:
-                done = [r for r, live in enumerate(cache.live) if live and r not in rows]
-                if done:
-                    cache.free_rows(done)
+            if isinstance(cache, PagedKVCache):
+                if rows:
+                    done = [r for r, live in enumerate(cache.live) if live and r not in rows]
+                    if done:
+                        cache.free_rows(done)
+                for attempt in range(3):  # prompt KV placed meanwhile may take the blocks made free first
+                    try:
+                        state.ensure_capacity(filled + 1)
+                        break
+                    except PoolExhausted:
+                        if attempt == 2:
+                            raise  # nothing left to move out: this microbatch fails, not the stage
+                        self._make_room(cache.blocks_needed(filled + 1), keep=state.mb_id)
+                return state.cache
             state.ensure_capacity(filled + 1)
             return state.cache
         if self.swap.state(state.mb_id) is SwapState.HOST:  # not prefetched (a missed hint)
@@ -261,6 +279,24 @@ class StageRunner:
                 if time.monotonic() > end:
                     raise
                 self.swap.make_room(keep=state.mb_id)  # stale guesses must not starve this swap-in
+
+    def _make_room(self, blocks: int, keep: int) -> None:
+        """Preempt: move the caches of microbatches not in the pass being set up to host memory, least
+        recently computed first, until ``blocks`` blocks are free (they come back when next computed)."""
+        assert self.pool is not None
+        with self._lock:
+            candidates = [
+                st
+                for mb, st in self.states.items()
+                if mb != keep and mb not in self._in_pass and st.complete.is_set()
+                and isinstance(st.cache, PagedKVCache) and not st.cache.evicted
+            ]  # fmt: skip
+        for st in sorted(candidates, key=lambda st: st.last_pass):
+            if self.pool.free_blocks >= blocks:
+                break
+            freed = st.cache.evict()  # type: ignore[union-attr]
+            if freed:
+                log.info("KV pool full: microbatch %d moved to host memory (%d blocks)", st.mb_id, freed)
 
     def prefetch(self, mb_id: int) -> None:
         """Start swapping ``mb_id``'s cache in (swapping only; a no-op when it is not resident here yet)."""
