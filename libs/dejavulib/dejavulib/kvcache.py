@@ -82,10 +82,7 @@ class KVCache:
 
     def local(self, global_layer: int) -> int:
         """Index along the first dimension of a global layer index."""
-        a, b = self.layout.layer_range
-        if not a <= global_layer < b:
-            raise IndexError(f"layer {global_layer} not in this cache's layers [{a}, {b})")
-        return global_layer - a
+        return self.layout.local(global_layer)
 
     def whole(self, microbatch: int = 0) -> Region:
         """The region of every layer, row and position of this cache."""
@@ -105,8 +102,7 @@ class KVCache:
         return self.tensor(which)[l0:l1, region.rows[0] : region.rows[1], :, p0:p1, :]
 
     def packed_shape(self, region: Region) -> tuple[int, ...]:
-        return (len(region.tensors), region.n_layers, region.n_rows, self.layout.kv_heads, region.n_positions,
-                self.layout.head_dim)  # fmt: skip
+        return self.layout.packed_shape(region)
 
     def pack(self, region: Region, out: torch.Tensor) -> torch.Tensor:
         """Gather ``region`` into the front of contiguous ``out`` (any dtype/shape with enough bytes); return the

@@ -103,6 +103,17 @@ class KVLayout:
     def with_layers(self, first_layer: int, layers: int) -> KVLayout:
         return KVLayout(layers, self.batch, self.kv_heads, self.max_len, self.head_dim, self.dtype, first_layer)
 
+    def local(self, global_layer: int) -> int:
+        """Index along a cache's first dimension of a global layer index."""
+        a, b = self.layer_range
+        if not a <= global_layer < b:
+            raise IndexError(f"layer {global_layer} not in this cache's layers [{a}, {b})")
+        return global_layer - a
+
+    def packed_shape(self, region: Region) -> tuple[int, ...]:
+        """Shape of ``region`` packed (``[which][layer][row][head][position][head_dim]``)."""
+        return (len(region.tensors), region.n_layers, region.n_rows, self.kv_heads, region.n_positions, self.head_dim)
+
     def region(
         self,
         layers: tuple[int, int] | None = None,

@@ -242,18 +242,15 @@ class PagedKVCache:
         return self.blocks_held * self.pool.geometry.bytes_per_block
 
     def local(self, global_layer: int) -> int:
-        a, b = self.layout.layer_range
-        if not a <= global_layer < b:
-            raise IndexError(f"layer {global_layer} not in this cache's layers [{a}, {b})")
-        return global_layer - a
+        """Index along the first dimension of a global layer index."""
+        return self.layout.local(global_layer)
 
     def whole(self, microbatch: int = 0) -> Region:
         """Every layer and row, positions ``[0, filled)``: what the cache holds (a restore sends it)."""
         return self.layout.region(positions=(0, max(1, self.filled)), microbatch=microbatch)
 
     def packed_shape(self, region: Region) -> tuple[int, ...]:
-        return (len(region.tensors), region.n_layers, region.n_rows, self.layout.kv_heads, region.n_positions,
-                self.layout.head_dim)  # fmt: skip
+        return self.layout.packed_shape(region)
 
     # -- blocks -------------------------------------------------------------------------------------------
     def blocks_needed(self, positions: int) -> int:

@@ -218,21 +218,8 @@ torch::Tensor decode_attention(
       const float* qh = qp + (r * heads + kh * g) * d;
       scores.resize(g * n);
       dot_keys_heads(qh, g, k, v, n, d, sc, scores.data(), n);
-      for (int64_t h = 0; h < g; ++h) {
-        float* s = scores.data() + h * n;
-        float m = s[0];
-        for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < n; ++j) {
-          s[j] = exp_nonpositive(s[j] - m);
-          total += s[j];
-        }
-        const float inv = 1.0f / total;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-        weigh_values(s, v, n, d, acc.data() + h * d);
-      }
+      softmax_rows(scores.data(), g, n);
+      for (int64_t h = 0; h < g; ++h) weigh_values(scores.data() + h * n, v, n, d, acc.data() + h * d);
       std::memcpy(op + (r * heads + kh * g) * d, acc.data(), sizeof(float) * g * d);
     }
   });
