@@ -178,7 +178,8 @@ class PipelineBackend:
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(req.events.get(), timeout=self.settings.controller.request_timeout_s)
+                    async with asyncio.timeout(self.settings.controller.request_timeout_s):  # not wait_for: above
+                        ev = await req.events.get()
                 except TimeoutError:
                     log.error("request %s timed out", req.request_id)
                     req.fail()
@@ -407,8 +408,11 @@ class PipelineBackend:
     async def _dispatch_loop(self) -> None:
         wait = max(self.settings.controller.batch_wait_ms / 1000.0, 0.001)
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns the event's result when it is set in
+            # the moment the task is cancelled, swallowing the cancellation (shutdown then hangs).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
             self._wake.clear()
             async with self._dispatching:
                 if not self._ready:
