@@ -89,3 +89,30 @@ def test_waiting_for_a_spec_ends_at_its_deadline_or_at_once_when_the_epoch_chang
     threading.Timer(0.1, lambda: client.set(keys.microbatch(3), spec.model_copy(update={"mb_id": 3}).encode())).start()
     assert fetch_spec(client, 3, 30.0, lambda: False).mb_id == 3
     client.close()
+
+
+def test_the_kv_status_follows_arrival_preemption_and_release() -> None:
+    from dejavu_worker.microbatch import IllegalKVTransition, KVStatus
+    from dejavulib.paged import BlockGeometry, BlockPool
+
+    layout = KVLayout(3, 2, 2, 40, 4, first_layer=5)
+    pool = BlockPool(BlockGeometry.of(layout, 4), max_blocks=64)
+    state = _state(prompt_len=6, max_len=40, capacity=8)
+    state.cache = pool.cache(layout)
+    assert state.status is KVStatus.RECEIVING and state.preempt() == 0  # nothing to move before it is whole
+    k, v = torch.randn(3, 2, 2, 6, 4), torch.randn(3, 2, 2, 6, 4)
+    _place(state, (5, 8), (0, 2), (0, 6), k, v)
+    state.add_prompt_cells((5, 8), (0, 2))
+    assert state.status is KVStatus.READY and state.complete.is_set() and state.done_step == 0
+    assert state.preempt() == 4 and state.status is KVStatus.PREEMPTED and pool.used_blocks == 0
+    state.ensure_capacity(7)  # computed again: back in blocks, whole
+    assert state.status is KVStatus.READY and pool.used_blocks == 4
+    back = state.cache.dense(6)
+    assert torch.equal(back.k, k) and torch.equal(back.v, v)
+    state.release()
+    assert state.status is KVStatus.RELEASED and pool.used_blocks == 0
+    state.release()  # idempotent
+    with pytest.raises(ValueError):
+        state.ensure_capacity(8)  # nothing revives it
+    with pytest.raises(IllegalKVTransition):
+        state._move(KVStatus.READY)

@@ -28,7 +28,7 @@ from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.replication import ReplicaSender
 from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
-from dejavu_worker.microbatch import MicrobatchState, fetch_spec
+from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
 from dejavulib.kvcache import KVCache
@@ -94,7 +94,6 @@ class StageRunner:
         self.endpoint = endpoint
         self.deadline_s = deadline_s
         self.states: dict[int, MicrobatchState] = {}
-        self.trackers: dict[int, RowTracker] = {}  # last stage only: per-row progress
         self.replicas: ReplicaSender | None = None
         self._lock = threading.Lock()
         self._passes = 0  # passes run, for the least-recently-computed order of preemption
@@ -137,16 +136,15 @@ class StageRunner:
         """Free ``mb_id``'s state. ``finished``: it never comes back (unlike a prompt re-run after recovery)."""
         with self._lock:
             st = self.states.pop(mb_id, None)
-            if st is not None and self.swap is not None:
-                self.swap.drop(mb_id)
-            if st is not None and isinstance(st.cache, PagedKVCache):
-                st.cache.free()  # its blocks go back to the pool now
+            if st is not None:
+                st.release()  # a paged cache's blocks go back to the pool now
+                if self.swap is not None:
+                    self.swap.drop(mb_id)
             if finished and mb_id not in self._finished_set:
                 self._finished.append(mb_id)
                 self._finished_set.add(mb_id)
                 if len(self._finished) > _FINISHED_REMEMBERED:
                     self._finished_set.discard(self._finished.popleft())
-        self.trackers.pop(mb_id, None)
 
     def fail(self, mb_id: int, step: int, error: Exception) -> None:
         """Fail ``mb_id`` to its clients: publish an ERROR finish of every row at ``step`` on its token
@@ -234,7 +232,8 @@ class StageRunner:
             entries.append(entry)
             row += n
             feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
-            tracker = self.trackers[state.mb_id]
+            tracker = state.tracker
+            assert tracker is not None
             returned.append(Returned(state.mb_id, step, feed, tracker.done, tuple(tracker.active_rows)))
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
@@ -288,13 +287,12 @@ class StageRunner:
             candidates = [
                 st
                 for mb, st in self.states.items()
-                if mb != keep and mb not in self._in_pass and st.complete.is_set()
-                and isinstance(st.cache, PagedKVCache) and not st.cache.evicted
+                if mb != keep and mb not in self._in_pass and st.status is KVStatus.READY
             ]  # fmt: skip
         for st in sorted(candidates, key=lambda st: st.last_pass):
             if self.pool.free_blocks >= blocks:
                 break
-            freed = st.cache.evict()  # type: ignore[union-attr]
+            freed = st.preempt()
             if freed:
                 log.info("KV pool full: microbatch %d moved to host memory (%d blocks)", st.mb_id, freed)
 
@@ -322,9 +320,9 @@ class StageRunner:
         (``cancelled``: rows the controller cancelled); the caller publishes the returned entry on the
         token stream."""
         spec = state.spec
-        tracker = self.trackers.get(spec.mb_id)
+        tracker = state.tracker
         if tracker is None:
-            tracker = self.trackers[spec.mb_id] = RowTracker(spec, self.stage.spec.eos_token_ids)
+            tracker = state.tracker = RowTracker(spec, self.stage.spec.eos_token_ids)
             tracker.replay(history(self.redis, spec.mb_id, before_step=step))
         params = [
             SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed)

@@ -250,7 +250,8 @@ class TokenWorker(WorkerProcess):
         if self.ready is not None:
             self.ready.forget(set(point.rerun))
             self.ready.ignored |= set(point.dropped)  # a late announcement of a failed microbatch is stale
-        self.runner.trackers.clear()  # rebuilt from the token streams at the resumed steps
+        for state in list(self.runner.states.values()):
+            state.tracker = None  # rebuilt from the token streams at the resumed steps
         return dict(point.resume) if pos.is_first else {}
 
     def _send_restores(self, order: RecoveryOrder, pos: Position, topology: Topology) -> None:
