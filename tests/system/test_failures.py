@@ -137,10 +137,11 @@ def _check(texts: dict[str, str], reference: dict[str, str], launcher) -> None:
 
 
 def test_middle_last_and_first_token_stage_crashes(redis_url, model, reference) -> None:
-    """Colocated 3-stage pipeline with spares: SIGKILL the middle, then the last, then the first stage,
-    each at a random decode step of a new round of requests."""
+    """Colocated 3-stage pipeline with spares, KV in paged pools: SIGKILL the middle, then the last, then
+    the first stage, each at a random decode step of a new round of requests."""
     rng = random.Random(7)
     settings = cluster_settings(redis_url, model, mode=Mode.COLOCATED, token_depth=3, token_microbatch=2)
+    settings.engine.kv_block_size = 16
     with running(settings, spares=3) as launcher:
         for stage in (1, 2, 0):
             victim = _holder(settings, stage)
@@ -152,11 +153,13 @@ def test_middle_last_and_first_token_stage_crashes(redis_url, model, reference) 
 
 
 def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url, model, reference) -> None:
-    """Disaggregated 1P + 4T: a hung worker (heartbeats paused beyond the lease) is fenced and replaced;
-    two non-adjacent stages die together; a third dies while the pipeline is being repaired."""
+    """Disaggregated 1P + 4T, KV in paged pools: a hung worker (heartbeats paused beyond the lease) is
+    fenced and replaced; two non-adjacent stages die together; a third dies while the pipeline is being
+    repaired."""
     settings = cluster_settings(
         redis_url, model, prompt_depth=1, token_depth=4, prompt_microbatch=2, token_microbatch=2
     )
+    settings.engine.kv_block_size = 8  # paged pools: restores and replicas placed into blocks
     # Five failures need five replacements, and two simultaneous deaths may be detected in two repairs that
     # take one more: a fifth spare keeps the last failure from waiting for a worker that never comes.
     with running(settings, spares=5) as launcher:

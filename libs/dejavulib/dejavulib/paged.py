@@ -238,8 +238,9 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V this cache's blocks hold."""
-        return self.blocks_held * self.pool.geometry.bytes_per_block
+        """Bytes of K and V this cache holds: its blocks, or its host copy while evicted."""
+        host = self._host
+        return self.blocks_held * self.pool.geometry.bytes_per_block + (host.nbytes if host is not None else 0)
 
     def local(self, global_layer: int) -> int:
         """Index along the first dimension of a global layer index."""
