@@ -43,6 +43,7 @@ class Pipeline:
     row_finish: dict[int, dict[int, int]] = field(default_factory=dict)  # mb -> row -> its last step
     computed: list[dict[int, tuple[int, ...]]] = field(default_factory=list)  # per pass: mb -> rows computed
     swap: None = None
+    pool: None = None  # contiguous caches: no paged pool to fit passes into
     states: dict[int, State] = field(default_factory=dict)
     passes: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)

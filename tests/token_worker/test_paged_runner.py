@@ -72,3 +72,34 @@ def test_a_full_pool_preempts_the_least_recently_computed_microbatch_to_host_mem
     runner._acquire(one, 4, (0, 1))  # back: needs 4 blocks, so microbatch 2 goes to host memory in turn
     assert not one.cache.evicted and two.cache.evicted
     client.close()
+
+
+def test_a_pass_that_cannot_fit_the_pool_sets_its_latest_members_aside_first_in_line(redis_url: str) -> None:
+    from dejavu_token_worker.driver import Driver, Member
+    from dejavu_token_worker.runner import Position, StageRunner
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=12, slab_blocks=4)
+    row = RowSpec(request_id="r", prompt_ids=(1,) * 4, sampling=SamplingSpec(max_tokens=8, seed=0))
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    states = {}
+    for mb in (1, 2, 3):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=(row, row), prompt_len=4, max_len=12).encode())
+        states[mb] = runner.state(mb)
+        states[mb].mark_complete()
+        runner._acquire(states[mb], 3, (0, 1))  # the prompt: one block a row
+    assert pool.free_blocks == 6
+    driver = Driver(runner, None, client, "t0", Position(0, 1, None, "t0", False), None, 1.0)  # type: ignore[arg-type]
+    cohort = driver.cohorts[0]
+    cohort.members.update({mb: Member(5, (7, 7), (0, 1)) for mb in (1, 2, 3)})  # step 5 writes position 8: block 2
+    driver._fit_pool(cohort, states)
+    # Each member needs 4 more blocks (two rows x blocks 1 and 2): 12 > 6 free. Microbatch 3 (the latest)
+    # leaves, which makes its 2 blocks movable to host memory: 8 needed, 8 within reach.
+    assert list(cohort.members) == [1, 2] and list(states) == [1, 2]
+    assert [mb for mb, _ in driver._waiting] == [3] and driver._waiting[0][1].step == 5
+    # It rejoins only when the pool has room for its step: not while 1 and 2 run ...
+    assert not driver._room_for(3, driver._waiting[0][1])
+    runner.release(1)
+    cohort.members.pop(1)
+    assert driver._room_for(3, driver._waiting[0][1])  # ... and once microbatch 1 is gone, it does
+    client.close()

@@ -34,6 +34,7 @@ from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, Stag
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState
+from dejavulib.paged import PagedKVCache
 
 log = logging.getLogger("dejavu.token_worker.driver")
 
@@ -143,8 +144,43 @@ class Driver:
             mb, member = self._waiting[0]
             if cohort.members and cohort.rows + member.rows > share:
                 return
+            if not self._room_for(mb, member):
+                return  # a paged pool without room for it yet: it waits at the head of the line
             self._waiting.popleft()
             cohort.members[mb] = member
+
+    def _room_for(self, mb: int, member: Member) -> bool:
+        """Whether this stage's paged pool can take ``mb``'s next step (always without a pool, and for a
+        microbatch whose KV is still arriving: its blocks are taken as it arrives)."""
+        pool = self.runner.pool
+        state = self.runner.states.get(mb)
+        if pool is None or state is None or not state.complete.is_set():
+            return True
+        running = {m: other for c in self.cohorts for m, other in c.members.items()}
+        need = self.runner.blocks_to_run(state, member.step)
+        for m, other in running.items():  # what the running members' next steps take first
+            st = self.runner.states.get(m)
+            if st is not None and st.complete.is_set():
+                need += self.runner.blocks_to_run(st, other.step)
+        return need <= pool.free_blocks + self.runner.evictable_blocks(set(running) | {mb})
+
+    def _fit_pool(self, cohort: Cohort, states: dict[int, MicrobatchState]) -> None:
+        """Preemption at stage 0 of a paged pool: when the pass's members cannot all take the blocks their
+        step writes (free blocks plus those of microbatches outside the pass, which stages move to host
+        memory), the latest to join leave the cohort for the head of the waiting line until they can. Their
+        caches stay until room is needed; they rejoin (first in line) once the pool has room for them."""
+        pool = self.runner.pool
+        if pool is None or len(states) < 2:
+            return
+        order = list(states)
+        need = {mb: self.runner.blocks_to_run(states[mb], cohort.members[mb].step) for mb in order}
+        room = pool.free_blocks + self.runner.evictable_blocks(set(order))
+        while len(order) > 1 and sum(need[mb] for mb in order) > room:
+            mb = order.pop()
+            held = states.pop(mb).cache
+            room += held.blocks_held if isinstance(held, PagedKVCache) else 0
+            self._waiting.appendleft((mb, cohort.members.pop(mb)))
+            log.info("KV pool short: microbatch %d leaves cohort %d until there is room", mb, cohort.index)
 
     def _poll_ready(self) -> bool:
         """Move one newly ready microbatch to the waiting line; False when there is none."""
@@ -193,6 +229,7 @@ class Driver:
         if not states:  # every member failed and left
             self.runnable.append(cohort.index)
             return True
+        self._fit_pool(cohort, states)
         members = [PassMember(states[mb], cohort.members[mb].step, cohort.members[mb].live) for mb in states]
         ids = torch.tensor([[cohort.members[mb].feed[r]] for mb in states for r in cohort.members[mb].live])
         cohort.pass_members = tuple(states)

@@ -279,6 +279,18 @@ class StageRunner:
                     raise
                 self.swap.make_room(keep=state.mb_id)  # stale guesses must not starve this swap-in
 
+    def evictable_blocks(self, exclude: set[int]) -> int:
+        """Blocks held by microbatches that could be preempted to make room (READY, not in ``exclude``)."""
+        with self._lock:
+            states = [st for mb, st in self.states.items() if mb not in exclude and st.status is KVStatus.READY]
+        return sum(st.cache.blocks_held for st in states if isinstance(st.cache, PagedKVCache))
+
+    def blocks_to_run(self, state: MicrobatchState, step: int) -> int:
+        """Blocks a pass producing ``step`` of ``state`` takes (all of them for a preempted cache)."""
+        if not isinstance(state.cache, PagedKVCache):
+            return 0
+        return state.cache.blocks_needed(state.geometry(step).cur_len)
+
     def _make_room(self, blocks: int, keep: int) -> None:
         """Preempt: move the caches of microbatches not in the pass being set up to host memory, least
         recently computed first, until ``blocks`` blocks are free (they come back when next computed)."""
