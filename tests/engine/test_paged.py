@@ -84,3 +84,4 @@ def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, P
         pytest.skip("native kernels unavailable on this host")
     assert stage.paged_attention
     assert not Stage(tiny_checkpoints["llama"], (0, LAYERS), native_attention=False).paged_attention
+    assert not Stage(tiny_checkpoints["bloom"], (0, LAYERS)).paged_attention  # ALiBi biases: not in the kernel

@@ -115,14 +115,13 @@ class EngineSettings(BaseModel):
     )
 
     kv_block_size: int = Field(
-        0,
+        16,
         ge=0,
         le=4096,
-        description="Token stages keep KV in a paged pool of blocks of this many positions (dejavulib.paged; 16 "
-        "is a good size): blocks are taken as tokens are written and returned the moment a request's row "
-        "ends, nothing is reserved by max_tokens. 0 (the default until the paged kernel is as fast as the "
-        "contiguous one: 10-18% slower decode at 16 concurrent requests on the reference host): one "
-        "contiguous cache per microbatch, grown by doubling. Swapping keeps contiguous caches.",
+        description="Token stages keep KV in a paged pool of blocks of this many positions (dejavulib.paged): "
+        "blocks are taken as tokens are written and returned the moment a request's row ends, nothing is "
+        "reserved by max_tokens, and a stage short of blocks preempts microbatches to host memory. 0: one "
+        "contiguous cache per microbatch, grown by doubling (also what swapping and CUDA stages use).",
     )
     kv_pool_bytes: int | None = Field(
         None,

@@ -130,9 +130,13 @@ class Stage:
 
     @property
     def paged_attention(self) -> bool:
-        """Whether one-token calls over paged caches run in the native paged kernel (else a paged cache
-        is computed on through a contiguous copy of its positions)."""
-        return self.native_attention and hasattr(native.load(), "paged_decode_attention")
+        """Whether one-token calls over paged caches run in the native paged kernel: the kernel is built and
+        the family's masks only select positions (no additive biases such as ALiBi). Otherwise a paged cache
+        is computed on through a contiguous copy of its positions, which workers avoid (contiguous caches)."""
+        if not (self.native_attention and hasattr(native.load(), "paged_decode_attention")):
+            return False
+        probe = self.family.context(BatchGeometry((1, 0), 2), 1, self.device, torch_dtype(self.dtype))
+        return probe.mask is None or probe.mask.dtype == torch.bool
 
     @torch.inference_mode()
     def forward(

@@ -73,7 +73,13 @@ class TokenWorker(WorkerProcess):
             )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
         pool = None
-        if swap is None and engine.kv_block_size > 0:
+        if swap is None and engine.kv_block_size > 0 and not stage.paged_attention:
+            log.info(
+                "paged KV pool off: no paged attention kernel for this stage (%s, %s): contiguous caches",
+                stage.device,
+                type(stage.family).__name__,
+            )
+        elif swap is None and engine.kv_block_size > 0:
             blocks = self._pool_blocks(BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size))
             pool = stage.block_pool(engine.kv_block_size, blocks)
             log.info(
