@@ -20,11 +20,12 @@ def test_block_geometry_counts_blocks_and_maps_positions_to_chunks() -> None:
     assert g.bytes_per_block == 2 * 3 * 2 * 16 * 8 * 4
     assert (g.blocks(1), g.blocks(16), g.blocks(17)) == (1, 1, 2)
     assert g.first_block(15) == 0 and g.first_block(16) == 1
-    assert g.blocks_of_row(pad=20, positions=40) == 2  # blocks 1 and 2; block 0 is all padding
-    assert g.chunks((14, 35)) == [(0, 14, 16), (1, 0, 16), (2, 0, 3)]
-    assert g.chunks((16, 17)) == [(1, 0, 1)]
+    blocks, offsets = g.slots((14, 35))  # positions 14-15 in block 0, 16-31 in block 1, 32-34 in block 2
+    assert blocks.tolist() == [0] * 2 + [1] * 16 + [2] * 3
+    assert offsets.tolist() == [14, 15, *range(16), 0, 1, 2]
+    assert [t.tolist() for t in g.slots((16, 17))] == [[1], [0]]
     with pytest.raises(ValueError):
-        g.chunks((3, 3))
+        g.slots((3, 3))
     with pytest.raises(ValueError):
         BlockGeometry(1, 1, 0, 8)
 

@@ -24,7 +24,7 @@ import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -76,20 +76,13 @@ class BlockGeometry:
         """The first logical block holding a token of a row left-padded by ``pad`` positions."""
         return pad // self.block_size
 
-    def blocks_of_row(self, pad: int, positions: int) -> int:
-        """Blocks a row left-padded by ``pad`` needs to hold positions ``[0, positions)``."""
-        return max(0, self.blocks(positions) - self.first_block(pad))
-
-    def chunks(self, positions: tuple[int, int]) -> list[tuple[int, int, int]]:
-        """How positions ``[p0, p1)`` of a row map to blocks: ``(logical block, first offset, end offset)``
-        per block touched, in order."""
+    def slots(self, positions: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where positions ``[p0, p1)`` of a row sit: each position's logical block and its offset in it."""
         p0, p1 = positions
         if not 0 <= p0 < p1:
             raise ValueError(f"positions {positions} must be a non-empty range from 0")
-        bs = self.block_size
-        return [
-            (b, max(p0, b * bs) - b * bs, min(p1, (b + 1) * bs) - b * bs) for b in range(p0 // bs, (p1 - 1) // bs + 1)
-        ]
+        logical = torch.arange(p0, p1)
+        return logical // self.block_size, logical % self.block_size
 
     def slab_shape(self, slab_blocks: int) -> tuple[int, int, int, int, int]:
         return (self.layers, slab_blocks, self.kv_heads, self.block_size, self.head_dim)
@@ -131,11 +124,6 @@ class BlockPool:
         """Blocks that can still be taken (free in a slab, or in slabs not made yet)."""
         with self._lock:
             return self.max_blocks - (self.allocated_blocks - len(self._free))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the slabs made so far."""
-        return self.allocated_blocks * self.geometry.bytes_per_block
 
     # -- blocks ---------------------------------------------------------------------------------------
     def allocate(self, n: int, wait_s: float = 0.0) -> list[int]:
@@ -302,36 +290,28 @@ class PagedKVCache:
         nothing) when the pool is still short after ``wait_s``."""
         if positions > self.layout.max_len or (span is not None and positions > span):
             raise ValueError(f"{positions} positions exceed the span of {self.layout.max_len}")
-        if self._host is not None:
-            with self._lock:
-                if self._host is not None:
-                    self._restore(wait_s)
-        if positions <= self.filled:
-            return self
-        g = self.pool.geometry
-        if g.blocks(positions) <= g.blocks(self.filled) and self.filled > 0:  # within the blocks already taken
-            with self._lock:
-                if self.closed:
-                    raise ValueError("the cache was freed: its microbatch ended")
-                self.filled = max(self.filled, positions)
-            return self
         with self._lock:
+            if self._host is not None:
+                self._restore(wait_s)
+            if positions <= self.filled:
+                return self
             if self.closed:
                 raise ValueError("the cache was freed: its microbatch ended")
             g = self.pool.geometry
-            upto = g.blocks(positions)
-            wanted = [
-                (r, b)
-                for r, pad in enumerate(self.pad_lens)
-                if self.live[r]
-                for b in range(g.first_block(pad), upto)
-                if self.table[r, b] < 0
-            ]
-            if wanted:
-                ids = self.pool.allocate(len(wanted), wait_s)
-                rows, blocks = zip(*wanted, strict=True)
-                self.table[list(rows), list(blocks)] = torch.tensor(ids, dtype=torch.long)
-            self.filled = max(self.filled, positions)
+            if self.filled == 0 or g.blocks(positions) > g.blocks(self.filled):  # else: within blocks taken
+                upto = g.blocks(positions)
+                wanted = [
+                    (r, b)
+                    for r, pad in enumerate(self.pad_lens)
+                    if self.live[r]
+                    for b in range(g.first_block(pad), upto)
+                    if self.table[r, b] < 0
+                ]
+                if wanted:
+                    ids = self.pool.allocate(len(wanted), wait_s)
+                    rows, blocks = zip(*wanted, strict=True)
+                    self.table[list(rows), list(blocks)] = torch.tensor(ids, dtype=torch.long)
+            self.filled = positions
         return self
 
     def free_rows(self, rows: list[int] | tuple[int, ...]) -> None:
@@ -355,13 +335,12 @@ class PagedKVCache:
     # -- region copies ------------------------------------------------------------------------------------
     def _slots(self, region: Region, position_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and offsets of the region's (row, position) cells, row-major, ``[rows * positions]``."""
-        bs = self.block_size
         p0, p1 = region.positions[0] + position_offset, region.positions[1] + position_offset
         if p0 < 0 or p1 > self.layout.max_len:
             raise ValueError(f"positions {(p0, p1)} outside max_len {self.layout.max_len}")
-        logical = torch.arange(p0, p1)
-        blocks = self.table[region.rows[0] : region.rows[1]][:, logical // bs]
-        return blocks.reshape(-1), (logical % bs).repeat(region.n_rows)
+        logical, offsets = self.pool.geometry.slots((p0, p1))
+        blocks = self.table[region.rows[0] : region.rows[1]][:, logical]
+        return blocks.reshape(-1), offsets.repeat(region.n_rows)
 
     def pack(self, region: Region, out: torch.Tensor) -> torch.Tensor:
         """Gather ``region`` into the front of contiguous ``out`` in ``KVCache.pack``'s order
@@ -374,13 +353,25 @@ class PagedKVCache:
 
     def _pack(self, region: Region, out: torch.Tensor) -> torch.Tensor:
         packed = typed_prefix(out, self.packed_shape(region), torch_dtype(self.layout.dtype))
+        for i, which in enumerate(region.tensors):
+            self._read(region, which, packed[i])
+        return packed
+
+    def _read(self, region: Region, which: Which, out: torch.Tensor) -> None:
+        """Gather ``region`` of the ``which`` tensor into ``out`` (``[layers, rows, heads, positions, dim]``)."""
         blocks, offsets = self._slots(region)
         l0, l1 = self.local(region.layers[0]), self.local(region.layers[1] - 1) + 1
+        cells = self._gather(self.pool._slots(which), l0, l1, blocks, offsets)  # [cells, L, H, D]
         shape = (region.n_rows, region.n_positions, region.n_layers, self.layout.kv_heads, self.layout.head_dim)
-        for i, which in enumerate(region.tensors):
-            cells = self._gather(self.pool._slots(which), l0, l1, blocks, offsets)  # [cells, L, H, D]
-            packed[i].copy_(cells.view(shape).permute(2, 0, 3, 1, 4))
-        return packed
+        out.copy_(cells.view(shape).permute(2, 0, 3, 1, 4))
+
+    def _write(self, region: Region, which: Which, src: torch.Tensor, position_offset: int = 0) -> None:
+        """Scatter ``src`` (``[layers, rows, heads, positions, dim]``) into ``region`` of the ``which`` tensor,
+        shifted by ``position_offset``; cells without a block are skipped."""
+        blocks, offsets = self._slots(region, position_offset)
+        l0, l1 = self.local(region.layers[0]), self.local(region.layers[1] - 1) + 1
+        cells = src.permute(1, 3, 0, 2, 4).reshape(-1, region.n_layers, self.layout.kv_heads, self.layout.head_dim)
+        self._scatter(self.pool._slots(which), l0, l1, blocks, offsets, cells)
 
     def unpack(self, region: Region, data: torch.Tensor, position_offset: int = 0) -> None:
         """Scatter packed ``data`` (as ``pack`` produces it) into ``region`` shifted by ``position_offset``;
@@ -397,15 +388,8 @@ class PagedKVCache:
 
     def _unpack(self, region: Region, data: torch.Tensor, position_offset: int) -> None:
         packed = typed_prefix(data, self.packed_shape(region), torch_dtype(self.layout.dtype))
-        blocks, offsets = self._slots(region, position_offset)
-        l0, l1 = self.local(region.layers[0]), self.local(region.layers[1] - 1) + 1
         for i, which in enumerate(region.tensors):
-            cells = (
-                packed[i]
-                .permute(1, 3, 0, 2, 4)
-                .reshape(-1, region.n_layers, self.layout.kv_heads, self.layout.head_dim)
-            )
-            self._scatter(self.pool._slots(which), l0, l1, blocks, offsets, cells)
+            self._write(region, which, packed[i], position_offset)
 
     def _gather(
         self, slabs: list[torch.Tensor], l0: int, l1: int, blocks: torch.Tensor, offsets: torch.Tensor
@@ -442,21 +426,19 @@ class PagedKVCache:
     def dense(self, positions: int) -> KVCache:
         """A contiguous copy of positions ``[0, positions)`` of every layer and row (padding reads as
         zeros): what the engine's torch attention computes on where the paged kernel does not apply."""
-        layout = KVLayout(self.layout.layers, self.layout.batch, self.layout.kv_heads, positions,
-                          self.layout.head_dim, self.layout.dtype, self.layout.first_layer)  # fmt: skip
-        dense = KVCache.allocate(layout, self.device)
-        region = layout.region()
-        buf = torch.empty(region.nbytes(layout), dtype=torch.uint8, device=self.device)
-        dense.unpack(region, self.pack(region, buf))
+        dense = KVCache.allocate(replace(self.layout, max_len=positions), self.device)
+        region = dense.whole()
+        with self._lock:
+            if self._host is not None:  # evicted: from the host copy
+                buf = torch.empty(region.nbytes(dense.layout), dtype=torch.uint8)
+                dense.unpack(region, self._host.pack(region, buf).to(self.device))
+            else:
+                for which in region.tensors:
+                    self._read(region, which, dense.tensor(which))
         return dense
 
     def write_back(self, dense: KVCache, positions: tuple[int, int]) -> None:
         """Copy positions ``[p0, p1)`` of ``dense`` (from :meth:`dense`, then computed on) into the blocks."""
-        p0, p1 = positions
-        blocks, offsets = self._slots(self.layout.region(positions=positions))
-        for which in (Which.K, Which.V):  # [L, R, H, P, D] -> cells [R * P, L, H, D], one copy
-            view = dense.tensor(which)[:, :, :, p0:p1]
-            cells = view.permute(1, 3, 0, 2, 4).reshape(
-                -1, self.layout.layers, self.layout.kv_heads, self.layout.head_dim
-            )
-            self._scatter(self.pool._slots(which), 0, self.layout.layers, blocks, offsets, cells)
+        region = dense.layout.region(positions=positions)
+        for which in region.tensors:
+            self._write(region, which, dense.view(region, which))

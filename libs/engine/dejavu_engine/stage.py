@@ -8,6 +8,7 @@ serves many microbatches, one forward call at a time (not thread-safe).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -128,7 +129,7 @@ class Stage:
         """A paged KV pool of this stage's layers and heads on its device (see :mod:`dejavulib.paged`)."""
         return BlockPool(BlockGeometry.of(self.kv_layout(1, 1), block_size), max_blocks, slab_blocks, self.device)
 
-    @property
+    @functools.cached_property
     def paged_attention(self) -> bool:
         """Whether one-token calls over paged caches run in the native paged kernel: the kernel is built and
         the family's masks only select positions (no additive biases such as ALiBi). Otherwise a paged cache
@@ -301,7 +302,7 @@ class Stage:
     def _decode_paged(self, x: torch.Tensor, groups: Sequence[tuple[PagedKVCache, BatchGeometry]]) -> StageIO | None:
         """One decode step of paged caches of one pool in one call of the paged kernel: every row writes
         its new K/V into its block and attends over its own span. None where the kernel does not apply
-        (not built, or the family's masks carry additive biases such as ALiBi)."""
+        (:attr:`paged_attention`)."""
         if not self.paged_attention:
             return None
         dtype = torch_dtype(self.dtype)
@@ -309,9 +310,6 @@ class Stage:
         for cache, geometry in groups:
             self._check(cache, geometry, geometry.batch, 1)
             contexts.append(self.family.context(geometry, 1, self.device, dtype))
-        if any(c.mask is not None and c.mask.dtype != torch.bool for c in contexts):
-            return None
-        for cache, geometry in groups:
             cache.holding(geometry.cur_len)  # the block of the position this step writes
             tables.append(cache.table[list(geometry.cache_rows)])
             spans.extend((pad, geometry.cur_len) for pad in geometry.pad_lens)
