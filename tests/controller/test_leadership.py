@@ -64,9 +64,12 @@ def test_a_standby_takes_over_once_a_dead_leaders_lease_expires(redis_url) -> No
     asyncio.run(scenario())
 
 
+LEASE_S = 1.5  # short for a test, long enough that a loaded CI host never stalls a renewal past it
+
+
 def _settings(port: int) -> Settings:
     base = Settings()
-    controller = base.controller.model_copy(update={"port": port, "leader_lease_s": 0.6})
+    controller = base.controller.model_copy(update={"port": port, "leader_lease_s": LEASE_S})
     return base.model_copy(update={"controller": controller})
 
 
@@ -82,7 +85,7 @@ def test_a_second_controller_stands_by_without_touching_the_leaders_work_then_ta
             standby = PipelineBackend(_settings(18002), r2, n_layers=6)
             await standby.__aenter__()
             try:
-                await asyncio.sleep(1.0)  # longer than the lease: the leader keeps renewing it
+                await asyncio.sleep(LEASE_S * 1.5)  # longer than the lease: the leader keeps renewing it
                 assert leader.leadership.held and not standby.leadership.held
                 assert client.xlen(keys.PROMPT_QUEUE) == 1  # a standby clears nothing
                 assert not standby.is_ready()
@@ -93,7 +96,7 @@ def test_a_second_controller_stands_by_without_touching_the_leaders_work_then_ta
                 raise
         # The leader left (lease released): the standby takes over and clears the stale work.
         try:
-            for _ in range(100):
+            for _ in range(int(LEASE_S / 0.02) * 2):  # a free lease is taken within a poll (a third of it)
                 if standby.leadership.held and client.xlen(keys.PROMPT_QUEUE) == 0:
                     break
                 await asyncio.sleep(0.02)

@@ -24,6 +24,7 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
 
 from dejavu_common import keys
+from dejavu_controller.aio import cancellation_point
 
 log = logging.getLogger("dejavu.controller.leader")
 
@@ -83,6 +84,7 @@ class Leadership:
         poll = poll_s if poll_s is not None else self.ttl_s / 3
         reported = None
         while True:
+            cancellation_point()
             try:
                 if await self.try_acquire():
                     log.info("leader lease taken (%s)", self.value)
@@ -106,6 +108,7 @@ class Leadership:
     async def keep(self) -> None:
         """Renew every third of the TTL until cancelled; raises :class:`LeadershipLost`."""
         while True:
+            cancellation_point()
             await asyncio.sleep(self.ttl_s / 3)
             try:
                 await self.renew()

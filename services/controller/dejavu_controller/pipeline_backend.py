@@ -28,6 +28,7 @@ from dejavu_common import keys
 from dejavu_common.fatal import die
 from dejavu_common.messages import SamplingSpec, TokenStep, Topology
 from dejavu_common.settings import Mode, Settings
+from dejavu_controller.aio import await_chain, cancellation_point
 from dejavu_controller.api.metrics import KVStream, RuntimeMetrics
 from dejavu_controller.backend import (
     BackendStats,
@@ -44,6 +45,8 @@ from dejavu_controller.request import Request, RequestStatus
 from dejavu_controller.scheduler import Microbatch, Scheduler, SchedulerLimits
 
 log = logging.getLogger("dejavu.controller")
+
+SHUTDOWN_DEADLINE_S = 10.0  # how long __aexit__ waits for its cancelled tasks
 
 
 @dataclass(frozen=True)
@@ -130,12 +133,22 @@ class PipelineBackend:
         await self.redis.delete(*stale)
 
     async def __aexit__(self, *exc: object) -> None:
-        for t in [*self._tasks, *([self._repair_task] if self._repair_task else [])]:
+        tasks = [*self._tasks, *([self._repair_task] if self._repair_task else [])]
+        for t in tasks:
             t.remove_done_callback(_fatal_if_ended)
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        # A deadline, not a hang: a task that does not end once cancelled is named with its stack.
+        _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_DEADLINE_S) if tasks else ((), ())
+        for t in stuck:
+            log.error(
+                "controller task %s did not end within %.0f s of being cancelled:\n%s",
+                t.get_name(),
+                SHUTDOWN_DEADLINE_S,
+                await_chain(t),
+            )
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                log.warning("controller task %s had failed: %r", t.get_name(), t.exception())
         with contextlib.suppress(RedisError, OSError):  # a standby takes over at once
             await self.leadership.release()
 
@@ -177,6 +190,7 @@ class PipelineBackend:
     async def _events(self, req: Request) -> AsyncIterator[TokenEvent]:
         try:
             while True:
+                cancellation_point()
                 try:
                     async with asyncio.timeout(self.settings.controller.request_timeout_s):  # not wait_for: above
                         ev = await req.events.get()
@@ -202,6 +216,7 @@ class PipelineBackend:
     async def _control_loop(self) -> None:
         interval = self.settings.recovery.heartbeat_interval_s
         while True:
+            cancellation_point()
             try:
                 await self._control_once()
             except Exception:  # keep the controller alive through transient Redis errors
@@ -408,6 +423,7 @@ class PipelineBackend:
     async def _dispatch_loop(self) -> None:
         wait = max(self.settings.controller.batch_wait_ms / 1000.0, 0.001)
         while True:
+            cancellation_point()
             # asyncio.timeout, not wait_for: on 3.11 wait_for returns the event's result when it is set in
             # the moment the task is cancelled, swallowing the cancellation (shutdown then hangs).
             with contextlib.suppress(TimeoutError):
@@ -440,6 +456,7 @@ class PipelineBackend:
     # -- relay -------------------------------------------------------------------------------
     async def _relay_loop(self) -> None:
         while True:
+            cancellation_point()
             if not self._stream_ids:
                 await asyncio.sleep(0.005)
                 continue

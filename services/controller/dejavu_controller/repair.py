@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from dejavu_common import keys
 from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress, Topology
 from dejavu_common.settings import Replication, Settings
+from dejavu_controller.aio import cancellation_point
 from dejavu_controller.api.metrics import RuntimeMetrics
 from dejavu_controller.recovery import plan_resume
 
@@ -86,6 +87,7 @@ class Repair:
         progress: dict[int, dict[int, int]] = {}
         restored: set[int] = set()
         while time.monotonic() < deadline:
+            cancellation_point()
             for s in survivors:
                 if s not in progress:
                     raw = await self.redis.get(keys.progress(epoch, s))
