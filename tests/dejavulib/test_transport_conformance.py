@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dejavulib.chunks import contiguous_runs
+from dejavulib.errors import TransferTimeout
 from dejavulib.kvcache import KVCache, StagingBuffer
 from dejavulib.layout import KVLayout, Region, Which
 from dejavulib.scatter_gather import gather, scatter
@@ -114,6 +115,28 @@ def test_flush_fetch_torch_dtypes(echo) -> None:
         back = torch.empty_like(t)
         echo.transport.fetch("peer", 20 + i, back, DEADLINE)
         assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["fake", "local", "disk"])
+def test_a_discarded_slot_is_gone_and_the_others_stay(kind: str, tmp_path: Path) -> None:
+    """Slot transports keep every chunk until it is discarded (what a replica store frees with its
+    microbatch); fetching a discarded chunk waits as for one never sent."""
+    mine, theirs = _pair(kind, tmp_path)
+    mine.connect("peer", theirs.address)
+    a, b = np.full(64, 1, np.uint8), np.full(64, 2, np.uint8)
+    mine.flush("peer", 1, a, DEADLINE)
+    mine.flush("peer", 2, b, DEADLINE)
+    theirs.discard("driver", 1)
+    theirs.discard("driver", 1)  # twice: nothing left to forget
+    back = np.zeros(64, np.uint8)
+    with pytest.raises(TransferTimeout):
+        theirs.fetch("driver", 1, back, 0.05)
+    theirs.fetch("driver", 2, back, DEADLINE)
+    assert back.tobytes() == b.tobytes()
+    if kind == "disk":
+        assert [p.name for p in theirs.root.iterdir()] == ["driver.2.kv"]
+    mine.close()
+    theirs.close()
 
 
 GEOMETRIES = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ from openai import OpenAI
 from dejavu_common import keys
 from dejavu_common.admin import sign
 from dejavu_common.messages import AdminAction, WorkerInfo
-from dejavu_common.settings import Mode, Settings
+from dejavu_common.settings import Mode, Replication, Settings
 
 from .cluster import cluster_settings, logs, running
 from .reference import Reference
@@ -214,20 +215,34 @@ def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_ur
         _check(r.finish(), reference, launcher)
 
 
-def test_swapping_with_replication_and_disaggregation_recovers(redis_url, model, reference) -> None:
-    """Token stages that swap microbatch caches to host memory and replicate them at once: outputs
-    equal the engine's, before and after a stage crash."""
+def test_swapping_with_disk_replicas_and_disaggregation_recovers(redis_url, model, reference, tmp_path) -> None:
+    """Token stages that swap microbatch caches to host memory and keep their predecessor's replica on
+    disk (DejaVuLib's disk transport, no host memory): outputs equal the engine's, before and after a
+    stage crash, whose caches come back from its successor's disk."""
     settings = cluster_settings(
-        redis_url, model, prompt_depth=1, token_depth=3, prompt_microbatch=2, token_microbatch=2, swap={"enabled": True}
+        redis_url,
+        model,
+        prompt_depth=1,
+        token_depth=3,
+        prompt_microbatch=2,
+        token_microbatch=2,
+        swap={"enabled": True},
+        recovery={"replication": Replication.DISK, "replica_dir": tmp_path},
     )
     with running(settings, spares=1) as launcher:
         r = Round(launcher, settings)
         _check(r.finish(), reference, launcher)
+        assert any(tmp_path.rglob("*.kv")), "no replica chunk was written to disk"
         r = Round(launcher, settings)
         r.wait_tokens(8)
-        _kill(launcher, _holder(settings, 1))
+        victim = _holder(settings, 1)
+        _kill(launcher, victim)
         _check(r.finish(), reference, launcher)
         assert any("swapping on" in p.read_text() for p in launcher.log_dir.glob("t*.log"))
+        restored = re.compile(r"sent \S+ its caches of microbatches \{\d")  # from the successor's disk
+        assert any(restored.search(p.read_text()) for p in launcher.log_dir.glob("t*.log"))
+    # Chunks go with their microbatches: only the killed worker's are left behind.
+    assert {p.parent.name for p in tmp_path.rglob("*.kv")} <= {victim}
 
 
 def test_a_restarted_controller_clears_stale_work_and_serves_again(redis_url, model, reference) -> None:

@@ -1,5 +1,6 @@
-"""The replica a token stage keeps of its predecessor (real Redis): it grows with the steps, and a
-step that arrives after its microbatch was released does not bring the microbatch back."""
+"""The replica a token stage keeps of its predecessor (real Redis): it grows with the steps, a step that
+arrives after its microbatch was released does not bring the microbatch back, and a replica kept on
+disk (through DejaVuLib's disk transport, no host memory) restores the same cache as one in memory."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
 from dejavu_common.settings import Replication
 from dejavu_token_worker.replication import ReplicaStore
 from dejavulib.endpoint import Message
+from dejavulib.errors import IntegrityError
 from dejavulib.header import Channel, Header
 from dejavulib.layout import Region
 
 
-def _store(client: redis.Redis, tmp_path) -> ReplicaStore:
+def _store(client: redis.Redis, tmp_path, mode: Replication = Replication.BOTH) -> ReplicaStore:
     row = RowSpec(request_id="r", prompt_ids=(1, 2, 3), sampling=SamplingSpec(max_tokens=100, seed=0))
     client.set(keys.microbatch(5), MicrobatchSpec(mb_id=5, rows=(row,), prompt_len=3, max_len=200).encode())
-    return ReplicaStore(client, None, 1, (2, 4), (2, 8, "float32"), Replication.BOTH, tmp_path, 1.0)  # type: ignore[arg-type]
+    return ReplicaStore(client, None, 1, (2, 4), (2, 8, "float32"), mode, tmp_path, 1.0, worker_id="t1")  # type: ignore[arg-type]
 
 
 def _chunk(p0: int, p1: int, step: int) -> tuple[Region, int, Message]:
@@ -31,22 +33,49 @@ def _chunk(p0: int, p1: int, step: int) -> tuple[Region, int, Message]:
     return Region(5, (2, 4), (0, 1), (p0, p1)), step, Message(header, data)
 
 
-def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored(redis_url, tmp_path) -> None:
+@pytest.mark.parametrize("mode", [Replication.MEMORY, Replication.DISK, Replication.BOTH])
+def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored(redis_url, tmp_path, mode) -> None:
     client = redis.Redis.from_url(redis_url)
-    store = _store(client, tmp_path)
+    store = _store(client, tmp_path, mode)
     store.store(*_chunk(0, 3, 0))  # the prompt
-    assert store.caches[5].layout.max_len == 67  # the prompt plus 64
+    assert store.replicas[5].layout.max_len == 67  # the prompt plus 64
     for step in range(1, 70):  # decode steps write one position each; the replica doubles when full
         store.store(*_chunk(2 + step, 3 + step, step))
-    assert store.caches[5].layout.max_len == 134 and store.steps[5] == 69
-    assert torch.equal(store.caches[5].k[0, 0, 0, 71], torch.full((8,), 69.0))
+    assert store.replicas[5].layout.max_len == 134 and store.watermark(5) == 69
+    [(mb, cache, step)] = store.restorable([5, 6])  # 6 is not held here
+    assert (mb, step, cache.layout.max_len) == (5, 69, 134)
+    assert torch.equal(cache.k[0, 0, 0, 71], torch.full((8,), 69.0))
+    assert torch.equal(cache.v[1, 0, 1, 2], torch.full((8,), 0.0)) and torch.equal(cache.v[1, 0, 1, 3], torch.ones(8))
+    in_memory = sum(c.nbytes for c in store.memory_caches())
+    assert (in_memory == 0) == (mode is Replication.DISK)
+    files = list((tmp_path / "t1").glob("*.kv")) if mode is not Replication.MEMORY else []
+    assert len(files) == (70 if mode is not Replication.MEMORY else 0)  # one chunk per message, on disk
     assert client.hget(keys.watermark(1), 5) == b"69"
     store.drop(5, finished=True)
     store.store(*_chunk(72, 73, 70))  # in flight when the microbatch finished
     store.store(*_chunk(0, 3, 0))  # even its prompt's replica, overtaken by the release
-    assert 5 not in store.caches and 5 not in store.steps
+    assert store.microbatches() == set() and store.watermark(5) == -1
     assert client.hget(keys.watermark(1), 5) is None
-    assert not list(tmp_path.iterdir())  # no replica file comes back either
+    assert not list(tmp_path.rglob("*.kv"))  # no replica chunk stays or comes back either
+    store.close()
+    assert not list(tmp_path.iterdir())  # the worker's folder is gone with its store
+    client.close()
+
+
+def test_a_disk_replica_leaves_chunks_of_an_earlier_process_behind_and_rejects_a_wrong_size(
+    redis_url, tmp_path
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    (tmp_path / "t1").mkdir(mode=0o700)
+    (tmp_path / "t1" / "t1.7.kv").write_bytes(b"stale")  # an earlier process of this worker id died
+    store = _store(client, tmp_path, Replication.DISK)
+    assert not list((tmp_path / "t1").iterdir())
+    region, step, message = _chunk(0, 3, 0)
+    short = Message(message.header, message.payload[:-4])
+    with pytest.raises(IntegrityError):
+        store.store(region, step, short)
+    assert not list((tmp_path / "t1").iterdir()) and store.watermark(5) == -1
+    store.close()
     client.close()
 
 
@@ -83,15 +112,15 @@ def test_the_watermark_is_the_last_contiguous_step_not_the_highest_seen(redis_ur
     store = _store(client, tmp_path)
     store.store(*_chunk(0, 3, 0))  # the prompt
     store.store(*_chunk(3, 4, 1))
-    assert store.steps[5] == 1 and client.hget(keys.watermark(1), 5) == b"1"
+    assert store.watermark(5) == 1 and client.hget(keys.watermark(1), 5) == b"1"
     store.store(*_chunk(5, 6, 3))  # step 2 lost (or late)
     store.store(*_chunk(6, 7, 4))
-    assert store.steps[5] == 1 and client.hget(keys.watermark(1), 5) == b"1"
+    assert store.watermark(5) == 1 and client.hget(keys.watermark(1), 5) == b"1"
     store.store(*_chunk(4, 5, 2))  # the hole filled: everything up to 4 is contiguous
-    assert store.steps[5] == 4 and client.hget(keys.watermark(1), 5) == b"4"
+    assert store.watermark(5) == 4 and client.hget(keys.watermark(1), 5) == b"4"
     store.store(*_chunk(8, 9, 6))  # step 5 lost again ...
     store.store(*_chunk(0, 8, 5))  # ... then a whole cache as of step 5 (a restore) covers every step up to 5
-    assert store.steps[5] == 6 and client.hget(keys.watermark(1), 5) == b"6"
+    assert store.watermark(5) == 6 and client.hget(keys.watermark(1), 5) == b"6"
     store.drop(5)
-    assert 5 not in store.ahead and client.hget(keys.watermark(1), 5) is None
+    assert store.watermark(5) == -1 and client.hget(keys.watermark(1), 5) is None
     client.close()

@@ -210,7 +210,12 @@ class ControllerSettings(BaseModel):
 class TransportSettings(BaseModel):
     """The KV/activation data plane (DejaVuLib)."""
 
-    kind: str = Field("ucx", pattern="^(ucx|local|disk|fake)$", description="Transport between workers.")
+    kind: str = Field(
+        "ucx",
+        pattern="^ucx$",
+        description="Transport between worker processes: UCX (shared memory on one host, TCP across hosts). "
+        "DejaVuLib's disk transport serves replicas kept on disk (`recovery.replication`), not this.",
+    )
     ucx_require: str | None = Field(None, description="A UCX transport that must be selected (e.g. 'sm', 'tcp').")
     ucx_tls: str | None = Field(
         "^cma",
@@ -255,7 +260,12 @@ class RecoverySettings(BaseModel):
 
     heartbeat_interval_s: float = Field(0.25, gt=0, le=60, description="Lease renewal period.")
     lease_ttl_s: float = Field(1.5, gt=0, le=600, description="A worker whose lease is older is failed.")
-    replication: Replication = Field(Replication.MEMORY, description="Where token stages replicate their KV.")
+    replication: Replication = Field(
+        Replication.MEMORY,
+        description="Where a token stage keeps the replica of its predecessor's KV: `memory` (host memory), "
+        "`disk` (files under `replica_dir`, gathered back when a restore needs them: no host memory), `both` "
+        "(restores read memory), or `off` (a failure re-runs prompts).",
+    )
     replica_dir: Path = Field(
         default_factory=lambda: default_cache_dir() / "replicas",
         description="Folder of on-disk replicas (created 0700; refused if other users could write it).",

@@ -37,7 +37,6 @@ _LAZY = {
     "stream_in": "dejavulib.streaming",
     "LayerStreamer": "dejavulib.streaming",
     "region_of": "dejavulib.streaming",
-    "create_transport": "dejavulib.transport.factory",
 }
 
 
@@ -51,6 +50,6 @@ __all__ = [
     "DIM_ORDER", "BackPressureTimeout", "Channel", "ClosedError", "DType", "DejaVuLibError", "Endpoint", "Handle",
     "Header", "IntegrityError", "KVCache", "KVLayout", "LayerStreamer", "Message", "PeerError", "Piece",
     "ProtocolError", "Region", "StagingBuffer", "Streamer", "Transfer", "TransferError", "TransferTimeout",
-    "TransportUnavailable", "Which", "create_transport", "gather", "plan_pieces", "region_of", "right_aligned",
+    "TransportUnavailable", "Which", "gather", "plan_pieces", "region_of", "right_aligned",
     "scatter", "stream_in", "stream_out",
 ]  # fmt: skip

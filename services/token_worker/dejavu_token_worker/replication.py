@@ -5,33 +5,38 @@ step wrote (all of the stage's layers, rows and heads: one region, packed by Dej
 thread into one buffered transfer, its header naming the microbatch, positions and step). The receiver keeps
 the predecessor's caches in host memory and, once a chunk for microbatch j up to step t is
 written, records the watermark (x, j, t) in Redis, so the controller knows how far every replica
-reaches. With ``replication = disk`` or ``both`` the receiver also appends each chunk to a file per
-(stage, microbatch) under ``replica_dir`` (persistent replicas).
+reaches. With ``replication = disk`` the receiver keeps the replica on disk instead, through DejaVuLib's
+disk transport, and gathers it back when a restore needs it; ``both`` keeps both (see :class:`ReplicaStore`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.private import ensure_private_dir
 from dejavu_common.settings import Replication
-from dejavu_worker.dataplane import frame
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.endpoint import Message
-from dejavulib.errors import DejaVuLibError
+from dejavulib.errors import DejaVuLibError, IntegrityError
 from dejavulib.header import Header
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import KVLayout, Region
 from dejavulib.streaming import region_of, stream_in
+from dejavulib.transport.base import KEY_LIMIT
+from dejavulib.transport.disk import DiskTransport
 
 log = logging.getLogger("dejavu.token_worker.replication")
 
@@ -61,8 +66,46 @@ class ReplicaSender:
             self.endpoint.send_region(self.peer, header, cache, region)
 
 
+@dataclass(eq=False)
+class Replica:
+    """What this stage keeps of one microbatch of its predecessor: where the KV is (a host cache, chunks
+    in the disk transport's slots, or both), how far it reaches, and the steps held past a hole."""
+
+    mb_id: int
+    layout: KVLayout  # the predecessor's layers and this microbatch's rows; ``max_len``: positions held so far
+    span: int  # the microbatch's whole span (its spec's ``max_len``)
+    cache: KVCache | None  # in host memory (``memory``, ``both``)
+    chunks: list[tuple[int, Region]] = field(default_factory=list)  # on disk (``disk``, ``both``): key, region
+    step: int = -1  # the watermark: the last step up to which every step is held
+    ahead: set[int] = field(default_factory=set)  # steps held past a hole (not yet contiguous)
+
+    def record(self, positions: tuple[int, int], chunk_step: int) -> int:
+        """Record a replica of ``positions`` as of ``chunk_step``; returns the watermark. A region from
+        position 0 (the prompt, or a whole cache restored as of a step) holds every step up to its own; a
+        decode step's region holds its step only. A step that arrives past a hole (a message lost on the
+        way) waits above the watermark until the hole is filled, so a restore never serves the hole as
+        data: recovery resumes from before it instead."""
+        if positions[0] == 0 or chunk_step <= self.step + 1:
+            self.step = max(self.step, chunk_step)
+        else:
+            log.warning(
+                "replica of microbatch %d: step %d arrived past a hole after step %d", self.mb_id, chunk_step, self.step
+            )
+            self.ahead.add(chunk_step)
+        while self.step + 1 in self.ahead:
+            self.step += 1
+        self.ahead.difference_update(range(self.step + 1))
+        return self.step
+
+
 class ReplicaStore:
-    """The predecessor's caches, kept in host memory; a background thread receives into it."""
+    """The predecessor's caches; a background thread receives into them.
+
+    ``memory`` keeps each replica as a host cache. ``disk`` keeps none in memory: every chunk goes
+    through DejaVuLib's disk transport (``flush`` to this worker's own folder under ``replica_dir``, one
+    file per chunk, written atomically) and a restore gathers the chunks back (``fetch``) into a cache
+    built for it. ``both`` does both and restores from memory. A microbatch's chunks are discarded with
+    it; the folder is emptied when the store opens and removed when it closes."""
 
     def __init__(
         self,
@@ -75,6 +118,7 @@ class ReplicaStore:
         replica_dir: Path,
         deadline_s: float,
         abandon: Callable[[], bool] | None = None,
+        worker_id: str = "replicas",
     ) -> None:
         self.redis = client
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
@@ -82,16 +126,23 @@ class ReplicaStore:
         self.source_stage = source_stage
         self.source_layers = source_layers
         self.mode = mode
-        self.replica_dir = replica_dir
         self.deadline_s = deadline_s
         self.kv_heads, self.head_dim, self.dtype = head_geometry
-        self.caches: dict[int, KVCache] = {}
-        self.steps: dict[int, int] = {}  # per microbatch, its watermark: the last step held contiguously
-        self.ahead: dict[int, set[int]] = {}  # steps held past a hole in the steps (not yet contiguous)
-        self.spans: dict[int, int] = {}  # each microbatch's whole span (its spec's max_len)
+        self.replicas: dict[int, Replica] = {}
         # Microbatches released as finished: a replica of theirs still on its way must not revive them.
         self._finished: collections.deque[int] = collections.deque(maxlen=_FINISHED_REMEMBERED)
         self.lock = threading.Lock()
+        self.disk: DiskTransport | None = None
+        self._next_key = 0
+        if mode in (Replication.DISK, Replication.BOTH):
+            # Replicas are KV caches: in a folder others can neither read nor plant files in.
+            self.disk = DiskTransport(worker_id, ensure_private_dir(replica_dir))
+            self.disk.connect(worker_id, self.disk.address)  # chunks are flushed to this worker's own folder
+            _empty(self.disk.root)  # left by an earlier process of this worker id: nothing refers to them
+
+    @property
+    def in_memory(self) -> bool:
+        return self.mode in (Replication.MEMORY, Replication.BOTH)
 
     def run(self, stop: threading.Event) -> None:
         """Receive replica messages until ``stop`` is set."""
@@ -101,7 +152,7 @@ class ReplicaStore:
                 continue
             try:
                 self.store(region_of(message.header), message.header.step, message)
-            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
+            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError, OSError) as exc:
                 log.error("dropped a replica message: %s", exc)
 
     def store(self, region: Region, step: int, message: Message) -> None:
@@ -109,80 +160,116 @@ class ReplicaStore:
         if tuple(region.layers) != self.source_layers:
             raise ValueError(f"replica layers {region.layers} are not stage {self.source_stage}'s")
         mb = region.microbatch
-        cache = self._cache(mb, region.positions)
-        if cache is None:
+        replica = self._replica(mb, region.positions)
+        if replica is None:
             return
-        stream_in(cache, message, region)
-        with self.lock:  # drop() takes the lock too: a released microbatch's file and watermark never come back
-            if mb not in self.caches:
+        if replica.cache is not None:
+            stream_in(replica.cache, message, region)
+        elif region.nbytes(replica.layout) != message.payload.nbytes:
+            raise IntegrityError(f"region {region} needs {region.nbytes(replica.layout)} bytes, "
+                                 f"the message has {message.payload.nbytes}")  # fmt: skip
+        with self.lock:  # drop() takes the lock too: a released microbatch's chunks and watermark never come back
+            if self.replicas.get(mb) is not replica:
                 return
-            if self.mode in (Replication.DISK, Replication.BOTH):
-                self._append_to_disk(region, step, message)
-            before = self.steps.get(mb, -1)
-            held = self._contiguous(mb, region.positions, step)
+            if self.disk is not None:
+                key, self._next_key = self._next_key, (self._next_key + 1) % KEY_LIMIT
+                self.disk.flush(self.disk.self_id, key, message.payload, self.deadline_s)
+                replica.chunks.append((key, region))
+            before = replica.step
+            held = replica.record(region.positions, step)
             if held != before:
                 self.redis.hset(keys.watermark(self.source_stage), mb, held)
 
-    def _contiguous(self, mb: int, positions: tuple[int, int], chunk_step: int) -> int:
-        """Record a replica of ``positions`` as of ``chunk_step`` and return the microbatch's watermark:
-        the last step up to which *every* step is held. A region from position 0 (the prompt, or a whole
-        cache restored as of a step) holds every step up to its own; a decode step's region holds its
-        step only. A step that arrives past a hole (a message lost on the way) waits above the watermark
-        until the hole is filled, so a restore never serves the hole as data: recovery resumes from
-        before it instead. Call with the lock held."""
-        step = self.steps.get(mb, -1)
-        ahead = self.ahead.setdefault(mb, set())
-        if positions[0] == 0 or chunk_step <= step + 1:
-            step = max(step, chunk_step)
-        else:
-            log.warning("replica of microbatch %d: step %d arrived past a hole after step %d", mb, chunk_step, step)
-            ahead.add(chunk_step)
-        while step + 1 in ahead:
-            step += 1
-        ahead.difference_update(range(step + 1))
-        self.steps[mb] = step
-        return step
-
-    def _cache(self, mb_id: int, chunk_positions: tuple[int, int]) -> KVCache | None:
-        """The replica of ``mb_id``, holding at least the chunk's positions: like the primary, it starts
-        small and doubles up to the microbatch's span. None for a later step of a microbatch not held
-        here: a replica starts with its prompt (FIFO per sender), so that is one released meanwhile (it
-        finished), and it must not come back."""
+    def _replica(self, mb_id: int, chunk_positions: tuple[int, int]) -> Replica | None:
+        """The replica of ``mb_id``, holding at least the chunk's positions: like the primary, its cache
+        starts small and doubles up to the microbatch's span. None for a later step of a microbatch not
+        held here: a replica starts with its prompt (FIFO per sender), so that is one released meanwhile
+        (it finished), and it must not come back."""
         positions = chunk_positions[1]
         with self.lock:
-            cache = self.caches.get(mb_id)
-            if cache is None and (chunk_positions[0] > 0 or mb_id in self._finished):
+            replica = self.replicas.get(mb_id)
+            if replica is None and (chunk_positions[0] > 0 or mb_id in self._finished):
                 log.debug("ignored a replica step of released microbatch %d", mb_id)
                 return None
-            if cache is None:
+            if replica is None:
                 spec = fetch_spec(self.redis, mb_id, self.deadline_s, self.abandon)
                 a, b = self.source_layers
                 size = min(spec.max_len, max(positions, spec.prompt_len + 64))
                 layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
-                cache = self.caches[mb_id] = KVCache.allocate(layout, "cpu")
-                self.spans[mb_id] = spec.max_len
-            else:
-                cache = self.caches[mb_id] = cache.holding(positions, self.spans[mb_id])
-            return cache
+                cache = KVCache.allocate(layout, "cpu") if self.in_memory else None
+                replica = self.replicas[mb_id] = Replica(mb_id, layout, spec.max_len, cache)
+            elif replica.cache is not None:
+                replica.cache = replica.cache.holding(positions, replica.span)
+                replica.layout = replica.cache.layout
+            elif positions > replica.layout.max_len:
+                grown = min(replica.span, max(positions, 2 * replica.layout.max_len))
+                replica.layout = dataclasses.replace(replica.layout, max_len=grown)
+            return replica
 
-    def _append_to_disk(self, region: Region, step: int, message: Message) -> None:
-        ensure_private_dir(self.replica_dir)  # replicas are KV caches: not in a folder others can read or plant in
-        path = self.replica_dir / f"stage{self.source_stage}-mb{region.microbatch}.kv"
-        meta = {"layers": list(region.layers), "rows": list(region.rows), "positions": list(region.positions),
-                "step": step, "dtype": self.dtype, "nbytes": message.payload.nbytes}  # fmt: skip
-        with path.open("ab") as f:  # a record: the framed place, then the packed K/V bytes
-            f.write(frame({"region": meta}, None))
-            f.write(memoryview(message.payload))
+    # -- what recovery and memory accounting read ------------------------------------------
+    def microbatches(self) -> set[int]:
+        with self.lock:
+            return set(self.replicas)
+
+    def watermark(self, mb_id: int) -> int:
+        with self.lock:
+            replica = self.replicas.get(mb_id)
+            return replica.step if replica is not None else -1
+
+    def memory_caches(self) -> list[KVCache]:
+        """The replicas held in host memory (none with ``disk``)."""
+        with self.lock:
+            return [r.cache for r in self.replicas.values() if r.cache is not None]
+
+    def restorable(self, mb_ids: Iterable[int]) -> list[tuple[int, KVCache, int]]:
+        """(microbatch, cache, watermark) of each of ``mb_ids`` held here, for a replaced predecessor:
+        the host cache, or one gathered back from the disk transport's chunks, in the order they came."""
+        out = []
+        for mb in sorted(set(mb_ids)):
+            with self.lock:
+                replica = self.replicas.get(mb)
+                if replica is None:
+                    continue
+                cache, chunks, step = replica.cache, list(replica.chunks), replica.step
+                layout = replica.layout
+            if cache is None:
+                cache = self._gather(layout, chunks)
+            out.append((mb, cache, step))
+        return out
+
+    def _gather(self, layout: KVLayout, chunks: list[tuple[int, Region]]) -> KVCache:
+        assert self.disk is not None
+        cache = KVCache.allocate(layout, "cpu")
+        for key, region in chunks:
+            buf = torch.empty(region.nbytes(layout), dtype=torch.uint8)
+            self.disk.fetch(self.disk.self_id, key, buf, self.deadline_s)
+            cache.unpack(region, buf)
+        return cache
 
     def drop(self, mb_id: int, finished: bool = False) -> None:
-        """Forget the replica of ``mb_id`` (its watermark and file too). ``finished``: it never comes back,
-        so a replica of it still on its way is ignored (unlike a prompt re-run after recovery)."""
+        """Forget the replica of ``mb_id`` (its watermark and chunks too). ``finished``: it never comes
+        back, so a replica of it still on its way is ignored (unlike a prompt re-run after recovery)."""
         with self.lock:
             if finished:
                 self._finished.append(mb_id)
-            self.caches.pop(mb_id, None)
-            self.steps.pop(mb_id, None)
-            self.ahead.pop(mb_id, None)
-            self.spans.pop(mb_id, None)
+            replica = self.replicas.pop(mb_id, None)
+            if replica is not None and self.disk is not None:
+                for key, _ in replica.chunks:
+                    self.disk.discard(self.disk.self_id, key)
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
-        (self.replica_dir / f"stage{self.source_stage}-mb{mb_id}.kv").unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Remove this worker's replica folder (its chunks are of no use to a later process)."""
+        if self.disk is not None:
+            with self.lock:
+                self.replicas.clear()
+                _empty(self.disk.root)
+                with contextlib.suppress(OSError):
+                    self.disk.root.rmdir()
+
+
+def _empty(folder: Path) -> None:
+    """Remove the chunk files in ``folder`` (and a temporary one a killed process left mid-write)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.unlink(missing_ok=True)

@@ -98,6 +98,8 @@ class TokenWorker(WorkerProcess):
             abandon=self.epoch_changed,
             pool=pool,
         )
+        if self.replica is not None:
+            self.replica.close()  # of the previous assignment
         self.replica = None
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
@@ -150,6 +152,7 @@ class TokenWorker(WorkerProcess):
                 self.settings.recovery.replica_dir,
                 self.settings.transport.deadline_s,
                 self.epoch_changed,
+                self.worker_id,
             )
         stop = threading.Event()
         # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
@@ -195,6 +198,11 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
+    def close_data_plane(self) -> None:
+        if self.replica is not None:
+            self.replica.close()
+        super().close_data_plane()
+
     def release(self, mb_id: int, finished: bool = True) -> None:
         """Free everything this stage holds of ``mb_id``: its cache and the replica kept of it. A
         ``finished`` microbatch is remembered, so prompt KV of it still in flight (its rows all
@@ -209,7 +217,7 @@ class TokenWorker(WorkerProcess):
     def _release_all_but(self, keep: set[int]) -> None:
         """Recovery: free what does not resume (re-run prompts come back, so nothing is remembered)."""
         assert self.runner is not None
-        held = set(self.runner.states) | (set(self.replica.caches) if self.replica is not None else set())
+        held = set(self.runner.states) | (self.replica.microbatches() if self.replica is not None else set())
         for mb in held - keep:
             self.release(mb, finished=False)
 
@@ -217,7 +225,7 @@ class TokenWorker(WorkerProcess):
         """(bytes, microbatches) of KV this stage holds: caches and replicas (what memory accounting checks)."""
         caches = [st.cache for st in list(self.runner.states.values())] if self.runner is not None else []
         if self.replica is not None:
-            caches += list(self.replica.caches.values())
+            caches += self.replica.memory_caches()  # a replica on disk holds no memory
         return sum(c.nbytes for c in caches), len(caches)
 
     # -- recovery -----------------------------------------------------------------------------
@@ -266,11 +274,7 @@ class TokenWorker(WorkerProcess):
         depth = pos.depth
         for stage, new_worker in order.replaced.items():
             if depth > 1 and (stage + 1) % depth == pos.index and self.replica is not None:
-                caches = [
-                    (mb, cache, self.replica.steps.get(mb, 0))
-                    for mb, cache in list(self.replica.caches.items())
-                    if mb in order.microbatches
-                ]
+                caches = self.replica.restorable(order.microbatches)
                 recovery.send_caches(self.endpoint, new_worker, caches, "primary")
                 log.info("sent %s its caches of microbatches %s", new_worker, {mb: step for mb, _, step in caches})
             if depth > 1 and (stage - 1) % depth == pos.index:

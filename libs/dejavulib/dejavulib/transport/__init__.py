@@ -1,6 +1,6 @@
-"""Transports: one interface (base.py), implementations local, ucx, disk, fake."""
+"""Transports: one interface (base.py); UCX between worker processes, disk for replicas kept on disk,
+local (host/device copies in one process) and fake (tests' in-process peers)."""
 
 from dejavulib.transport.base import MessageTransport, Transport
-from dejavulib.transport.factory import create_transport
 
-__all__ = ["MessageTransport", "Transport", "create_transport"]
+__all__ = ["MessageTransport", "Transport"]

@@ -77,6 +77,11 @@ class Transport(abc.ABC):
     def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
         """Fill contiguous ``dst`` with ``peer_id``'s chunk under ``key`` (see the module contract)."""
 
+    def discard(self, peer_id: str, key: int) -> None:  # noqa: B027 - stream transports keep nothing
+        """Forget the chunk ``peer_id`` flushed here under ``key``: slot transports keep the last flush
+        until then (a later ``fetch`` waits as for a chunk never flushed). Stream transports hold
+        nothing once fetched: no-op."""
+
     def close(self) -> None:  # noqa: B027 - transports without resources need no cleanup
         """Release resources; the transport is unusable afterwards. Idempotent."""
 

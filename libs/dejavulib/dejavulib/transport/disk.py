@@ -62,6 +62,10 @@ class DiskTransport(Transport):
                 os.fsync(f.fileno())
         os.replace(tmp, final)
 
+    def discard(self, peer_id: str, key: int) -> None:
+        check_key(key)
+        self._file(self.root, peer_id, key).unlink(missing_ok=True)
+
     def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
         check_key(key)
         path, out = self._file(self.root, peer_id, key), as_bytes(dst)

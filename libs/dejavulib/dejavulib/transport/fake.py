@@ -66,6 +66,10 @@ class FakeTransport(MessageTransport):
     def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
         self._admit, self._sink = admit, sink
 
+    def discard(self, peer_id: str, key: int) -> None:
+        check_key(key)
+        self._slots.pop(peer_id, key)
+
     def close(self) -> None:
         self._closed = True
         _DIRECTORY.unregister(self._address)

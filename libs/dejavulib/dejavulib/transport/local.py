@@ -103,6 +103,10 @@ class LocalTransport(Transport):
             raise IntegrityError(f"chunk {key} from {peer_id!r} has {host.numel()} bytes, buffer {out.numel()}")
         self._copier(out).copy(out, host)
 
+    def discard(self, peer_id: str, key: int) -> None:
+        check_key(key)
+        self._slots.pop(peer_id, key)
+
     def close(self) -> None:
         self._closed = True
         _DIRECTORY.unregister(self._address)

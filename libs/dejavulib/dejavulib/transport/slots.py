@@ -23,6 +23,11 @@ class SlotStore(Generic[T]):
             self._slots[(sender, key)] = value
             self._cond.notify_all()
 
+    def pop(self, sender: str, key: int) -> None:
+        """Forget the value for (sender, key), if any."""
+        with self._cond:
+            self._slots.pop((sender, key), None)
+
     def peek(self, sender: str, key: int) -> T | None:
         """The current value for (sender, key), or None; never waits."""
         with self._cond:
