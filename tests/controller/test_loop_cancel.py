@@ -101,3 +101,30 @@ def test_shutdown_has_a_deadline_and_names_a_task_that_ignores_cancellation(
         asyncio.run(scenario())
     [record] = [r for r in caplog.records if "did not end" in r.getMessage()]
     assert "controller-stubborn" in record.getMessage() and "in stubborn" in record.getMessage()
+
+
+def test_a_leader_cancelled_as_it_takes_the_lease_starts_no_loops_after_shutdown(redis_url: str) -> None:
+    """Shutdown lands as the lease is granted (the cancellation swallowed in that Redis call): the
+    backend must not go on to clear queues and start its loops, which would then act without a lease."""
+
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        backend = PipelineBackend(Settings(), r, n_layers=6)
+        granted: list[asyncio.Future] = []
+
+        async def acquire(poll_s: float | None = None) -> None:
+            granted.append(asyncio.get_running_loop().create_future())
+            await _swallowing_call(granted[-1])
+
+        backend.leadership.acquire = acquire  # type: ignore[method-assign]
+        await backend.__aenter__()
+        while not granted:
+            await asyncio.sleep(0.005)
+        granted[-1].set_result(None)  # the lease is granted ...
+        await backend.__aexit__(None, None, None)  # ... in the same moment as the shutdown
+        await asyncio.sleep(0.05)
+        running = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("controller-")]
+        assert running == [], f"still running after shutdown: {running}"
+        await r.aclose()
+
+    asyncio.run(scenario())

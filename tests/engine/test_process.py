@@ -172,3 +172,26 @@ def test_memory_is_released_only_once_the_worker_was_quiet_after_freeing(monkeyp
     clock[0] += 2.5
     assert releaser.maybe_release() and calls == [1]
     assert not releaser.maybe_release()  # once per free
+
+
+def test_a_worker_never_quiet_still_releases_between_tasks_every_so_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks back to back (a prompt worker under steady traffic) never leave ``quiet_s``: the allocator's
+    freed memory still goes back every ``every_s``, between two tasks, never during one."""
+    calls: list[int] = []
+    monkeypatch.setattr(process, "release_free_memory", lambda: calls.append(1) or "tcmalloc")
+    clock = [100.0]
+    monkeypatch.setattr(process.time, "monotonic", lambda: clock[0])
+    releaser = process.MemoryReleaser(quiet_s=2.0, every_s=30.0)
+    for _ in range(29):  # a task a second for 29 s: never quiet, not yet time
+        with releaser.busy():
+            clock[0] += 0.9
+        clock[0] += 0.1
+        assert not releaser.maybe_release()
+    with releaser.busy():
+        clock[0] += 1.0
+        assert not releaser.maybe_release()  # time, but a task runs
+    assert releaser.maybe_release() and calls == [1]  # between two tasks
+    with releaser.busy():
+        clock[0] += 1.0
+    assert not releaser.maybe_release() and calls == [1]  # the next one only after another every_s
+    assert not releaser.maybe_release(idle=False)  # a worker holding state keeps to the quiet rule

@@ -124,3 +124,43 @@ def test_the_watermark_is_the_last_contiguous_step_not_the_highest_seen(redis_ur
     store.drop(5)
     assert store.watermark(5) == -1 and client.hget(keys.watermark(1), 5) is None
     client.close()
+
+
+def test_a_disk_replica_refuses_what_a_memory_one_would_and_one_unreadable_is_re_run(redis_url, tmp_path) -> None:
+    client = redis.Redis.from_url(redis_url)
+    store = _store(client, tmp_path, Replication.DISK)
+    store.store(*_chunk(0, 3, 0))
+    _, step, message = _chunk(199, 201, 1)  # past the microbatch's span (200)
+    with pytest.raises(ValueError, match="span"):
+        store.store(Region(5, (2, 4), (0, 1), (199, 201)), step, message)
+    _, step, message = _chunk(3, 4, 1)
+    with pytest.raises(ValueError, match="rows"):
+        store.store(Region(5, (2, 4), (1, 2), (3, 4)), step, message)  # a row the microbatch lacks
+    assert len(list((tmp_path / "t1").glob("*.kv"))) == 1 and store.watermark(5) == 0
+    store.store(*_chunk(3, 4, 1))
+    assert store.watermark(5) == 1
+    next((tmp_path / "t1").glob("*.kv")).unlink()  # a chunk lost on disk
+    assert list(store.restorable([5])) == []  # not served: recovery re-runs the prompt instead
+    assert store.microbatches() == set() and client.hget(keys.watermark(1), 5) is None
+    store.close()
+    store.store(*_chunk(0, 3, 0))  # a closed store keeps nothing
+    assert store.microbatches() == set() and not (tmp_path / "t1").exists()
+    client.close()
+
+
+def test_memory_accounting_never_waits_for_the_replica_lock(redis_url, tmp_path) -> None:
+    """The heartbeat asks what KV is held on its way to renewing the lease: it must not wait behind
+    the receiver thread (which may be waiting for a spec, growing a cache or writing to disk)."""
+    import threading
+
+    client = redis.Redis.from_url(redis_url)
+    store = _store(client, tmp_path, Replication.MEMORY)
+    store.store(*_chunk(0, 3, 0))
+    got: list[int] = []
+    with store.lock:
+        t = threading.Thread(target=lambda: got.append(len(store.memory_caches())))
+        t.start()
+        t.join(timeout=2)
+    assert got == [1]
+    store.close()
+    client.close()

@@ -96,14 +96,18 @@ def release_free_memory() -> str | None:
 class MemoryReleaser:
     """Calls :func:`release_free_memory` once a worker that freed memory has been idle for ``quiet_s``:
     between bursts its RSS falls back to what is live instead of staying at the peak, and a busy worker
-    never pays for pages it would fault in again at once. The serving loop reports what it frees
-    (:meth:`freed`) and when it works (:meth:`busy`); the worker's control thread asks
-    :meth:`maybe_release` once per beat. Thread-safe."""
+    never pays for pages it would fault in again at once. Under traffic that never leaves it quiet for
+    ``quiet_s`` (a prompt worker with tasks back to back), it releases between two units of work at most
+    every ``every_s``, so what the allocator keeps of freed memory stays bounded there too. The serving
+    loop reports what it frees (:meth:`freed`) and when it works (:meth:`busy`); the worker's control
+    thread asks :meth:`maybe_release` once per beat. Thread-safe."""
 
-    def __init__(self, quiet_s: float = 2.0) -> None:
+    def __init__(self, quiet_s: float = 2.0, every_s: float = 30.0) -> None:
         self.quiet_s = quiet_s
+        self.every_s = every_s
         self._lock = threading.Lock()
         self._freed_at: float | None = None
+        self._released_at = time.monotonic()
         self._busy = 0
 
     def freed(self) -> None:
@@ -125,11 +129,15 @@ class MemoryReleaser:
 
     def maybe_release(self, idle: bool = True) -> bool:
         """Release if memory was freed, nothing runs (``idle``: nor holds state, by the caller's own
-        account) and ``quiet_s`` passed since the last free. Returns whether it released."""
+        account), and either ``quiet_s`` passed since the last free or ``every_s`` since the last
+        release. Returns whether it released."""
         with self._lock:
-            if not idle or self._busy or self._freed_at is None or time.monotonic() - self._freed_at < self.quiet_s:
+            now = time.monotonic()
+            if not idle or self._busy or self._freed_at is None:
                 return False
-            self._freed_at = None
+            if now - self._freed_at < self.quiet_s and now - self._released_at < self.every_s:
+                return False
+            self._freed_at, self._released_at = None, now
         release_free_memory()
         return True
 

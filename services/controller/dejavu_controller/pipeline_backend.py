@@ -99,12 +99,16 @@ class PipelineBackend:
         self._lease_grace_until = 0.0  # lease expiries are not failures before this (after a stall)
         self._dispatching = asyncio.Lock()  # held by a dispatch, and by a change of topology
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
+        self._closing = False  # __aexit__ began: no task starts any more
 
     async def __aenter__(self) -> PipelineBackend:
         self._start("lead", self._lead())
         return self
 
     def _start(self, name: str, coro) -> None:
+        if self._closing:  # a task whose cancellation was swallowed must not start loops after shutdown
+            coro.close()
+            raise asyncio.CancelledError(f"controller-{name} not started: the backend is shutting down")
         task = asyncio.create_task(coro, name=f"controller-{name}")
         task.add_done_callback(_fatal_if_ended)
         self._tasks.append(task)
@@ -114,9 +118,11 @@ class PipelineBackend:
         work, take an id range, run the loops, and keep the lease. Losing it to another instance ends
         this one (``LeadershipLost`` through ``_fatal_if_ended``), so two controllers never both act."""
         await self.leadership.acquire()
+        cancellation_point()
         await self._clear_previous_work()
         self._incarnation = int(await self.redis.incr(keys.INCARNATION))
         self.scheduler.start_ids_at(self._incarnation << 32)
+        cancellation_point()
         self._start("control", self._control_loop())
         self._start("dispatch", self._dispatch_loop())
         self._start("relay", self._relay_loop())
@@ -133,6 +139,7 @@ class PipelineBackend:
         await self.redis.delete(*stale)
 
     async def __aexit__(self, *exc: object) -> None:
+        self._closing = True  # from now on nothing starts: the list below is every task there will be
         tasks = [*self._tasks, *([self._repair_task] if self._repair_task else [])]
         for t in tasks:
             t.remove_done_callback(_fatal_if_ended)
@@ -376,6 +383,7 @@ class PipelineBackend:
         return _RepairPlan(replaced, resumable, not_started, [mb.spec.mb_id for mb in dropped], detected_at)
 
     def _start_repair(self, new: Topology, plan: _RepairPlan) -> None:
+        cancellation_point()  # not while shutting down: the control loop was cancelled
         covered = [*plan.resumable, *plan.not_started]
         self._repair_task = task = asyncio.create_task(
             self.repair.run(

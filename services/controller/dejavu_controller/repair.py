@@ -107,6 +107,7 @@ class Repair:
                 sorted(restored),
             )
             progress = {}
+        cancellation_point()  # a superseded or shut-down repair publishes nothing
         timings.mark("cache_restored")
         watermarks = {}
         for s in replaced:
@@ -117,6 +118,7 @@ class Repair:
         plan = plan.model_copy(
             update={"rerun": tuple(sorted({*plan.rerun, *not_started})), "dropped": tuple(sorted(dropped or ()))}
         )
+        cancellation_point()
         await self.redis.set(keys.RESUME, plan.encode())
         if plan.rerun:
             await redispatch(list(plan.rerun))

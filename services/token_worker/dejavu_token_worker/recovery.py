@@ -73,25 +73,35 @@ def restore_digest(parts: Iterable[tuple[Region, int, torch.Tensor | memoryview]
     the two caches (not only on the wire, which the transport's MAC covers) fails the restore."""
     h = hashlib.blake2b(digest_size=16)
     for region, step, data in parts:
-        h.update(f"{region.microbatch}:{region.layers}:{region.rows}:{region.positions}:{step};".encode())
-        h.update(data.numpy().data if isinstance(data, torch.Tensor) else data)
+        _digest_part(h, region, step, data)
     return h.hexdigest()
 
 
-def send_caches(endpoint: DataEndpoint, peer: str, caches: list[tuple[int, KVCache, int]], role: str) -> None:
-    """Send whole caches ``(microbatch, cache, step)`` to a replacement; ``role`` is 'primary' (its own
-    cache) or 'replica'. Each is packed once (DejaVuLib's buffered copy) and sent as one region message;
-    the end marker carries how many were sent and their :func:`restore_digest`."""
-    parts = []
+def _digest_part(h, region: Region, step: int, data: torch.Tensor | memoryview) -> None:
+    h.update(f"{region.microbatch}:{region.layers}:{region.rows}:{region.positions}:{step};".encode())
+    h.update(data.numpy().data if isinstance(data, torch.Tensor) else data)
+
+
+def send_caches(
+    endpoint: DataEndpoint, peer: str, caches: Iterable[tuple[int, KVCache, int]], role: str
+) -> dict[int, int]:
+    """Send whole caches ``(microbatch, cache, step)`` to a replacement, one at a time as ``caches``
+    yields them; ``role`` is 'primary' (its own cache) or 'replica'. Each is packed once (DejaVuLib's
+    buffered copy) and sent as one region message; the end marker carries how many were sent and their
+    :func:`restore_digest`. Returns the step sent of each microbatch."""
+    h = hashlib.blake2b(digest_size=16)
+    sent: dict[int, int] = {}
     for mb, cache, step in caches:
         region = cache.whole(mb)
         packed = cache.pack(region, torch.empty(region.nbytes(cache.layout), dtype=torch.uint8))
         data = packed.reshape(-1).view(torch.uint8)
         header = region_header(Header(Channel.KV_RESTORE, microbatch=mb, step=step, user=ROLES[role]), cache, region)
         endpoint.send_packed(peer, header, data)
-        parts.append((region, step, data))
-    end = {"role": role, "end": True, "chunks": len(parts), "digest": restore_digest(parts)}
+        _digest_part(h, region, step, data)
+        sent[mb] = step
+    end = {"role": role, "end": True, "chunks": len(sent), "digest": h.hexdigest()}
     endpoint.send(peer, Channel.KV_RESTORE, frame(end, None))
+    return sent
 
 
 def expected_roles(stage: int, depth: int, replaced: set[int]) -> set[str]:

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,6 +132,7 @@ class ReplicaStore:
         # Microbatches released as finished: a replica of theirs still on its way must not revive them.
         self._finished: collections.deque[int] = collections.deque(maxlen=_FINISHED_REMEMBERED)
         self.lock = threading.Lock()
+        self._closed = False
         self.disk: DiskTransport | None = None
         self._next_key = 0
         if mode in (Replication.DISK, Replication.BOTH):
@@ -156,24 +157,37 @@ class ReplicaStore:
                 log.error("dropped a replica message: %s", exc)
 
     def store(self, region: Region, step: int, message: Message) -> None:
-        """Keep ``message`` (the predecessor's KV of ``region`` as of ``step``) and advance the watermark."""
+        """Keep ``message`` (the predecessor's KV of ``region`` as of ``step``) and advance the watermark.
+
+        Waits (for a spec, a grown cache's copy, a disk write) happen outside the lock, which guards
+        only the bookkeeping: recovery reads replicas meanwhile, and memory accounting never waits."""
         if tuple(region.layers) != self.source_layers:
             raise ValueError(f"replica layers {region.layers} are not stage {self.source_stage}'s")
         mb = region.microbatch
         replica = self._replica(mb, region.positions)
         if replica is None:
             return
+        region.check_within(replica.layout)
         if replica.cache is not None:
             stream_in(replica.cache, message, region)
         elif region.nbytes(replica.layout) != message.payload.nbytes:
             raise IntegrityError(f"region {region} needs {region.nbytes(replica.layout)} bytes, "
                                  f"the message has {message.payload.nbytes}")  # fmt: skip
-        with self.lock:  # drop() takes the lock too: a released microbatch's chunks and watermark never come back
-            if self.replicas.get(mb) is not replica:
-                return
-            if self.disk is not None:
+        key = None
+        if self.disk is not None:
+            with self.lock:
                 key, self._next_key = self._next_key, (self._next_key + 1) % KEY_LIMIT
+            try:
                 self.disk.flush(self.disk.self_id, key, message.payload, self.deadline_s)
+            except BaseException:
+                self.disk.discard(self.disk.self_id, key)
+                raise
+        with self.lock:  # drop() takes the lock too: a released microbatch's chunks and watermark never come back
+            if self._closed or self.replicas.get(mb) is not replica:
+                if key is not None:
+                    self.disk.discard(self.disk.self_id, key)  # type: ignore[union-attr]
+                return
+            if key is not None:
                 replica.chunks.append((key, region))
             before = replica.step
             held = replica.record(region.positions, step)
@@ -182,29 +196,37 @@ class ReplicaStore:
 
     def _replica(self, mb_id: int, chunk_positions: tuple[int, int]) -> Replica | None:
         """The replica of ``mb_id``, holding at least the chunk's positions: like the primary, its cache
-        starts small and doubles up to the microbatch's span. None for a later step of a microbatch not
-        held here: a replica starts with its prompt (FIFO per sender), so that is one released meanwhile
-        (it finished), and it must not come back."""
+        starts small and doubles up to the microbatch's span (a chunk past the span is refused). None
+        for a later step of a microbatch not held here: a replica starts with its prompt (FIFO per
+        sender), so that is one released meanwhile (it finished), and it must not come back."""
         positions = chunk_positions[1]
         with self.lock:
             replica = self.replicas.get(mb_id)
-            if replica is None and (chunk_positions[0] > 0 or mb_id in self._finished):
+            gone = self._closed or mb_id in self._finished
+            if replica is None and (chunk_positions[0] > 0 or gone):
                 log.debug("ignored a replica step of released microbatch %d", mb_id)
                 return None
-            if replica is None:
-                spec = fetch_spec(self.redis, mb_id, self.deadline_s, self.abandon)
-                a, b = self.source_layers
-                size = min(spec.max_len, max(positions, spec.prompt_len + 64))
-                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
-                cache = KVCache.allocate(layout, "cpu") if self.in_memory else None
-                replica = self.replicas[mb_id] = Replica(mb_id, layout, spec.max_len, cache)
-            elif replica.cache is not None:
-                replica.cache = replica.cache.holding(positions, replica.span)
-                replica.layout = replica.cache.layout
-            elif positions > replica.layout.max_len:
-                grown = min(replica.span, max(positions, 2 * replica.layout.max_len))
-                replica.layout = dataclasses.replace(replica.layout, max_len=grown)
-            return replica
+        if replica is None:
+            spec = fetch_spec(self.redis, mb_id, self.deadline_s, self.abandon)  # may wait: not under the lock
+            a, b = self.source_layers
+            size = min(spec.max_len, max(positions, spec.prompt_len + 64))
+            layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
+            cache = KVCache.allocate(layout, "cpu") if self.in_memory else None
+            with self.lock:
+                if self._closed or mb_id in self._finished:
+                    return None
+                replica = self.replicas.setdefault(mb_id, Replica(mb_id, layout, spec.max_len, cache))
+        if positions > replica.span:
+            raise ValueError(f"replica of microbatch {mb_id}: positions up to {positions} past its span {replica.span}")
+        if replica.cache is not None:
+            grown = replica.cache.holding(positions, replica.span)  # a copy when it grows: readers keep the old one
+            with self.lock:
+                replica.cache, replica.layout = grown, grown.layout
+        elif positions > replica.layout.max_len:
+            grown_len = min(replica.span, max(positions, 2 * replica.layout.max_len))
+            with self.lock:
+                replica.layout = dataclasses.replace(replica.layout, max_len=grown_len)
+        return replica
 
     # -- what recovery and memory accounting read ------------------------------------------
     def microbatches(self) -> set[int]:
@@ -217,32 +239,36 @@ class ReplicaStore:
             return replica.step if replica is not None else -1
 
     def memory_caches(self) -> list[KVCache]:
-        """The replicas held in host memory (none with ``disk``)."""
-        with self.lock:
-            return [r.cache for r in self.replicas.values() if r.cache is not None]
+        """The replicas held in host memory (none with ``disk``). Never waits for the lock: the heartbeat
+        asks on its way to renewing the lease (a snapshot of the dict is atomic)."""
+        return [r.cache for r in list(self.replicas.values()) if r.cache is not None]
 
-    def restorable(self, mb_ids: Iterable[int]) -> list[tuple[int, KVCache, int]]:
-        """(microbatch, cache, watermark) of each of ``mb_ids`` held here, for a replaced predecessor:
-        the host cache, or one gathered back from the disk transport's chunks, in the order they came."""
-        out = []
+    def restorable(self, mb_ids: Iterable[int]) -> Iterator[tuple[int, KVCache, int]]:
+        """(microbatch, cache, watermark) of each of ``mb_ids`` held here, for a replaced predecessor,
+        one at a time: the host cache, or one gathered back from the disk transport's chunks in the
+        order they came (so only one is in memory at once). A replica that cannot be read back is
+        forgotten, its watermark with it, so recovery re-runs that microbatch's prompt."""
         for mb in sorted(set(mb_ids)):
             with self.lock:
                 replica = self.replicas.get(mb)
-                if replica is None:
+                if replica is None or replica.step < 0:
                     continue
-                cache, chunks, step = replica.cache, list(replica.chunks), replica.step
-                layout = replica.layout
+                cache, chunks, step, layout = replica.cache, list(replica.chunks), replica.step, replica.layout
             if cache is None:
-                cache = self._gather(layout, chunks)
-            out.append((mb, cache, step))
-        return out
+                try:
+                    cache = self._gather(layout, chunks)
+                except (DejaVuLibError, OSError, ValueError, RuntimeError) as exc:
+                    log.error("replica of microbatch %d not readable from disk (%s): its prompt re-runs", mb, exc)
+                    self.drop(mb)
+                    continue
+            yield mb, cache, step
 
     def _gather(self, layout: KVLayout, chunks: list[tuple[int, Region]]) -> KVCache:
         assert self.disk is not None
         cache = KVCache.allocate(layout, "cpu")
         for key, region in chunks:
             buf = torch.empty(region.nbytes(layout), dtype=torch.uint8)
-            self.disk.fetch(self.disk.self_id, key, buf, self.deadline_s)
+            self.disk.fetch(self.disk.self_id, key, buf, 0.0)  # written before it was recorded: never waits
             cache.unpack(region, buf)
         return cache
 
@@ -259,10 +285,12 @@ class ReplicaStore:
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
 
     def close(self) -> None:
-        """Remove this worker's replica folder (its chunks are of no use to a later process)."""
-        if self.disk is not None:
-            with self.lock:
-                self.replicas.clear()
+        """Forget every replica and remove this worker's replica folder (its chunks are of no use to a
+        later process); a message still arriving is ignored."""
+        with self.lock:
+            self._closed = True
+            self.replicas.clear()
+            if self.disk is not None:
                 _empty(self.disk.root)
                 with contextlib.suppress(OSError):
                     self.disk.root.rmdir()

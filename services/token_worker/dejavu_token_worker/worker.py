@@ -274,17 +274,18 @@ class TokenWorker(WorkerProcess):
         depth = pos.depth
         for stage, new_worker in order.replaced.items():
             if depth > 1 and (stage + 1) % depth == pos.index and self.replica is not None:
-                caches = self.replica.restorable(order.microbatches)
-                recovery.send_caches(self.endpoint, new_worker, caches, "primary")
-                log.info("sent %s its caches of microbatches %s", new_worker, {mb: step for mb, _, step in caches})
+                sent = recovery.send_caches(
+                    self.endpoint, new_worker, self.replica.restorable(order.microbatches), "primary"
+                )
+                log.info("sent %s its caches of microbatches %s", new_worker, sent)
             if depth > 1 and (stage - 1) % depth == pos.index:
                 caches = [
                     (mb, st.cache, st.done_step)
                     for mb, st in list(self.runner.states.items())
                     if mb in order.microbatches and st.complete.is_set()
                 ]
-                recovery.send_caches(self.endpoint, new_worker, caches, "replica")
-                log.info("sent %s the replica of microbatches %s", new_worker, {mb: step for mb, _, step in caches})
+                sent = recovery.send_caches(self.endpoint, new_worker, caches, "replica")
+                log.info("sent %s the replica of microbatches %s", new_worker, sent)
 
     def _restore(self, order: RecoveryOrder, pos: Position) -> None:
         """As a replacement: receive this stage's caches (primary) and the predecessor's (replica)."""
@@ -307,7 +308,12 @@ class TokenWorker(WorkerProcess):
             state.prompt_replicated = True
         if self.replica is not None:
             for r in replica:
-                self.replica.store(r.region, r.step, r.message)
+                try:
+                    self.replica.store(r.region, r.step, r.message)
+                except (OSError, ValueError, DejaVuLibError) as exc:  # e.g. the replica disk is full
+                    mb = r.region.microbatch
+                    log.error("could not keep the restored replica of microbatch %d (%s): not replicated", mb, exc)
+                    self.replica.drop(mb)  # no watermark: a failure of the predecessor re-runs its prompt
 
     # -- stages > 0 ---------------------------------------------------------------------------
     def _follow(self, pos: Position) -> None:

@@ -55,12 +55,16 @@ class DiskTransport(Transport):
             raise PeerError(f"peer {peer_id!r} is not connected")
         final = self._file(root, self.self_id, key)
         tmp = final.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(as_bytes(src).data)
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(as_bytes(src).data)
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:  # e.g. the disk is full: no half-written file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
 
     def discard(self, peer_id: str, key: int) -> None:
         check_key(key)
