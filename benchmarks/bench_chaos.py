@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
-from benchmarks.procs import free_port, rss_mb
+from benchmarks.procs import free_port, rss_mb, stop_on_sigterm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROMPTS = [
@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "chaos.json")
     args = parser.parse_args(argv)
+    stop_on_sigterm()  # stopped, it still stops the deployment it started
 
     from dejavu_cli.launcher import Launcher
     from dejavu_common.settings import Settings

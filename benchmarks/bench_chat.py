@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
-from benchmarks.procs import free_port, rss_mb
+from benchmarks.procs import free_port, rss_mb, stop_on_sigterm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUESTIONS = [
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="send the requests this many times (memory per round)")
     parser.add_argument("--out", type=Path, default=RESULTS / "chat.json")
     args = parser.parse_args(argv)
+    stop_on_sigterm()  # stopped, it still stops the deployment it started
 
     import openai
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
-from benchmarks.procs import free_port
+from benchmarks.procs import free_port, stop_on_sigterm
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-fraction", type=float, default=0.5, help="kill after this share of the tokens")
     parser.add_argument("--runs", default="no-failure,no-failure-norepl,dejavu,restart")
     args = parser.parse_args(argv)
+    stop_on_sigterm()  # stopped, it still stops the deployment it started
 
     from dejavu_common.settings import Settings
     from dejavu_common.tokenizer import Tokenizer

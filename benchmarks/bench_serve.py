@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
 from benchmarks.loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord
 from benchmarks.metrics import RunMetrics
-from benchmarks.procs import free_port
+from benchmarks.procs import free_port, stop_on_sigterm
 from dejavu_cli.launcher import Launcher
 from dejavu_common.settings import Mode, Settings
 from dejavu_planner.trace import Trace, lmsys_like_trace
@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_url.main(argv)
     args = parse_args(argv)
+    stop_on_sigterm()  # stopped, it still stops the deployments it started
     workload = Workload(
         args.requests, args.prompt_len, args.median_new, args.sigma, args.min_new, args.max_new, args.seed
     )

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH.parent))
-from benchmarks.procs import free_port  # noqa: E402
+from benchmarks.procs import free_port, stop_on_sigterm  # noqa: E402
 
 BATCH_WAIT_MS = 50.0  # the controller's partial-microbatch wait, also given to the simulator
 
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         help="which deployments, by index: " + ", ".join(f"{i} {d[0]}" for i, d in enumerate(DEPLOYMENTS)),
     )
     args = parser.parse_args(argv)
+    stop_on_sigterm()  # stopped, it still stops the deployment it started
 
     from benchmarks.loadgen import PromptBuilder
     from dejavu_common.settings import Settings
