@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher.wait_ready(300)
         chaos = Chaos(launcher, settings, reference, args, outcomes)
         memory_start = _worker_memory(launcher)
+        memory_warm: dict[str, dict] | None = None
         supervisor = threading.Thread(target=_supervise, args=(chaos, stop), daemon=True)
         supervisor.start()
         clients = [
@@ -402,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
             kind = kinds[i % len(kinds)]
             i += 1
             epoch = chaos.epoch() or 0
+            if memory_warm is None:  # traffic has settled, no fault yet: the working set to compare the end with
+                memory_warm = _worker_memory(launcher)
+            rss_before = {name: m["rss_mb"] for name, m in _worker_memory(launcher).items()}
             at = time.monotonic()
             try:
                 what = chaos.inject(kind)
@@ -420,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ready_again_s": None if back is None else round(back, 2),
                     "recovery_s": None if recovery is None else round(recovery, 2),
                     "epoch_changed": (chaos.epoch() or 0) > epoch,  # after poison: a worker failed
+                    "worker_rss_mb_before": rss_before,
                 }
             )
             print(
@@ -462,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             "mean": round(sum(recoveries) / len(recoveries), 2) if recoveries else None,
         },
         "faults_not_ready_again": sum(1 for f in faults if f["injected"] and f.get("ready_again_s") is None),
-        "worker_rss_mb": {"start": memory_start, "end": memory_end},
+        # start: ready, before any traffic; warm: traffic settled, before the first fault (the working set).
+        "worker_rss_mb": {"start": memory_start, "warm": memory_warm, "end": memory_end},
         "process_restarts": restarts,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -484,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         ready = ", ".join("-" if f["ready_again_s"] is None else f"{f['ready_again_s']:.1f}" for f in mine)
         exact = ", ".join("-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}" for f in mine)
         print(f"  {kind:11s} {ready:28s} {exact}")
-    print(f"  worker RSS MB start {memory_start}\n  worker RSS MB end   {memory_end}")
+    print(
+        f"  worker RSS MB start {memory_start}\n  worker RSS MB warm  {memory_warm}\n  worker RSS MB end   {memory_end}"
+    )
     print(f"wrote {args.out}")
     poison_ok = outcomes.poison.get("hung", 0) == 0 and result["poison_faults_that_changed_the_topology"] == 0
     return 0 if r["completed_wrong"] == 0 and r["hung"] == 0 and poison_ok else 1
