@@ -23,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -228,18 +229,35 @@ class Launcher:
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop workers and controller first (they deregister through Redis), then our Redis."""
-        terminate_all([c.proc for c in reversed(self.children) if c.proc is not None])
+        """Stop workers and controller first (they deregister through Redis), then our Redis. The whole
+        deployment stops, so workers are told to stop at once (a second SIGTERM), not to drain: a drain
+        waits for a hand-over that no controller will make, and they would be killed at the grace
+        period without deregistering or cleaning up."""
+        procs = [c.proc for c in reversed(self.children) if c.proc is not None]
+        workers = [c.proc for c in self.children if c.proc is not None and c.name != "controller"]
+        terminate_all(procs, stop_now=workers)
         if self.redis_proc is not None:
             terminate_all([self.redis_proc])
         for name in (STATE_NAME, ADMIN_KEY_NAME):
             (run_dir() / name).unlink(missing_ok=True)
 
 
-def terminate_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+SECOND_SIGTERM_S = 0.3  # between a worker's two SIGTERMs: apart, so the two are never merged into one
+
+
+def terminate_all(
+    procs: list[subprocess.Popen], grace_s: float = 10.0, stop_now: Sequence[subprocess.Popen] = ()
+) -> None:
+    """SIGTERM every process (those in ``stop_now`` a second time shortly after, which stops a worker
+    at once instead of draining it), then SIGKILL what is left after ``grace_s``."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+    if stop_now:
+        time.sleep(SECOND_SIGTERM_S)
+        for p in stop_now:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
