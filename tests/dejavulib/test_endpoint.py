@@ -238,22 +238,3 @@ def test_messages_from_one_sender_arrive_in_the_order_sent() -> None:
     finally:
         sender.close()
         receiver.close()
-
-
-def test_a_disconnected_peer_is_forgotten_and_can_be_connected_again() -> None:
-    """A peer that left the deployment is disconnected (its endpoint closed, not kept with its shared
-    memory for good); sending to it then fails at once, and connecting again works."""
-    peer = UcxPeer()
-    try:
-        data = np.arange(256, dtype=np.int32)
-        peer.endpoint.disconnect("peer")
-        peer.endpoint.disconnect("peer")  # twice: nothing left to forget
-        assert "peer" not in peer.transport._endpoints and "peer" not in peer.transport.selected
-        with pytest.raises(PeerError, match="not connected"):
-            peer.endpoint.send("peer", Header(Channel.ACTIVATION), data).wait(10)
-        peer.endpoint.connect("peer", peer.proc_address)
-        peer.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
-        peer.endpoint.send("peer", Header(Channel.ACTIVATION), data).wait(10)
-        assert np.array_equal(peer.endpoint.recv(Channel.ACTIVATION, 10).array(), data)
-    finally:
-        peer.stop()

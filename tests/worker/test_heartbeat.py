@@ -95,35 +95,6 @@ def test_a_peer_record_that_claims_another_worker_is_refused(redis_url) -> None:
         endpoint.close()
 
 
-def test_peers_that_left_the_topology_are_disconnected(redis_url) -> None:
-    """A worker connects to the peers of each epoch; one replaced meanwhile (killed, drained) is
-    disconnected, so the endpoint and shared memory kept to it do not pile up fault after fault."""
-    import base64
-
-    from dejavu_common.messages import WorkerInfo, WorkerRole
-    from dejavu_common.settings import TransportSettings
-    from dejavu_worker.endpoint import DataEndpoint
-
-    client = redis.Redis.from_url(redis_url)
-    me, a, b = (DataEndpoint(TransportSettings(), w) for w in ("p0", "t0", "t1"))
-    try:
-        for peer in (a, b):
-            info = WorkerInfo(worker_id=peer.worker_id, role=WorkerRole.TOKEN, host="h", pid=1, instance="i",
-                              data_address=base64.b64encode(peer.address).decode())  # fmt: skip
-            client.hset(keys.worker(peer.worker_id), mapping={"info": info.encode()})
-        transport = me._ep.transport
-        me.connect_all(client, ["t0", "t1"])
-        assert set(transport._endpoints) == {"t0", "t1"}
-        me.connect_all(client, ["t1"])  # t0 failed and its stage went to t1's neighbour
-        assert set(transport._endpoints) == {"t1"}
-        me.connect_all(client, ["t0", "t1"])  # and it may come back
-        assert set(transport._endpoints) == {"t0", "t1"}
-    finally:
-        for endpoint in (me, a, b):
-            endpoint.close()
-        client.close()
-
-
 def test_the_heartbeat_thread_outlives_redis_errors_and_ends_the_process_on_anything_else(redis_url, monkeypatch):
     from dejavu_common import fatal
 

@@ -117,9 +117,6 @@ class Endpoint:
     def connect(self, peer_id: str, address: bytes) -> None:
         self.transport.connect(peer_id, address)
 
-    def disconnect(self, peer_id: str) -> None:
-        self.transport.disconnect(peer_id)
-
     def set_epoch(self, epoch: int) -> None:
         """Reject, from now on, messages whose sender epoch is older than ``epoch``; drops queued ones too."""
         with self._cond:

@@ -30,7 +30,7 @@ from dejavu_common.fatal import die
 from dejavu_common.messages import WorkerInfo
 from dejavu_common.settings import TransportSettings
 from dejavulib.endpoint import Endpoint, Message
-from dejavulib.errors import DejaVuLibError, PeerError, TransferError, TransferTimeout, TransportUnavailable
+from dejavulib.errors import PeerError, TransferError, TransferTimeout, TransportUnavailable
 from dejavulib.header import Channel, Header
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import Region
@@ -96,22 +96,13 @@ class DataEndpoint:
         self._ep.set_epoch(epoch)
 
     def connect_all(self, client: redis.Redis, peer_ids: list[str]) -> None:
-        """Connect to each peer by the address it registered (reconnecting when it changed), and
-        disconnect from the peers of earlier epochs that are not among them (failed or replaced
-        workers: each UCX endpoint kept to them would hold its shared memory for good).
+        """Connect to each peer by the address it registered (reconnecting when it changed).
 
         A peer that is not registered (yet, or again after Redis lost its state) or whose connection
         fails (``PeerError``, ``TransportUnavailable``: e.g. UCX failing to map shared memory with a
         peer that just started) is retried with exponential backoff for up to ``deadline_s``, each
         failure logged; the last error is raised after that.
         """
-        for gone in sorted(set(self._addresses) - set(peer_ids)):
-            self._addresses.pop(gone)
-            try:
-                self._ep.disconnect(gone)
-                log.info("disconnected from %s (no longer a peer)", gone)
-            except DejaVuLibError as exc:  # its endpoint was already unusable, or the transport is closing
-                log.warning("disconnecting from %s failed (%s)", gone, exc)
         for peer in peer_ids:
             deadline = time.monotonic() + self.settings.deadline_s
             delay = 0.05

@@ -77,11 +77,6 @@ class Transport(abc.ABC):
     def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
         """Fill contiguous ``dst`` with ``peer_id``'s chunk under ``key`` (see the module contract)."""
 
-    def disconnect(self, peer_id: str) -> None:  # noqa: B027 - transports that keep nothing per peer
-        """Forget ``peer_id`` (it left the deployment): what this transport keeps to reach it is released
-        (a UCX endpoint and the shared memory it maps), and sending to it fails until it is connected
-        again. An unknown peer is ignored."""
-
     def discard(self, peer_id: str, key: int) -> None:  # noqa: B027 - stream transports keep nothing
         """Forget the chunk ``peer_id`` flushed here under ``key``: slot transports keep the last flush
         until then (a later ``fetch`` waits as for a chunk never flushed). Stream transports hold

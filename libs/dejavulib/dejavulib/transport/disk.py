@@ -66,9 +66,6 @@ class DiskTransport(Transport):
             tmp.unlink(missing_ok=True)
             raise
 
-    def disconnect(self, peer_id: str) -> None:
-        self._peers.pop(peer_id, None)
-
     def discard(self, peer_id: str, key: int) -> None:
         check_key(key)
         self._file(self.root, peer_id, key).unlink(missing_ok=True)

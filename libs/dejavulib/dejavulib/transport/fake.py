@@ -66,9 +66,6 @@ class FakeTransport(MessageTransport):
     def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
         self._admit, self._sink = admit, sink
 
-    def disconnect(self, peer_id: str) -> None:
-        self._peers.pop(peer_id, None)
-
     def discard(self, peer_id: str, key: int) -> None:
         check_key(key)
         self._slots.pop(peer_id, key)

@@ -103,9 +103,6 @@ class LocalTransport(Transport):
             raise IntegrityError(f"chunk {key} from {peer_id!r} has {host.numel()} bytes, buffer {out.numel()}")
         self._copier(out).copy(out, host)
 
-    def disconnect(self, peer_id: str) -> None:
-        self._peers.pop(peer_id, None)
-
     def discard(self, peer_id: str, key: int) -> None:
         check_key(key)
         self._slots.pop(peer_id, key)

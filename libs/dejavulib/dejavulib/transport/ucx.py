@@ -202,10 +202,7 @@ class UcxTransport(MessageTransport):
             except Exception as exc:
                 done.set_done(PeerError(f"cannot create a UCX endpoint to {peer_id!r}: {exc}"))
                 return
-            replaced = self._endpoints.get(peer_id)
             self._endpoints[peer_id] = ep
-            if replaced is not None:  # the peer restarted at a new address: the old endpoint is closed, not leaked
-                _close_quietly(replaced, peer_id)
             hello = np.zeros(1, np.uint8)
             self._post_send(ep, hello, make_tag(KIND_HELLO, self._hash, 0), done.set_done)
 
@@ -222,18 +219,6 @@ class UcxTransport(MessageTransport):
             raise TransportUnavailable(
                 f"UCX selected {sorted(selected)} to {peer_id!r}, but transport {self.require!r} is required"
             )
-
-    def disconnect(self, peer_id: str, deadline_s: float = 10.0) -> None:
-        """Close the endpoint to ``peer_id`` on the I/O thread (sends still pending on it fail)."""
-
-        def close() -> None:
-            ep = self._endpoints.pop(peer_id, None)
-            if ep is not None:
-                _close_quietly(ep, peer_id)
-
-        if self._running:
-            self._call(close, deadline_s)
-        self.selected.pop(peer_id, None)
 
     def flush(self, peer_id: str, key: int, src: Buffer, deadline_s: float) -> None:
         check_key(key)
@@ -530,12 +515,3 @@ class UcxTransport(MessageTransport):
                 self._sink(head.admitted, head.payload)
         if inbox is not None and not inbox:
             del self._inbox[sender]
-
-
-def _close_quietly(ep: Any, peer_id: str) -> None:
-    """Close an endpoint this transport no longer uses; one to a dead peer may fail to close cleanly,
-    which concerns nobody any more."""
-    try:
-        ep.close()
-    except Exception as exc:
-        log.info("closing the endpoint to %s: %s", peer_id, exc)
