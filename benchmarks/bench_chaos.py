@@ -403,9 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             kind = kinds[i % len(kinds)]
             i += 1
             epoch = chaos.epoch() or 0
+            memory_now = _worker_memory(launcher)
             if memory_warm is None:  # traffic has settled, no fault yet: the working set to compare the end with
-                memory_warm = _worker_memory(launcher)
-            rss_before = {name: m["rss_mb"] for name, m in _worker_memory(launcher).items()}
+                memory_warm = memory_now
+            rss_before = {name: m["rss_mb"] for name, m in memory_now.items()}
             at = time.monotonic()
             try:
                 what = chaos.inject(kind)

@@ -62,14 +62,9 @@ class KVCache:
         return bigger
 
     def holding(self, positions: int, span: int) -> KVCache:
-        """This cache if it holds ``positions`` positions, else one grown to hold them: doubled (at least),
-        never past ``span``. Growth by doubling keeps the copies' cost amortised constant per token."""
-        capacity = self.layout.max_len
-        if positions <= capacity:
-            return self
-        if positions > span:
-            raise ValueError(f"{positions} positions exceed the span of {span}")
-        return self.grown(min(span, max(positions, 2 * capacity)))
+        """This cache if it holds ``positions`` positions, else one grown as :meth:`KVLayout.holding` says."""
+        layout = self.layout.holding(positions, span)
+        return self if layout is self.layout else self.grown(layout.max_len)
 
     @property
     def device(self) -> torch.device:

@@ -15,7 +15,7 @@ Pure Python: importing this module does not import torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DIM_ORDER = ("layer", "batch", "head", "position", "head_dim")
 
@@ -113,6 +113,16 @@ class KVLayout:
     def packed_shape(self, region: Region) -> tuple[int, ...]:
         """Shape of ``region`` packed (``[which][layer][row][head][position][head_dim]``)."""
         return (len(region.tensors), region.n_layers, region.n_rows, self.kv_heads, region.n_positions, self.head_dim)
+
+    def holding(self, positions: int, span: int) -> KVLayout:
+        """This layout if it holds ``positions`` positions, else one grown to hold them: doubled (at
+        least), never past ``span`` (``ValueError`` beyond it). Growth by doubling keeps the copies'
+        cost amortised constant per token."""
+        if positions <= self.max_len:
+            return self
+        if positions > span:
+            raise ValueError(f"{positions} positions exceed the span of {span}")
+        return replace(self, max_len=min(span, max(positions, 2 * self.max_len)))
 
     def region(
         self,

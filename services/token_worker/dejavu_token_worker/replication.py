@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -177,11 +176,7 @@ class ReplicaStore:
         if self.disk is not None:
             with self.lock:
                 key, self._next_key = self._next_key, (self._next_key + 1) % KEY_LIMIT
-            try:
-                self.disk.flush(self.disk.self_id, key, message.payload, self.deadline_s)
-            except BaseException:
-                self.disk.discard(self.disk.self_id, key)
-                raise
+            self.disk.flush(self.disk.self_id, key, message.payload, self.deadline_s)  # a failed one leaves no file
         with self.lock:  # drop() takes the lock too: a released microbatch's chunks and watermark never come back
             if self._closed or self.replicas.get(mb) is not replica:
                 if key is not None:
@@ -216,16 +211,14 @@ class ReplicaStore:
                 if self._closed or mb_id in self._finished:
                     return None
                 replica = self.replicas.setdefault(mb_id, Replica(mb_id, layout, spec.max_len, cache))
-        if positions > replica.span:
-            raise ValueError(f"replica of microbatch {mb_id}: positions up to {positions} past its span {replica.span}")
-        if replica.cache is not None:
+        if replica.cache is not None:  # both raise past the span
             grown = replica.cache.holding(positions, replica.span)  # a copy when it grows: readers keep the old one
             with self.lock:
                 replica.cache, replica.layout = grown, grown.layout
-        elif positions > replica.layout.max_len:
-            grown_len = min(replica.span, max(positions, 2 * replica.layout.max_len))
+        else:
+            layout = replica.layout.holding(positions, replica.span)
             with self.lock:
-                replica.layout = dataclasses.replace(replica.layout, max_len=grown_len)
+                replica.layout = layout
         return replica
 
     # -- what recovery and memory accounting read ------------------------------------------
