@@ -169,10 +169,7 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
         r = Round(launcher, settings)
         r.wait_tokens(6)
         paused = _holder(settings, 2)
-        info = WorkerInfo.decode(client.hget(keys.worker(paused), "info"))
-        signing = settings.admin.signing_key.get_secret_value()
-        cmd = sign(signing, paused, info.instance, AdminAction.PAUSE_HEARTBEATS, seconds=4.0)
-        client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
+        _pause(settings, paused, 4.0)
         _check(r.finish(), reference, launcher)
         _replaced(settings, [paused])
         # 2. Two non-adjacent failures at once.
@@ -193,6 +190,45 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
             time.sleep(0.01)
         _kill(launcher, _holder(settings, 1))
         _check(r.finish(), reference, launcher)
+
+
+def _pause(settings: Settings, worker_id: str, seconds: float) -> None:
+    """Order ``worker_id`` (signed, over Redis) to stop its heartbeats for ``seconds``: it looks hung."""
+    client = redis.Redis.from_url(settings.redis.url)
+    info = WorkerInfo.decode(client.hget(keys.worker(worker_id), "info"))
+    signing = settings.admin.signing_key.get_secret_value()
+    cmd = sign(signing, worker_id, info.instance, AdminAction.PAUSE_HEARTBEATS, seconds=seconds)
+    client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
+
+
+def test_a_worker_takes_stage_0_back_after_another_held_it(redis_url, model, reference) -> None:
+    """Stage 0's holder looks hung, a spare takes the stage over and serves a round; then the spare looks
+    hung mid-round and the first worker, alive all along, takes stage 0 back with its layers still loaded.
+    It must read only prompts announced from then on: the earlier ones are the other holder's (ended, or
+    resuming through this recovery). Reading them again held the chaos benchmark's pipeline for 23 s and
+    would admit a resumed microbatch twice."""
+    settings = cluster_settings(
+        redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
+    )
+    with running(settings, spares=1) as launcher:
+        r = Round(launcher, settings)
+        r.wait_tokens(6)
+        first = _holder(settings, 0)
+        _pause(settings, first, 4.0)
+        _check(r.finish(), reference, launcher)
+        _replaced(settings, [first])
+        _check(Round(launcher, settings).finish(), reference, launcher)  # announced while `first` is away
+        r = Round(launcher, settings)
+        r.wait_tokens(6)
+        second = _holder(settings, 0)
+        _pause(settings, second, 4.0)
+        _replaced(settings, [second])
+        assert _holder(settings, 0) == first
+        _check(r.finish(), reference, launcher)
+        _check(Round(launcher, settings).finish(), reference, launcher)
+        # It read no announcement of a microbatch that had ended meanwhile (it used to wait 10 s for each).
+        stale = re.compile(r"dropped (a ready entry|the announcement of microbatch)")
+        assert not stale.search((launcher.log_dir / f"{first}.log").read_text()), logs(launcher)
 
 
 def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_url, model, reference) -> None:

@@ -50,6 +50,29 @@ def test_a_draining_worker_serves_until_its_stage_is_handed_over(redis_url) -> N
         thread.join(10)
 
 
+def test_a_worker_whose_stage_goes_to_another_frees_what_it_held_then_can_take_it_back(redis_url) -> None:
+    """Fenced or handed over, a worker no topology names holds nothing for anyone: it frees its stage's
+    state once (a fenced token worker used to keep its caches until it served again, perhaps never).
+    Given the same stage back, it serves it without loading it again."""
+    worker, thread = _start(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        _wait(lambda: client.exists(keys.worker("t0")))
+        client.set(keys.TOPOLOGY, _topology(3, "t0").encode())
+        _wait(lambda: worker.served == [3])
+        assert worker.freed == []
+        client.set(keys.TOPOLOGY, _topology(4, "s0").encode())
+        _wait(lambda: worker.freed == [4])
+        time.sleep(0.5)  # more heartbeats under the same topology: freed once
+        assert worker.freed == [4] and worker.served == [3]
+        client.set(keys.TOPOLOGY, _topology(5, "t0").encode())
+        _wait(lambda: worker.served == [3, 5])
+        assert worker.loads == [3] and worker.freed == [4]
+    finally:
+        worker.stopping.set()
+        thread.join(10)
+
+
 def test_a_drain_with_no_replacement_ends_at_its_deadline_and_a_second_sigterm_at_once(redis_url) -> None:
     worker, thread = _start(redis_url, drain_timeout_s=0.5)
     client = redis.Redis.from_url(redis_url)

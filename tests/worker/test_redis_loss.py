@@ -32,6 +32,11 @@ class ScriptedWorker(WorkerProcess):
         self.loads: list[int] = []
         self.served: list[int] = []
         self.failures = list(failures or [])
+        self.freed: list[int] = []  # epochs at which the topology named it for no stage (``unassigned``)
+
+    def unassigned(self, epoch: int) -> None:
+        super().unassigned(epoch)
+        self.freed.append(epoch)
 
     def open_data_plane(self) -> bytes:
         return b"no data plane"

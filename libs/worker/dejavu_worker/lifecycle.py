@@ -62,6 +62,7 @@ class WorkerProcess(abc.ABC):
         self.info: WorkerInfo | None = None
         self._reported: tuple[WorkerState, int] = (WorkerState.IDLE, 0)  # last state and epoch written
         self._min_epoch = 0  # after a Redis outage: serve only topologies newer than the last one served
+        self._unassigned_at = 0  # the last epoch whose topology named this worker for no stage
 
     # -- hooks -------------------------------------------------------------------------------
     def open_data_plane(self) -> bytes:
@@ -76,6 +77,13 @@ class WorkerProcess(abc.ABC):
     @abc.abstractmethod
     def serve(self, topology: Topology) -> None:
         """Serve until ``self.epoch_changed()`` or ``self.stopping``; must return promptly then."""
+
+    def unassigned(self, epoch: int) -> None:
+        """The topology of ``epoch`` gives this worker no stage (it was fenced, or its stage handed over):
+        what it holds for the stage it served is no one's now (the new holder restores from its peers), so
+        a subclass frees it here."""
+        if self.assignment is not None:
+            log.info("the topology of epoch %d gives %s no stage: it stands by", epoch, self.worker_id)
 
     def close_data_plane(self) -> None:
         """Release the data plane; safe when ``open_data_plane`` never ran."""
@@ -225,6 +233,9 @@ class WorkerProcess(abc.ABC):
         while not self.stopping.is_set():
             topo = hb.topology
             holds = topo is not None and topo.epoch >= self._min_epoch and topo.stage_of(self.worker_id) is not None
+            if topo is not None and not holds and topo.epoch > self._unassigned_at:
+                self._unassigned_at = topo.epoch
+                self.unassigned(topo.epoch)
             if hb.draining.is_set() and (not holds or hb.drain_expired()):
                 return None
             if holds:

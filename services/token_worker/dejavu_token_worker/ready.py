@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
-from pydantic import ValidationError
 
 from dejavu_common import keys
-from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptDone
-from dejavu_worker.microbatch import fetch_spec
 
 log = logging.getLogger("dejavu.token_worker.ready")
 
@@ -32,19 +28,28 @@ class ReadyMicrobatch:
 class ReadyPrompts:
     """Collects :class:`PromptDone` entries per token microbatch until every row has its first token.
 
-    The cursor starts at the stream's end when created, so a restarted stage 0 does not replay
-    microbatches the pipeline already handled (those resume through recovery instead).
+    The cursor starts at the stream's end when created, and again when this worker takes stage 0 over
+    (:meth:`start_over`), so a stage-0 holder never reads announcements made before it held the stage:
+    their microbatches resume or re-run through recovery instead.
+
+    The controller writes a microbatch's spec before it queues its prompt, so an announcement whose spec
+    is missing is stale (its microbatch already ended): it is dropped at once. Waiting for it would hold
+    up every microbatch this stage runs, since the driver reads announcements between steps.
     """
 
-    def __init__(self, client: redis.Redis, deadline_s: float, abandon: Callable[[], bool] | None = None) -> None:
+    def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self.deadline_s = deadline_s
-        self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
-        last = client.xrevrange(keys.READY_QUEUE, count=1)
-        self.cursor: bytes | str = last[0][0] if last else "0-0"
+        self.cursor: bytes | str = "0-0"
         self._partial: dict[int, tuple[MicrobatchSpec, list[int | None], list[FinishReason | None]]] = {}
         self._ready: collections.deque[ReadyMicrobatch] = collections.deque()
         self.ignored: set[int] = set()  # microbatches already admitted (a re-run prompt announces them again)
+        self.start_over()
+
+    def start_over(self) -> None:
+        """Forget everything read so far and read only what is announced from now on."""
+        last = self.redis.xrevrange(keys.READY_QUEUE, count=1)
+        self.cursor = last[0][0] if last else "0-0"
+        self.reset()
 
     def poll(self, block_ms: int | None = None) -> None:
         resp = self.redis.xread({keys.READY_QUEUE: self.cursor}, count=64, block=block_ms)
@@ -53,17 +58,24 @@ class ReadyPrompts:
                 self.cursor = entry_id
                 try:
                     self._add(PromptDone.decode(fields[b"done"]))
-                except (KeyError, ValidationError, DeadlineExceeded) as exc:
+                except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
                     log.error("dropped a ready entry: %s", exc)
 
     def _add(self, done: PromptDone) -> None:
         if done.mb_id in self.ignored:
             return
         if done.mb_id not in self._partial:
-            spec = fetch_spec(self.redis, done.mb_id, self.deadline_s, self.abandon)
+            raw = self.redis.get(keys.microbatch(done.mb_id))  # written before its prompt was queued: no wait
+            if raw is None:
+                log.warning("dropped the announcement of microbatch %d: it has ended (no spec)", done.mb_id)
+                return
+            spec = MicrobatchSpec.decode(raw)
             n = len(spec.rows)
             self._partial[done.mb_id] = (spec, [None] * n, [None] * n)
         spec, first, finished = self._partial[done.mb_id]
+        start, stop = done.dst_rows
+        if not 0 <= start < stop <= len(first) or not len(done.tokens) == len(done.finished) == stop - start:
+            raise ValueError(f"rows {done.dst_rows} with {len(done.tokens)} tokens do not fit microbatch {done.mb_id}")
         for i, r in enumerate(range(*done.dst_rows)):
             first[r] = done.tokens[i]
             finished[r] = done.finished[i]
@@ -73,7 +85,8 @@ class ReadyPrompts:
             self._ready.append(ReadyMicrobatch(spec, tuple(max(t, 0) for t in first), tuple(finished)))
 
     def reset(self) -> None:
-        """A fresh pipeline: microbatch ids start over, so nothing seen before counts."""
+        """A fresh pipeline: microbatch ids start over, so nothing seen before counts (the controller
+        deleted the stream, and new entries are numbered after the cursor)."""
         self.ignored.clear()
         self._partial.clear()
         self._ready.clear()

@@ -101,9 +101,10 @@ class TokenWorker(WorkerProcess):
         if self.replica is not None:
             self.replica.close()  # of the previous assignment
         self.replica = None
+        self.ready = None
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
-            self.ready = ReadyPrompts(self.redis, self.settings.transport.deadline_s, self.epoch_changed)
+            self.ready = ReadyPrompts(self.redis)
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
@@ -198,6 +199,11 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
+    def unassigned(self, epoch: int) -> None:
+        super().unassigned(epoch)
+        if self.runner is not None:
+            self._release_all_but(set())
+
     def close_data_plane(self) -> None:
         if self.replica is not None:
             self.replica.close()
@@ -246,6 +252,11 @@ class TokenWorker(WorkerProcess):
         deadline = self.settings.transport.deadline_s * 4
         try:
             if pos.index in order.replaced:
+                if self.ready is not None:
+                    # Taking stage 0 over (perhaps again, after serving it at an earlier epoch): what was
+                    # announced before is the old holder's or resumes through this recovery; what re-runs is
+                    # dispatched only once this stage reports its restore.
+                    self.ready.start_over()
                 self._restore(order, pos)
                 self.redis.set(keys.restored(topology.epoch, pos.index), "1", ex=3600)
             else:

@@ -1,0 +1,104 @@
+"""Token stage 0's reading of the READY stream (real Redis): a holder reads only what is announced while it
+holds the stage, an announcement of a microbatch that already ended is dropped without waiting, and a
+malformed one is dropped without taking the reader down."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from dejavu_common import keys
+from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptDone, RowSpec, SamplingSpec
+from dejavu_token_worker.ready import ReadyPrompts
+
+
+@pytest.fixture
+def client(redis_url):
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def _spec(client: redis.Redis, mb_id: int, rows: int = 2) -> MicrobatchSpec:
+    spec = MicrobatchSpec(
+        mb_id=mb_id,
+        rows=tuple(
+            RowSpec(request_id=f"r{mb_id}-{i}", prompt_ids=(1, 2, 3), sampling=SamplingSpec(max_tokens=4, seed=i))
+            for i in range(rows)
+        ),
+        prompt_len=3,
+        max_len=7,
+    )
+    client.set(keys.microbatch(mb_id), spec.encode())
+    return spec
+
+
+def _announce(client: redis.Redis, mb_id: int, rows: tuple[int, int] = (0, 2), token: int = 7) -> None:
+    n = rows[1] - rows[0]
+    done = PromptDone(mb_id=mb_id, dst_rows=rows, tokens=(token,) * n, finished=(None,) * n)
+    client.xadd(keys.READY_QUEUE, {"done": done.encode()})
+
+
+def test_a_microbatch_is_ready_once_every_row_has_its_first_token(client) -> None:
+    ready = ReadyPrompts(client)
+    _spec(client, 1)
+    _announce(client, 1, (0, 1), token=5)
+    assert ready.pop() is None
+    client.xadd(keys.READY_QUEUE, {"done": PromptDone(mb_id=1, dst_rows=(1, 2), tokens=(6,),
+                                                      finished=(FinishReason.LENGTH,)).encode()})  # fmt: skip
+    got = ready.pop()
+    assert got is not None and got.spec.mb_id == 1
+    assert got.first_tokens == (5, 6) and got.finished == (None, FinishReason.LENGTH)
+    _announce(client, 1)  # announced again (a re-run prompt): already admitted, so ignored
+    assert ready.pop() is None
+
+
+def test_an_announcement_of_a_microbatch_that_ended_is_dropped_without_waiting(client, caplog) -> None:
+    """The controller writes a spec before it queues the prompt, so a missing spec means the microbatch
+    is gone. The reader must not wait for it: the driver reads announcements between steps, and every
+    microbatch this stage runs would wait too (the chaos benchmark saw a new holder sit 10 s on each)."""
+    ready = ReadyPrompts(client)
+    for mb in (1, 2, 3):
+        _announce(client, mb)  # no spec: ended
+    _spec(client, 4)
+    _announce(client, 4)
+    with caplog.at_level(logging.WARNING, logger="dejavu.token_worker.ready"):
+        got = ready.pop()
+    assert got is not None and got.spec.mb_id == 4
+    assert sum("it has ended" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_taking_stage_0_over_again_skips_what_was_announced_meanwhile(client) -> None:
+    """A worker serves stage 0, becomes a spare (another holder admits the next microbatches), then takes
+    stage 0 back. What was announced in between is the other holder's, or resumes through recovery; read
+    again, a microbatch still in flight would be admitted twice."""
+    ready = ReadyPrompts(client)
+    _spec(client, 1)
+    _announce(client, 1)
+    assert ready.pop().spec.mb_id == 1
+    # Meanwhile, another holder: mb 2 ended, mb 3 is in flight (resumed by the recovery that follows).
+    _announce(client, 2)
+    _spec(client, 3)
+    _announce(client, 3)
+    ready.start_over()  # this worker is stage 0's replacement again
+    assert ready.pop() is None
+    _spec(client, 4)
+    _announce(client, 4)
+    assert ready.pop().spec.mb_id == 4
+    assert ready.pop() is None
+
+
+def test_a_malformed_announcement_is_dropped_and_reading_goes_on(client, caplog) -> None:
+    ready = ReadyPrompts(client)
+    _spec(client, 1, rows=2)
+    _announce(client, 1, (1, 3))  # rows past the microbatch's
+    client.xadd(keys.READY_QUEUE, {"done": b"not a message"})
+    client.xadd(keys.READY_QUEUE, {"other": b"field"})
+    _spec(client, 2)
+    _announce(client, 2)
+    with caplog.at_level(logging.ERROR, logger="dejavu.token_worker.ready"):
+        got = ready.pop()
+    assert got is not None and got.spec.mb_id == 2
+    assert sum("dropped a ready entry" in r.getMessage() for r in caplog.records) == 3
