@@ -156,12 +156,15 @@ class TokenStep(Message):
 
 class PromptDone(Message):
     """The last prompt stage has sampled rows [dst_rows) of token microbatch ``mb_id`` (step 0) and its
-    stages have streamed their KV; token stage 0 may start decoding once every row is done."""
+    stages have streamed their KV; token stage 0 may start decoding once every row is done. ``epoch``:
+    the epoch the prompt workers served, which sealed that KV (token stages drop KV of older epochs, so
+    an announcement of an older epoch than stage 0 serves is stale); 0 from a worker that did not say."""
 
     mb_id: int
     dst_rows: tuple[int, int]
     tokens: tuple[int, ...]
     finished: tuple[FinishReason | None, ...]
+    epoch: int = 0
 
 
 class StageProgress(Message):

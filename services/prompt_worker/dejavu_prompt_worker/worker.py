@@ -230,6 +230,7 @@ class PromptWorker(WorkerProcess):
                 dst_rows=piece.dst_rows,
                 tokens=(-1,) * len(rows),
                 finished=(FinishReason.ERROR,) * len(rows),
+                epoch=self.serve_epoch,
             )
             pipe.xadd(keys.READY_QUEUE, {"done": done.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
         pipe.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
@@ -257,6 +258,7 @@ class PromptWorker(WorkerProcess):
                 dst_rows=piece.dst_rows,
                 tokens=tuple(entry.tokens[r] for r in range(*piece.dst_rows)),
                 finished=tuple(entry.finished[r] for r in range(*piece.dst_rows)),
+                epoch=self.serve_epoch,
             )
             pipe.xadd(keys.READY_QUEUE, {"done": done.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
         pipe.execute()

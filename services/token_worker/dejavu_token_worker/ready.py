@@ -32,13 +32,17 @@ class ReadyPrompts:
     (:meth:`start_over`), so a stage-0 holder never reads announcements made before it held the stage:
     their microbatches resume or re-run through recovery instead.
 
-    The controller writes a microbatch's spec before it queues its prompt, so an announcement whose spec
-    is missing is stale (its microbatch already ended): it is dropped at once. Waiting for it would hold
-    up every microbatch this stage runs, since the driver reads announcements between steps.
+    Two kinds of announcement are stale, and dropped at once: one whose microbatch has no spec (the
+    controller writes it before it queues the prompt, so the microbatch has ended), and one of an older
+    epoch than this stage serves (its KV, sealed with that epoch, was dropped on arrival; the microbatch
+    resumes, re-runs or has failed by the recovery or fresh start that began this epoch). Admitted, it
+    would wait for KV that never comes, and the driver reads announcements between steps, so every
+    microbatch of this stage would wait with it. One of a newer epoch is left for when this stage serves it.
     """
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
+        self.epoch = 0  # the epoch this stage serves (``serving``)
         self.cursor: bytes | str = "0-0"
         self._partial: dict[int, tuple[MicrobatchSpec, list[int | None], list[FinishReason | None]]] = {}
         self._ready: collections.deque[ReadyMicrobatch] = collections.deque()
@@ -51,14 +55,30 @@ class ReadyPrompts:
         self.cursor = last[0][0] if last else "0-0"
         self.reset()
 
+    def serving(self, epoch: int) -> None:
+        """This stage serves ``epoch`` now."""
+        self.epoch = epoch
+
     def poll(self, block_ms: int | None = None) -> None:
         resp = self.redis.xread({keys.READY_QUEUE: self.cursor}, count=64, block=block_ms)
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
-                self.cursor = entry_id
                 try:
-                    self._add(PromptDone.decode(fields[b"done"]))
+                    done = PromptDone.decode(fields[b"done"])
                 except (KeyError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+                    log.error("dropped a ready entry: %s", exc)
+                    self.cursor = entry_id
+                    continue
+                if done.epoch > self.epoch:
+                    return  # read once this stage serves that epoch: the cursor stays before it
+                self.cursor = entry_id
+                if 0 < done.epoch < self.epoch:
+                    log.warning("dropped the announcement of microbatch %d: of epoch %d, before this one (%d)",
+                                done.mb_id, done.epoch, self.epoch)  # fmt: skip
+                    continue
+                try:
+                    self._add(done)
+                except ValueError as exc:
                     log.error("dropped a ready entry: %s", exc)
 
     def _add(self, done: PromptDone) -> None:

@@ -136,6 +136,8 @@ class TokenWorker(WorkerProcess):
             colocated=topology.mode == Mode.COLOCATED.value,
         )
         self.endpoint.set_epoch(topology.epoch)
+        if self.ready is not None:
+            self.ready.serving(topology.epoch)
         self.endpoint.connect_all(self.redis, [a.worker_id for a in stages if a.worker_id != self.worker_id])
         replicating = self.settings.recovery.replication is not Replication.OFF and depth > 1
         successor = stages[(me.stage + 1) % depth].worker_id if replicating else None
