@@ -166,12 +166,7 @@ def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url,
     with running(settings, spares=5) as launcher:
         client = redis.Redis.from_url(settings.redis.url)
         # 1. A paused worker: its lease expires, a spare takes over, and it is fenced afterwards.
-        r = Round(launcher, settings)
-        r.wait_tokens(6)
-        paused = _holder(settings, 2)
-        _pause(settings, paused, 4.0)
-        _check(r.finish(), reference, launcher)
-        _replaced(settings, [paused])
+        _pause_mid_round(launcher, settings, reference, 2)
         # 2. Two non-adjacent failures at once.
         r = Round(launcher, settings)
         r.wait_tokens(8)
@@ -201,6 +196,17 @@ def _pause(settings: Settings, worker_id: str, seconds: float) -> None:
     client.xadd(keys.ADMIN_STREAM, {"cmd": cmd.encode()})
 
 
+def _pause_mid_round(launcher, settings: Settings, reference: dict[str, str], stage: int) -> str:
+    """A round in which the holder of token stage ``stage`` looks hung; returns it once it is replaced."""
+    r = Round(launcher, settings)
+    r.wait_tokens(6)
+    paused = _holder(settings, stage)
+    _pause(settings, paused, 4.0)
+    _check(r.finish(), reference, launcher)
+    _replaced(settings, [paused])
+    return paused
+
+
 def test_a_worker_takes_stage_0_back_after_another_held_it(redis_url, model, reference) -> None:
     """Stage 0's holder looks hung, a spare takes the stage over and serves a round; then the spare looks
     hung mid-round and the first worker, alive all along, takes stage 0 back with its layers still loaded.
@@ -211,12 +217,7 @@ def test_a_worker_takes_stage_0_back_after_another_held_it(redis_url, model, ref
         redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
     )
     with running(settings, spares=1) as launcher:
-        r = Round(launcher, settings)
-        r.wait_tokens(6)
-        first = _holder(settings, 0)
-        _pause(settings, first, 4.0)
-        _check(r.finish(), reference, launcher)
-        _replaced(settings, [first])
+        first = _pause_mid_round(launcher, settings, reference, 0)
         _check(Round(launcher, settings).finish(), reference, launcher)  # announced while `first` is away
         r = Round(launcher, settings)
         r.wait_tokens(6)

@@ -11,7 +11,7 @@ import redis
 
 from dejavu_common import keys
 from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptDone, RowSpec, SamplingSpec
-from dejavu_token_worker.ready import ReadyPrompts
+from dejavu_token_worker.ready import ReadyMicrobatch, ReadyPrompts
 
 
 @pytest.fixture
@@ -35,12 +35,17 @@ def _spec(client: redis.Redis, mb_id: int, rows: int = 2) -> MicrobatchSpec:
     return spec
 
 
-def _announce(
-    client: redis.Redis, mb_id: int, rows: tuple[int, int] = (0, 2), token: int = 7, epoch: int = 0
-) -> None:
+def _announce(client: redis.Redis, mb_id: int, rows: tuple[int, int] = (0, 2), token: int = 7, epoch: int = 0) -> None:
     n = rows[1] - rows[0]
     done = PromptDone(mb_id=mb_id, dst_rows=rows, tokens=(token,) * n, finished=(None,) * n, epoch=epoch)
     client.xadd(keys.READY_QUEUE, {"done": done.encode()})
+
+
+def _pop_logged(ready: ReadyPrompts, caplog) -> tuple[ReadyMicrobatch | None, list[str]]:
+    """``ready.pop()`` and what the reader logged meanwhile (warnings and errors)."""
+    with caplog.at_level(logging.WARNING, logger="dejavu.token_worker.ready"):
+        got = ready.pop()
+    return got, [r.getMessage() for r in caplog.records]
 
 
 def test_a_microbatch_is_ready_once_every_row_has_its_first_token(client) -> None:
@@ -66,10 +71,9 @@ def test_an_announcement_of_a_microbatch_that_ended_is_dropped_without_waiting(c
         _announce(client, mb)  # no spec: ended
     _spec(client, 4)
     _announce(client, 4)
-    with caplog.at_level(logging.WARNING, logger="dejavu.token_worker.ready"):
-        got = ready.pop()
+    got, logged = _pop_logged(ready, caplog)
     assert got is not None and got.spec.mb_id == 4
-    assert sum("it has ended" in r.getMessage() for r in caplog.records) == 3
+    assert sum("it has ended" in m for m in logged) == 3
 
 
 def test_taking_stage_0_over_again_skips_what_was_announced_meanwhile(client) -> None:
@@ -100,10 +104,9 @@ def test_a_malformed_announcement_is_dropped_and_reading_goes_on(client, caplog)
     client.xadd(keys.READY_QUEUE, {"other": b"field"})
     _spec(client, 2)
     _announce(client, 2)
-    with caplog.at_level(logging.ERROR, logger="dejavu.token_worker.ready"):
-        got = ready.pop()
+    got, logged = _pop_logged(ready, caplog)
     assert got is not None and got.spec.mb_id == 2
-    assert sum("dropped a ready entry" in r.getMessage() for r in caplog.records) == 3
+    assert sum("dropped a ready entry" in m for m in logged) == 3
 
 
 def test_announcements_of_an_older_epoch_are_dropped_and_of_a_newer_one_wait_for_it(client, caplog) -> None:
@@ -117,10 +120,9 @@ def test_announcements_of_an_older_epoch_are_dropped_and_of_a_newer_one_wait_for
     _announce(client, 1, epoch=4)
     _announce(client, 2, epoch=5)
     _announce(client, 3, epoch=6)
-    with caplog.at_level(logging.WARNING, logger="dejavu.token_worker.ready"):
-        assert ready.pop().spec.mb_id == 2
-        assert ready.pop() is None
-    assert sum("of epoch 4, before this one (5)" in r.getMessage() for r in caplog.records) == 1
+    got, logged = _pop_logged(ready, caplog)
+    assert got.spec.mb_id == 2 and ready.pop() is None
+    assert sum("of epoch 4, before this one (5)" in m for m in logged) == 1
     ready.serving(6)
     assert ready.pop().spec.mb_id == 3
     assert ready.pop() is None

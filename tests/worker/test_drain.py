@@ -5,11 +5,14 @@ Real Redis, the worker as a thread, the controller's backend in-process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import redis
 import redis.asyncio as aioredis
+from redis import Redis
 
 from dejavu_common import keys
 from dejavu_common.messages import RecoveryOrder, Topology, WorkerInfo, WorkerRole
@@ -30,13 +33,23 @@ def _start(url: str, drain_timeout_s: float = 30.0) -> tuple[ScriptedWorker, thr
     return worker, thread
 
 
-def test_a_draining_worker_serves_until_its_stage_is_handed_over(redis_url) -> None:
-    worker, thread = _start(redis_url)
-    client = redis.Redis.from_url(redis_url)
+@contextlib.contextmanager
+def _t0_serving(url: str, drain_timeout_s: float = 30.0) -> Iterator[tuple[ScriptedWorker, threading.Thread, Redis]]:
+    """Worker t0 as a thread, registered and serving its stage at epoch 3; stopped afterwards."""
+    worker, thread = _start(url, drain_timeout_s)
+    client = redis.Redis.from_url(url)
     try:
         _wait(lambda: client.exists(keys.worker("t0")))
         client.set(keys.TOPOLOGY, _topology(3, "t0").encode())
         _wait(lambda: worker.served == [3])
+        yield worker, thread, client
+    finally:
+        worker.stopping.set()
+        thread.join(10)
+
+
+def test_a_draining_worker_serves_until_its_stage_is_handed_over(redis_url) -> None:
+    with _t0_serving(redis_url) as (worker, thread, client):
         worker._on_sigterm()  # what SIGTERM does: only an event is set
         _wait(lambda: _record(client, "t0").get(b"state") == b"draining")
         time.sleep(0.5)
@@ -45,21 +58,13 @@ def test_a_draining_worker_serves_until_its_stage_is_handed_over(redis_url) -> N
         thread.join(10)
         assert not thread.is_alive() and worker.served == [3]
         assert not client.exists(keys.worker("t0")) and not client.sismember(keys.WORKERS, "t0")
-    finally:
-        worker.stopping.set()
-        thread.join(10)
 
 
 def test_a_worker_whose_stage_goes_to_another_frees_what_it_held_then_can_take_it_back(redis_url) -> None:
     """Fenced or handed over, a worker no topology names holds nothing for anyone: it frees its stage's
     state once (a fenced token worker used to keep its caches until it served again, perhaps never).
     Given the same stage back, it serves it without loading it again."""
-    worker, thread = _start(redis_url)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        _wait(lambda: client.exists(keys.worker("t0")))
-        client.set(keys.TOPOLOGY, _topology(3, "t0").encode())
-        _wait(lambda: worker.served == [3])
+    with _t0_serving(redis_url) as (worker, _thread, client):
         assert worker.freed == []
         client.set(keys.TOPOLOGY, _topology(4, "s0").encode())
         _wait(lambda: worker.freed == [4])
@@ -68,24 +73,13 @@ def test_a_worker_whose_stage_goes_to_another_frees_what_it_held_then_can_take_i
         client.set(keys.TOPOLOGY, _topology(5, "t0").encode())
         _wait(lambda: worker.served == [3, 5])
         assert worker.loads == [3] and worker.freed == [4]
-    finally:
-        worker.stopping.set()
-        thread.join(10)
 
 
 def test_a_drain_with_no_replacement_ends_at_its_deadline_and_a_second_sigterm_at_once(redis_url) -> None:
-    worker, thread = _start(redis_url, drain_timeout_s=0.5)
-    client = redis.Redis.from_url(redis_url)
-    try:
-        _wait(lambda: client.exists(keys.worker("t0")))
-        client.set(keys.TOPOLOGY, _topology(3, "t0").encode())
-        _wait(lambda: worker.served == [3])
+    with _t0_serving(redis_url, drain_timeout_s=0.5) as (worker, thread, client):
         worker._on_sigterm()
         thread.join(10)
         assert not thread.is_alive() and not client.exists(keys.worker("t0"))
-    finally:
-        worker.stopping.set()
-        thread.join(10)
     worker, thread = _start(redis_url)
     _wait(lambda: client.exists(keys.worker("t0")))
     worker._on_sigterm()
