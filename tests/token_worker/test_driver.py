@@ -4,6 +4,8 @@ milliseconds."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,11 +25,20 @@ def _spec(mb: int, rows: int) -> MicrobatchSpec:
 
 @dataclass
 class State:
+    """A microbatch's state on the stage: its KV is complete unless ``broken`` (it never completes)."""
+
     spec: MicrobatchSpec
     broken: bool = False
+    cells: tuple[()] = ()
+    expected_cells: int = 1
+
+    def __post_init__(self) -> None:
+        self.complete = threading.Event()
+        if not self.broken:
+            self.complete.set()
 
     def wait_complete(self, deadline_s: float) -> None:
-        if self.broken:
+        if not self.complete.wait(deadline_s):
             raise DeadlineExceeded(f"prompt KV of microbatch {self.spec.mb_id} incomplete")
 
 
@@ -99,12 +110,14 @@ class Ready:
     def pop(self, block_ms=None):
         if self.schedule and self.schedule[0][1] <= len(self.pipeline.passes):
             mb, _ = self.schedule.popleft()
+            self.pipeline.state(mb)  # its prompt KV arrived (or, broken, started to and never completes)
             spec = self.pipeline.specs[mb]
             return ReadyMicrobatch(spec, (7,) * len(spec.rows), (None,) * len(spec.rows))
         return None
 
     def poll(self, block_ms=None) -> None:
-        pass
+        if block_ms:  # as Redis's XREAD BLOCK does when nothing comes
+            time.sleep(block_ms / 1000)
 
 
 def _drive(depth: int, rows: dict[int, int], finish: dict[int, int], ready_at: dict[int, int], **kw) -> Pipeline:
@@ -113,7 +126,8 @@ def _drive(depth: int, rows: dict[int, int], finish: dict[int, int], ready_at: d
     )
     pos = Position(0, depth, "t1" if depth > 1 else None, "t0", colocated=False)
     ready = Ready(pipeline, list(ready_at.items()))
-    driver = Driver(pipeline, pipeline, None, "t0", pos, ready, 1.0, **kw)  # type: ignore[arg-type]
+    deadline_s = kw.pop("deadline_s", 1.0)
+    driver = Driver(pipeline, pipeline, None, "t0", pos, ready, deadline_s, **kw)  # type: ignore[arg-type]
     rounds = iter(range(10_000))
     driver.run(lambda: set(pipeline.released) >= set(rows) or next(rounds) >= 9_999)
     assert set(pipeline.released) == set(rows), "every microbatch leaves and is released"
@@ -141,11 +155,35 @@ def test_cohorts_are_balanced_and_capped_in_rows() -> None:
     assert later == set(rows)  # 5 and 6 join as the first ones leave
 
 
-def test_a_member_whose_prompt_kv_never_completes_is_failed_alone() -> None:
-    p = _drive(depth=1, rows={1: 1, 2: 1}, finish={1: 3, 2: 3}, ready_at={1: 0, 2: 0}, broken={2})
+def test_a_member_whose_prompt_kv_never_completes_is_failed_alone_without_holding_up_the_others() -> None:
+    """It waits in line without joining a pass (the stage waits for nothing: chaos saw one stale
+    announcement hold every microbatch of stage 0 for the 10 s deadline), and fails at its deadline."""
+    deadline_s = 0.3
+    started = time.monotonic()
+    p = _drive(
+        depth=1, rows={1: 1, 2: 1}, finish={1: 3, 2: 3}, ready_at={1: 0, 2: 0}, broken={2}, deadline_s=deadline_s
+    )
     assert p.failed == [2] and set(p.released) == {1, 2}
     assert all(dict(steps).keys() == {1} for _, steps in p.passes)
     assert [dict(steps)[1] for _, steps in p.passes] == [1, 2, 3]
+    assert time.monotonic() - started >= deadline_s  # failed at its deadline, not before
+
+
+def test_a_member_whose_prompt_kv_completes_late_joins_then() -> None:
+    p = Pipeline(1, {1: 3, 2: 3}, {1: _spec(1, 1), 2: _spec(2, 1)}, broken={2})
+    pos = Position(0, 1, None, "t0", colocated=False)
+    driver = Driver(p, p, None, "t0", pos, Ready(p, [(1, 0), (2, 0)]), 30.0)  # type: ignore[arg-type]
+
+    def stop() -> bool:
+        if len(p.passes) == 2:
+            p.states[2].complete.set()  # the rest of its prompt KV arrives
+        return set(p.released) >= {1, 2} or len(p.passes) > 20
+
+    driver.run(stop)
+    assert p.failed == [] and p.released == [1, 2]
+    members = [dict(steps) for _, steps in p.passes]
+    assert members[:2] == [{1: 1}, {1: 2}]  # without it meanwhile
+    assert members[2] == {1: 3, 2: 1}  # then it joins, at its step 1
 
 
 def test_finished_rows_are_no_longer_computed_and_the_microbatch_leaves_with_its_last_row() -> None:

@@ -47,6 +47,7 @@ class Member:
     step: int
     feed: tuple[int, ...]
     live: tuple[int, ...]
+    since: float = field(default_factory=time.monotonic, compare=False)  # when it was admitted
 
     @property
     def rows(self) -> int:
@@ -135,19 +136,45 @@ class Driver:
     def _place(self, cohort: Cohort) -> None:
         """Let waiting and newly ready microbatches join ``cohort`` (at its boundary), in order, up to its
         fair share of every row in the pipeline (balanced cohorts keep every stage equally busy) and at
-        most ``cohort_rows``. An empty cohort always takes the next one."""
+        most ``cohort_rows``. An empty cohort always takes the next one.
+
+        Only a microbatch whose KV is all here joins; one still receiving it keeps its place in the line
+        without holding up the others, since nothing waits for it here (this loop runs every cohort of
+        the stage). One whose KV is still incomplete ``deadline_s`` after it was admitted fails."""
         while self._poll_ready():
             pass
+        self._expire_incomplete()
         total = sum(c.rows for c in self.cohorts) + sum(m.rows for _, m in self._waiting)
         share = min(self.cohort_rows, math.ceil(total / len(self.cohorts)))
-        while self._waiting and len(cohort.members) < self.max_members:
-            mb, member = self._waiting[0]
+        while len(cohort.members) < self.max_members:
+            index = next((i for i, (mb, _) in enumerate(self._waiting) if self._arrived(mb)), None)
+            if index is None:
+                return
+            mb, member = self._waiting[index]
             if cohort.members and cohort.rows + member.rows > share:
                 return
             if not self._room_for(mb, member):
-                return  # a paged pool without room for it yet: it waits at the head of the line
-            self._waiting.popleft()
+                return  # a paged pool without room for it yet: it waits in its place in the line
+            del self._waiting[index]
             cohort.members[mb] = member
+
+    def _arrived(self, mb: int) -> bool:
+        """Whether ``mb``'s KV is complete on this stage (prompt KV, a prefill or a restore)."""
+        state = self.runner.states.get(mb)
+        return state is not None and state.complete.is_set()
+
+    def _expire_incomplete(self) -> None:
+        """Fail waiting microbatches whose KV is still incomplete ``deadline_s`` after their admission."""
+        now = time.monotonic()
+        for mb, member in [(mb, m) for mb, m in self._waiting if now - m.since > self.deadline_s]:
+            if self._arrived(mb):
+                continue
+            state = self.runner.states.get(mb)
+            got = f"{len(state.cells)}/{state.expected_cells} cells" if state is not None else "none of it"
+            error = DeadlineExceeded(f"prompt KV of microbatch {mb} incomplete after {self.deadline_s} s ({got})")
+            self._waiting.remove((mb, member))
+            self.runner.fail(mb, member.step, error)
+            self._release_everywhere(mb)
 
     def _room_for(self, mb: int, member: Member) -> bool:
         """Whether this stage's paged pool can take ``mb``'s next step (always without a pool, and for a
