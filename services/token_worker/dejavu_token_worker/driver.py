@@ -109,11 +109,19 @@ class Driver:
 
     # -- membership -----------------------------------------------------------------------------
     def resume(self, points: dict[int, int]) -> None:
-        """Re-admit microbatches after recovery, each at the step it resumes from."""
+        """Re-admit microbatches after recovery, each at the step it resumes from. One whose tokens up to
+        there are not on its stream cannot resume: it is failed if the controller still waits for it, and
+        freed along the pipeline, which kept it for this resume. (Seen when it finished while the repair
+        was planned: the controller deleted its spec and stream, and every stage kept its caches.)"""
         for mb, step in sorted(points.items()):
             entries = history(self.redis, mb, before_step=step)
             if not entries or entries[-1].step != step - 1:
-                log.error("no tokens of step %d for microbatch %d: cannot resume it", step - 1, mb)
+                if self.redis.exists(keys.microbatch(mb)):  # the controller still waits for it: fail it
+                    error = RuntimeError(f"no tokens of step {step - 1} for microbatch {mb}: cannot resume it")
+                    self.runner.fail(mb, step, error)
+                else:  # ended (its spec and stream are gone): nothing to fail, only caches to free
+                    log.info("microbatch %d ended while its resume was planned: freeing it", mb)
+                self._release_everywhere(mb)
                 continue
             n_rows = len(entries[-1].tokens)
             live = tuple(r for r in range(n_rows) if all(e.finished[r] is None for e in entries))
