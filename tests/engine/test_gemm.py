@@ -1,6 +1,7 @@
 """oneDNN-packed GEMM weights (dejavu_engine.gemm): the same numbers as the dense GEMM up to the last
 bits, the same greedy tokens as transformers, the dense memory released, and packing only where it can
-run (CPU float32) and where the settings ask for it."""
+run (CPU float32, and bfloat16 where oneDNN has bfloat16 kernels for the host) and where the settings
+ask for it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,21 @@ def test_a_packed_weight_multiplies_like_the_dense_one(rows: int) -> None:
         )
 
 
+@pytest.mark.skipif(not gemm.can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bfloat16 here")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_packed_bfloat16_weight_multiplies_like_torchs_bfloat16_gemm(rows: int) -> None:
+    """Both accumulate in float32 and round the output once: equal up to one bfloat16 rounding."""
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(2, rows, 64).bfloat16()
+    packed = gemm.pack(weight)
+    assert packed.is_mkldnn and packed.dtype == torch.bfloat16 and packed.shape == weight.shape
+    for b in (None, bias):
+        out = gemm.linear(x, packed, b)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), atol=0.0625, rtol=2**-7)
+
+
 def test_a_packed_stage_matches_the_dense_one_and_holds_no_dense_copy(tiny_checkpoints: dict[str, Path]) -> None:
     folder = tiny_checkpoints["llama"]
     dense, packed = Stage(folder, (0, 3), pack_gemms=False), Stage(folder, (0, 3))
@@ -52,7 +68,8 @@ def test_a_packed_stage_matches_the_dense_one_and_holds_no_dense_copy(tiny_check
 
 
 def test_packing_only_where_it_runs_and_where_the_settings_ask() -> None:
-    assert not gemm.can_pack(torch.device("cpu"), torch.bfloat16)
+    assert gemm.can_pack(torch.device("cpu"), torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not gemm.can_pack(torch.device("cpu"), torch.float16)
     assert not gemm.can_pack(torch.device("cuda"), torch.float32)
     auto, on, off = (EngineSettings(packed_gemm=v) for v in ("auto", "on", "off"))
     assert auto.packs_gemms(decodes=True) and not auto.packs_gemms(decodes=False)

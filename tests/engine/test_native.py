@@ -234,13 +234,15 @@ def _bad(case: tuple, **change) -> tuple:
         ({"spans": torch.tensor([[1, 10], [0, 9]], dtype=torch.int32)}, "spans"),
         ({"tables": torch.tensor([[4, 6, 9], [2, 3, 5]], dtype=torch.int32)}, "tables"),
         ({"tables": torch.tensor([4, 6, 9])}, "tables"),
-        ({"q": torch.zeros(2, 4, 8, dtype=torch.float64)}, "q:"),
+        ({"q": torch.zeros(2, 4, 8, dtype=torch.float64)}, "float32 or bfloat16 only"),
         ({"q": torch.zeros(2, 8, 4).transpose(1, 2)}, "q:"),
         ({"q": torch.zeros(2, 3, 8)}, "multiple of kv_heads"),
         ({"q": torch.zeros(2, 4, 16)}, "head_dim"),
-        ({"k_new": torch.zeros(2, 2, 8, dtype=torch.float64)}, "new k/v"),
+        ({"k_new": torch.zeros(2, 2, 8, dtype=torch.float64)}, "new k is Double"),
+        ({"v_new": torch.zeros(2, 2, 8, dtype=torch.bfloat16)}, "new v is BFloat16, not Float"),
         ({"v_new": torch.zeros(2, 1, 8)}, "new k/v"),
-        ({"k_slabs": [torch.zeros(8, 2, 4, 8, dtype=torch.float64)] * 2}, "f32"),
+        ({"k_slabs": [torch.zeros(8, 2, 4, 8, dtype=torch.float64)] * 2}, "a k slab is Double"),
+        ({"v_slabs": [torch.zeros(8, 2, 4, 8, dtype=torch.bfloat16)] * 2}, "one dtype"),
         ({"v_slabs": [torch.zeros(8, 2, 4, 8), torch.zeros(9, 2, 4, 8)]}, "shape of the first"),
         ({"k_slabs": [torch.zeros(8, 2, 4, 8)], "v_slabs": [torch.zeros(8, 2, 4, 8)]}, "logical block 2 is block 9"),
         ({"k_slabs": [], "v_slabs": []}, "at least one"),
@@ -260,3 +262,53 @@ def test_paged_bad_arguments_are_refused_before_anything_is_written(change: dict
     with pytest.raises(RuntimeError, match=message):
         native.paged_decode_attention(*_bad(case, **change), 1.0)
     assert not any(slab.any() for slab in k_slabs + v_slabs)
+
+
+def _bf16(case: tuple) -> tuple:
+    return tuple(
+        [t.bfloat16() for t in x] if isinstance(x, list) else x.bfloat16() if x.is_floating_point() else x for x in case
+    )
+
+
+# bfloat16: keys, values and queries are read as they are stored (widened exactly), everything else is
+# float32, and the output is rounded once; so the kernel is within one bfloat16 rounding (2^-8 relative)
+# of float64 attention over the same bfloat16 values, and the new K/V are stored bit for bit.
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (6, 3, 32, 4)])
+@pytest.mark.usefixtures("kernels")
+def test_paged_bfloat16_rows_attend_as_float64_over_the_same_values(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    spans = [(0, 1), (5, 37), (0, 32), (13, 14), (3, 50), (0, 47)]
+    case = _bf16(paged_case(heads, kv_heads, head_dim, block_size, spans, seed=7 * head_dim + block_size))
+    expected, k_after, v_after = paged_reference(*case, 0.1)
+    out = native.paged_decode_attention(*case, 0.1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=2**-8)
+    for mine, theirs in zip(case[3] + case[4], k_after + v_after, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_bfloat16_rows_of_many_caches_attend_as_each_alone() -> None:
+    generator = torch.Generator().manual_seed(5)
+    sizes, max_len, heads, kv_heads, head_dim = [1, 3], 40, 9, 3, 64
+    k_caches = [torch.randn(b, kv_heads, max_len, head_dim, generator=generator).bfloat16() for b in sizes]
+    v_caches = [torch.randn(b, kv_heads, max_len, head_dim, generator=generator).bfloat16() for b in sizes]
+    rows = torch.tensor([(0, 0, 0, 1), (1, 0, 3, 17), (1, 2, 0, 40)], dtype=torch.long)
+    q = (torch.randn(3, heads, head_dim, generator=generator) * 4).bfloat16()
+    k_new = torch.randn(3, kv_heads, head_dim, generator=generator).bfloat16()
+    v_new = torch.randn(3, kv_heads, head_dim, generator=generator).bfloat16()
+    expected, k_after, v_after = reference(
+        q.double(),
+        k_new.double(),
+        v_new.double(),
+        [k.double() for k in k_caches],
+        [v.double() for v in v_caches],
+        rows,
+        0.1,
+    )
+    out = native.decode_attention(q, k_new, v_new, k_caches, v_caches, rows, 0.1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=2**-8)
+    for mine, theirs in zip(k_caches + v_caches, k_after + v_after, strict=True):
+        assert torch.equal(mine.double(), theirs)

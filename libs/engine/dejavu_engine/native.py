@@ -5,6 +5,8 @@ reads its own group's cache over its own span. Iteration-level batching needs ex
 microbatch of a pass at its own length); without it a pass makes one attention call per microbatch
 per layer, whose fixed cost grows with the number of microbatches. :func:`paged_decode_attention` is
 the same over a paged cache: fixed-size blocks in shared slabs, each row's found through its block table.
+Both take float32 or bfloat16 (:data:`DTYPES`); bfloat16 keys and values are widened as they are read,
+and scores, softmax and sums are float32, the output rounded once (as torch's CPU attention does).
 
 The extension is compiled with the host's compiler the first time a process asks for it (ninja and
 g++, about 30 s on the reference host) into ``$DEJAVU_KERNEL_CACHE`` (default
@@ -30,6 +32,7 @@ import torch
 log = logging.getLogger("dejavu.engine.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call has one of them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 
 _lock = threading.Lock()
@@ -106,11 +109,12 @@ def decode_attention(
     rows: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One-token attention of every row of ``q`` (``[rows, heads, head_dim]``, float32) over its own
+    """One-token attention of every row of ``q`` (``[rows, heads, head_dim]``, float32 or bfloat16) over its own
     cache and span. ``rows[r] = (group, index, start, end)``: row ``r`` writes its new key and value
     (``k_new[r]``, ``v_new[r]``: ``[kv_heads, head_dim]``) at position ``end - 1`` of row ``index`` of
     ``k_caches[group]`` / ``v_caches[group]`` (each ``[batch, kv_heads, max_len, head_dim]``,
-    contiguous float32), then attends positions ``[start, end)`` there. Returns ``[rows, heads, head_dim]``.
+    contiguous, of ``q``'s dtype), then attends positions ``[start, end)`` there. Returns ``[rows, heads,
+    head_dim]`` of ``q``'s dtype.
     Raises RuntimeError where the kernels are not loaded or the arguments do not fit."""
     module = load()
     if module is None:
@@ -131,7 +135,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """:func:`decode_attention` over a paged cache. Keys and values live in blocks of ``block_size``
     positions held by slabs (``k_slabs`` / ``v_slabs``: each ``[slab_blocks, kv_heads, block_size,
-    head_dim]``, contiguous float32, all of one shape); block id ``b`` is index ``b % slab_blocks`` of
+    head_dim]``, contiguous, of ``q``'s dtype, all of one shape); block id ``b`` is index ``b % slab_blocks`` of
     slab ``b // slab_blocks``. ``tables[r, i]`` (int64 ``[rows, max_blocks]``, -1 for none) is the block
     holding row ``r``'s logical positions ``[i * block_size, (i + 1) * block_size)``, and ``spans[r] =
     (start, end)`` (int64 ``[rows, 2]``): row ``r`` writes ``k_new[r]``, ``v_new[r]`` (``[kv_heads,

@@ -73,12 +73,16 @@ class Stage:
         self.dtype = dtype
         self.is_first = first == 0
         self.is_last = last == self.spec.num_layers
-        # oneDNN-packed GEMM weights where this host can (CPU float32): see dejavu_engine.gemm.
+        # oneDNN-packed GEMM weights where this host can (CPU float32, and bfloat16 where oneDNN has
+        # bfloat16 kernels for it): see dejavu_engine.gemm.
         self.packed_gemms = pack_gemms and gemm.can_pack(self.device, torch_dtype(dtype))
-        # One-token attention of every row in one native call where the host can (CPU float32 and the
-        # kernels build): see dejavu_engine.native. Torch's attention per microbatch otherwise.
+        # One-token attention of every row in one native call where the host can (CPU float32 or bfloat16,
+        # and the kernels build): see dejavu_engine.native. Torch's attention per microbatch otherwise.
         self.native_attention = (
-            native_attention and self.device.type == "cpu" and dtype == "float32" and native.load() is not None
+            native_attention
+            and self.device.type == "cpu"
+            and dtype in native.DTYPES
+            and native.load() is not None
         )
         # Prefill of left-padded prompts computes their tokens only, back to back (ForwardContext.segments).
         self.ragged_prefill = ragged_prefill

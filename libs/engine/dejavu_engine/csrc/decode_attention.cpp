@@ -7,6 +7,10 @@
 // [batch, kv_heads, max_len, head_dim] float32 and contiguous; the q heads of one kv head are done
 // together, so each key and value is read once per row. paged_decode_attention does the same over a
 // paged cache: fixed-size blocks in shared slabs, found through each row's block table.
+//
+// Tensors are float32 or bfloat16, all of one dtype. bfloat16 keys and values are widened to float32 as
+// they are loaded (a shift), every score, softmax and sum is float32, and the output is rounded once to
+// bfloat16 (nearest even), as torch's CPU attention does for bfloat16 inputs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -42,7 +46,33 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+using BF16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(BF16 x) { return static_cast<float>(x); }
+
+// n values of type T as float32 at out (a copy for bfloat16, the pointer itself for float32).
+inline const float* as_float(const float* x, int64_t, std::vector<float>&) { return x; }
+inline const float* as_float(const BF16* x, int64_t n, std::vector<float>& out) {
+  out.resize(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+  return out.data();
+}
+
+// Store n float32 values as T (bfloat16: rounded to nearest even).
+inline void store(const float* x, int64_t n, float* out) { std::memcpy(out, x, sizeof(float) * n); }
+inline void store(const float* x, int64_t n, BF16* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = BF16(x[i]);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// Eight bfloat16 as float32: the 16 bits are a float32's upper half.
+inline __m256 load8(const BF16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 inline float hsum(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -54,19 +84,22 @@ inline float hsum(__m256 x) {
 // for the g heads that share it (ld > n where k is one chunk of a longer span, as in a paged cache).
 // The keys ahead and this key's value are prefetched, so the value pass that follows finds them in cache
 // (one row's K and V of one kv head are a few hundred KB at most).
-template <int C>
-void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, int64_t n, float scale, float* scores,
+template <int C, typename T>
+void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n, float scale, float* scores,
                     int64_t ld) {
   constexpr int64_t d = 8 * C;
+  constexpr int64_t bytes = d * sizeof(T);  // of one key
   constexpr int64_t ahead = 8;  // keys
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * d;
+    const T* kj = k + j * d;
     if (j + ahead < n) {
-      for (int64_t line = 0; line < d; line += 16) _mm_prefetch(reinterpret_cast<const char*>(kj + ahead * d + line), _MM_HINT_T0);
+      const char* next = reinterpret_cast<const char*>(kj + ahead * d);
+      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     }
-    for (int64_t line = 0; line < d; line += 16) _mm_prefetch(reinterpret_cast<const char*>(v + j * d + line), _MM_HINT_T1);
+    const char* vj = reinterpret_cast<const char*>(v + j * d);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(vj + line, _MM_HINT_T1);
     __m256 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm256_loadu_ps(kj + 8 * c);
+    for (int c = 0; c < C; ++c) kv[c] = load8(kj + 8 * c);
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = q + h * d;
       __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
@@ -82,54 +115,58 @@ void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, i
 
 // out = sum_j p[j] * v[j] over j < n, head_dim = 8 * C (accumulators kept in registers); out += that
 // where `accumulate` (the chunks of a span after its first).
-template <int C>
-void weigh_values(const float* p, const float* v, int64_t n, float* out, bool accumulate) {
+template <int C, typename T>
+void weigh_values(const float* p, const T* v, int64_t n, float* out, bool accumulate) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = accumulate ? _mm256_loadu_ps(out + 8 * c) : _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v + j * 8 * C;
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+    const T* vj = v + j * 8 * C;
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), acc[c]);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 #endif
 
 // The same for any head_dim, left to the compiler.
-void dot_keys_any(const float* q, const float* k, int64_t n, int64_t d, float scale, float* scores) {
+template <typename T>
+void dot_keys_any(const float* q, const T* k, int64_t n, int64_t d, float scale, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * d;
+    const T* kj = k + j * d;
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t e = 0; e < d; ++e) s += q[e] * kj[e];
+    for (int64_t e = 0; e < d; ++e) s += q[e] * to_float(kj[e]);
     scores[j] = s * scale;
   }
 }
 
-void weigh_values_any(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate) {
+template <typename T>
+void weigh_values_any(const float* p, const T* v, int64_t n, int64_t d, float* out, bool accumulate) {
   if (!accumulate) std::fill(out, out + d, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * d;
+    const T* vj = v + j * d;
 #pragma omp simd
-    for (int64_t e = 0; e < d; ++e) out[e] += p[j] * vj[e];
+    for (int64_t e = 0; e < d; ++e) out[e] += p[j] * to_float(vj[e]);
   }
 }
 
 // scores of head h land at scores[h * ld, h * ld + n).
-void dot_keys_heads(const float* q, int64_t g, const float* k, const float* v, int64_t n, int64_t d, float scale,
+template <typename T>
+void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n, int64_t d, float scale,
                     float* scores, int64_t ld) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return dot_keys_heads<8>(q, g, k, v, n, scale, scores, ld);
-  if (d == 128) return dot_keys_heads<16>(q, g, k, v, n, scale, scores, ld);
+  if (d == 64) return dot_keys_heads<8, T>(q, g, k, v, n, scale, scores, ld);
+  if (d == 128) return dot_keys_heads<16, T>(q, g, k, v, n, scale, scores, ld);
 #endif
   (void)v;
   for (int64_t h = 0; h < g; ++h) dot_keys_any(q + h * d, k, n, d, scale, scores + h * ld);
 }
 
-void weigh_values(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate = false) {
+template <typename T>
+void weigh_values(const float* p, const T* v, int64_t n, int64_t d, float* out, bool accumulate = false) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return weigh_values<8>(p, v, n, out, accumulate);
-  if (d == 128) return weigh_values<16>(p, v, n, out, accumulate);
+  if (d == 64) return weigh_values<8, T>(p, v, n, out, accumulate);
+  if (d == 128) return weigh_values<16, T>(p, v, n, out, accumulate);
 #endif
   weigh_values_any(p, v, n, d, out, accumulate);
 }
@@ -154,157 +191,83 @@ void softmax_rows(float* scores, int64_t g, int64_t n) {
 
 }  // namespace
 
-torch::Tensor decode_attention(
-    const torch::Tensor& q,                     // [rows, heads, head_dim]
-    const torch::Tensor& k_new,                 // [rows, kv_heads, head_dim]: written at end - 1
-    const torch::Tensor& v_new,
-    const std::vector<torch::Tensor>& k_caches,  // per group [batch, kv_heads, max_len, head_dim]
-    const std::vector<torch::Tensor>& v_caches,
-    const torch::Tensor& rows,                  // int64 [rows, 4]: group, index in group, start, end
-    double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: [rows, heads, d] f32");
-  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == 4 && rows.scalar_type() == torch::kInt64, "rows: int64 [rows, 4]");
-  TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty(), "one k and one v cache per group");
-  const int64_t n_rows = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(rows.size(0) == n_rows, "one rows entry per query row");
-  const int64_t kv_heads = k_caches[0].size(1);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-  const int64_t g = heads / kv_heads;
-  TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.dim() == 3 && k_new.size(0) == n_rows && k_new.size(1) == kv_heads &&
-                  k_new.size(2) == d,
-              "new k/v: [rows, kv_heads, head_dim]");
-  TORCH_CHECK(k_new.scalar_type() == torch::kFloat32 && v_new.scalar_type() == torch::kFloat32, "new k/v are f32");
-  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "new k/v are contiguous");
-  const float* knp = k_new.data_ptr<float>();
-  const float* vnp = v_new.data_ptr<float>();
-  std::vector<float*> kp, vp;
-  std::vector<int64_t> batch, max_len;
+namespace {
+
+// The dtype every tensor of a call shares: float32 or bfloat16.
+void check_dtype(const torch::Tensor& t, torch::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype, what, " is ", t.scalar_type(), ", not ", dtype,
+              " as the query (every tensor of a call has one dtype)");
+}
+
+torch::ScalarType call_dtype(const torch::Tensor& q) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "q is ", dtype, ": float32 or bfloat16 only");
+  return dtype;
+}
+
+template <typename T>
+void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                 const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
+                 const int64_t* meta, int64_t kv_heads, double scale, torch::Tensor& out) {
+  const int64_t n_rows = q.size(0), heads = q.size(1), d = q.size(2), g = heads / kv_heads;
+  std::vector<T*> kp, vp;
+  std::vector<int64_t> max_len;
   for (size_t i = 0; i < k_caches.size(); ++i) {
-    const auto& k = k_caches[i];
-    const auto& v = v_caches[i];
-    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(1) == kv_heads && k.size(3) == d,
-                "cache ", i, ": [batch, kv_heads, max_len, head_dim] with the query's head_dim");
-    TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "caches are f32");
-    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "caches are contiguous");
-    kp.push_back(k.data_ptr<float>());
-    vp.push_back(v.data_ptr<float>());
-    batch.push_back(k.size(0));
-    max_len.push_back(k.size(2));
+    kp.push_back(k_caches[i].data_ptr<T>());
+    vp.push_back(v_caches[i].data_ptr<T>());
+    max_len.push_back(k_caches[i].size(2));
   }
-  auto rows_c = rows.contiguous();
-  const int64_t* meta = rows_c.data_ptr<int64_t>();
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const int64_t grp = meta[4 * r], idx = meta[4 * r + 1], start = meta[4 * r + 2], end = meta[4 * r + 3];
-    TORCH_CHECK(0 <= grp && grp < static_cast<int64_t>(kp.size()), "row ", r, ": no group ", grp);
-    TORCH_CHECK(0 <= idx && idx < batch[grp], "row ", r, ": no row ", idx, " in group ", grp);
-    TORCH_CHECK(0 <= start && start < end && end <= max_len[grp], "row ", r, ": bad span [", start, ", ", end, ")");
-  }
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* knp = k_new.data_ptr<T>();
+  const T* vnp = v_new.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores;
+    std::vector<float> scores, qf;
     std::vector<float> acc(g * d);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t r = item / kv_heads, kh = item % kv_heads;
       const int64_t grp = meta[4 * r], idx = meta[4 * r + 1], start = meta[4 * r + 2], end = meta[4 * r + 3];
       const int64_t n = end - start;
       const int64_t offset = ((idx * kv_heads + kh) * max_len[grp] + start) * d;
-      float* k = kp[grp] + offset;
-      float* v = vp[grp] + offset;
-      std::memcpy(k + (n - 1) * d, knp + (r * kv_heads + kh) * d, sizeof(float) * d);  // this step's K/V
-      std::memcpy(v + (n - 1) * d, vnp + (r * kv_heads + kh) * d, sizeof(float) * d);
-      const float* qh = qp + (r * heads + kh * g) * d;
+      T* k = kp[grp] + offset;
+      T* v = vp[grp] + offset;
+      std::memcpy(k + (n - 1) * d, knp + (r * kv_heads + kh) * d, sizeof(T) * d);  // this step's K/V
+      std::memcpy(v + (n - 1) * d, vnp + (r * kv_heads + kh) * d, sizeof(T) * d);
+      const float* qh = as_float(qp + (r * heads + kh * g) * d, g * d, qf);
       scores.resize(g * n);
       dot_keys_heads(qh, g, k, v, n, d, sc, scores.data(), n);
       softmax_rows(scores.data(), g, n);
       for (int64_t h = 0; h < g; ++h) weigh_values(scores.data() + h * n, v, n, d, acc.data() + h * d);
-      std::memcpy(op + (r * heads + kh * g) * d, acc.data(), sizeof(float) * g * d);
+      store(acc.data(), g * d, op + (r * heads + kh * g) * d);
     }
   });
-  return out;
 }
 
-// The same over a paged cache: keys and values live in blocks of block_size positions, a row's table maps its
-// logical block i (positions [i * block_size, (i + 1) * block_size)) to a physical block id, and block id b is
-// index b % slab_blocks of slab b / slab_blocks. Slabs are [slab_blocks, kv_heads, block_size, head_dim] float32
-// and contiguous, so one kv head's positions of one block are contiguous and are read as one chunk: scores are
-// computed chunk by chunk into one array per row, softmaxed whole, then values are summed chunk by chunk.
-torch::Tensor paged_decode_attention(
-    const torch::Tensor& q,                     // [rows, heads, head_dim]
-    const torch::Tensor& k_new,                 // [rows, kv_heads, head_dim]: written at logical position end - 1
-    const torch::Tensor& v_new,
-    const std::vector<torch::Tensor>& k_slabs,  // each [slab_blocks, kv_heads, block_size, head_dim]
-    const std::vector<torch::Tensor>& v_slabs,
-    const torch::Tensor& tables,                // int64 [rows, max_blocks]: physical block ids, -1 = none
-    const torch::Tensor& spans,                 // int64 [rows, 2]: start, end (logical positions)
-    double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.device().is_cpu(),
-              "q: [rows, heads, head_dim] f32, contiguous, on the CPU");
+template <typename T>
+void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+                const std::vector<torch::Tensor>& k_slabs, const std::vector<torch::Tensor>& v_slabs,
+                const int64_t* table, int64_t max_blocks, const int64_t* span, double scale, torch::Tensor& out) {
   const int64_t n_rows = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK(!k_slabs.empty() && k_slabs.size() == v_slabs.size(), "as many k slabs as v slabs, at least one");
-  const auto slab_shape = k_slabs[0].sizes().vec();
-  TORCH_CHECK(slab_shape.size() == 4, "slabs: [slab_blocks, kv_heads, block_size, head_dim]");
-  const int64_t slab_blocks = slab_shape[0], kv_heads = slab_shape[1], block_size = slab_shape[2];
-  TORCH_CHECK(slab_blocks > 0 && block_size > 0, "slabs hold at least one block of at least one position");
-  TORCH_CHECK(slab_shape[3] == d, "slabs' head_dim (", slab_shape[3], ") is the query's (", d, ")");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (",
-              kv_heads, ")");
+  const int64_t slab_blocks = k_slabs[0].size(0), kv_heads = k_slabs[0].size(1), block_size = k_slabs[0].size(2);
   const int64_t g = heads / kv_heads;
-  TORCH_CHECK(k_new.dim() == 3 && k_new.sizes() == v_new.sizes() && k_new.size(0) == n_rows &&
-                  k_new.size(1) == kv_heads && k_new.size(2) == d,
-              "new k/v: [rows, kv_heads, head_dim]");
-  TORCH_CHECK(k_new.scalar_type() == torch::kFloat32 && v_new.scalar_type() == torch::kFloat32, "new k/v are f32");
-  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "new k/v are contiguous");
-  TORCH_CHECK(k_new.device().is_cpu() && v_new.device().is_cpu(), "new k/v are on the CPU");
-  std::vector<float*> kp, vp;
+  std::vector<T*> kp, vp;
   for (size_t i = 0; i < k_slabs.size(); ++i) {
-    const auto& k = k_slabs[i];
-    const auto& v = v_slabs[i];
-    TORCH_CHECK(k.sizes() == slab_shape && v.sizes() == slab_shape, "slab ", i,
-                ": every k and v slab has the shape of the first, ", k_slabs[0].sizes());
-    TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32, "slab ", i, ": f32");
-    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "slab ", i, ": contiguous");
-    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "slab ", i, ": on the CPU");
-    kp.push_back(k.data_ptr<float>());
-    vp.push_back(v.data_ptr<float>());
+    kp.push_back(k_slabs[i].data_ptr<T>());
+    vp.push_back(v_slabs[i].data_ptr<T>());
   }
-  const int64_t n_blocks = static_cast<int64_t>(kp.size()) * slab_blocks;
-  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.size(0) == n_rows &&
-                  tables.device().is_cpu(),
-              "tables: int64 [rows, max_blocks] on the CPU");
-  TORCH_CHECK(spans.dim() == 2 && spans.scalar_type() == torch::kInt64 && spans.size(0) == n_rows &&
-                  spans.size(1) == 2 && spans.device().is_cpu(),
-              "spans: int64 [rows, 2] on the CPU");
-  const int64_t max_blocks = tables.size(1);
-  auto tables_c = tables.contiguous();
-  auto spans_c = spans.contiguous();
-  const int64_t* table = tables_c.data_ptr<int64_t>();
-  const int64_t* span = spans_c.data_ptr<int64_t>();
-  // Every block a row touches is checked here, so the loop below reads and writes only inside the slabs.
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const int64_t start = span[2 * r], end = span[2 * r + 1];
-    TORCH_CHECK(0 <= start && start < end && end <= max_blocks * block_size,
-                "row ", r, ": bad span [", start, ", ", end, ") for ", max_blocks, " blocks of ", block_size);
-    for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
-      const int64_t b = table[r * max_blocks + lb];
-      TORCH_CHECK(0 <= b && b < n_blocks, "row ", r, ": logical block ", lb, " is block ", b, ", not one of the ",
-                  n_blocks, " in the slabs");
-    }
-  }
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* knp = k_new.data_ptr<float>();
-  const float* vnp = v_new.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* knp = k_new.data_ptr<T>();
+  const T* vnp = v_new.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   // Offset of kv head kh's position o of block id b in its slab (b's slab is b / slab_blocks).
   auto at = [&](int64_t b, int64_t kh, int64_t o) {
     return (((b % slab_blocks) * kv_heads + kh) * block_size + o) * d;
   };
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores;
+    std::vector<float> scores, qf;
+    std::vector<float> acc(g * d);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t r = item / kv_heads, kh = item % kv_heads;
       const int64_t start = span[2 * r], end = span[2 * r + 1];
@@ -312,9 +275,9 @@ torch::Tensor paged_decode_attention(
       const int64_t* row_table = table + r * max_blocks;
       const int64_t last = row_table[(end - 1) / block_size];  // this step's K/V
       const int64_t last_at = at(last, kh, (end - 1) % block_size);
-      std::memcpy(kp[last / slab_blocks] + last_at, knp + (r * kv_heads + kh) * d, sizeof(float) * d);
-      std::memcpy(vp[last / slab_blocks] + last_at, vnp + (r * kv_heads + kh) * d, sizeof(float) * d);
-      const float* qh = qp + (r * heads + kh * g) * d;
+      std::memcpy(kp[last / slab_blocks] + last_at, knp + (r * kv_heads + kh) * d, sizeof(T) * d);
+      std::memcpy(vp[last / slab_blocks] + last_at, vnp + (r * kv_heads + kh) * d, sizeof(T) * d);
+      const float* qh = as_float(qp + (r * heads + kh * g) * d, g * d, qf);
       scores.resize(g * n);
       // Chunk of logical block lb: positions [lo, hi) of the span, at offset lo - start of each head's scores.
       const int64_t first = start / block_size, past = (end - 1) / block_size + 1;
@@ -326,17 +289,145 @@ torch::Tensor paged_decode_attention(
       }
       softmax_rows(scores.data(), g, n);
       // Block-major, so each chunk of values is read once (from L1) for the g heads that share it.
-      float* oh = op + (r * heads + kh * g) * d;
       for (int64_t lb = first; lb < past; ++lb) {
         const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
         const int64_t b = row_table[lb];
-        const float* v = vp[b / slab_blocks] + at(b, kh, lo - lb * block_size);
+        const T* v = vp[b / slab_blocks] + at(b, kh, lo - lb * block_size);
         for (int64_t h = 0; h < g; ++h) {
-          weigh_values(scores.data() + h * n + (lo - start), v, hi - lo, d, oh + h * d, lb != first);
+          weigh_values(scores.data() + h * n + (lo - start), v, hi - lo, d, acc.data() + h * d, lb != first);
         }
       }
+      store(acc.data(), g * d, op + (r * heads + kh * g) * d);
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(
+    const torch::Tensor& q,                     // [rows, heads, head_dim]
+    const torch::Tensor& k_new,                 // [rows, kv_heads, head_dim]: written at end - 1
+    const torch::Tensor& v_new,
+    const std::vector<torch::Tensor>& k_caches,  // per group [batch, kv_heads, max_len, head_dim]
+    const std::vector<torch::Tensor>& v_caches,
+    const torch::Tensor& rows,                  // int64 [rows, 4]: group, index in group, start, end
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(), "q: [rows, heads, d], contiguous, on the CPU");
+  const auto dtype = call_dtype(q);
+  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == 4 && rows.scalar_type() == torch::kInt64, "rows: int64 [rows, 4]");
+  TORCH_CHECK(k_caches.size() == v_caches.size() && !k_caches.empty(), "one k and one v cache per group");
+  const int64_t n_rows = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(rows.size(0) == n_rows, "one rows entry per query row");
+  const int64_t kv_heads = k_caches[0].size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.dim() == 3 && k_new.size(0) == n_rows && k_new.size(1) == kv_heads &&
+                  k_new.size(2) == d,
+              "new k/v: [rows, kv_heads, head_dim]");
+  check_dtype(k_new, dtype, "new k");
+  check_dtype(v_new, dtype, "new v");
+  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "new k/v are contiguous");
+  std::vector<int64_t> batch, max_len;
+  for (size_t i = 0; i < k_caches.size(); ++i) {
+    const auto& k = k_caches[i];
+    const auto& v = v_caches[i];
+    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(1) == kv_heads && k.size(3) == d,
+                "cache ", i, ": [batch, kv_heads, max_len, head_dim] with the query's head_dim");
+    check_dtype(k, dtype, "a k cache");
+    check_dtype(v, dtype, "a v cache");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "caches are contiguous");
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "caches are on the CPU");
+    batch.push_back(k.size(0));
+    max_len.push_back(k.size(2));
+  }
+  auto rows_c = rows.contiguous();
+  const int64_t* meta = rows_c.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t grp = meta[4 * r], idx = meta[4 * r + 1], start = meta[4 * r + 2], end = meta[4 * r + 3];
+    TORCH_CHECK(0 <= grp && grp < static_cast<int64_t>(k_caches.size()), "row ", r, ": no group ", grp);
+    TORCH_CHECK(0 <= idx && idx < batch[grp], "row ", r, ": no row ", idx, " in group ", grp);
+    TORCH_CHECK(0 <= start && start < end && end <= max_len[grp], "row ", r, ": bad span [", start, ", ", end, ")");
+  }
+  auto out = torch::empty_like(q);
+  if (dtype == torch::kBFloat16) {
+    decode_rows<BF16>(q, k_new, v_new, k_caches, v_caches, meta, kv_heads, scale, out);
+  } else {
+    decode_rows<float>(q, k_new, v_new, k_caches, v_caches, meta, kv_heads, scale, out);
+  }
+  return out;
+}
+
+// The same over a paged cache: keys and values live in blocks of block_size positions, a row's table maps its
+// logical block i (positions [i * block_size, (i + 1) * block_size)) to a physical block id, and block id b is
+// index b % slab_blocks of slab b / slab_blocks. Slabs are [slab_blocks, kv_heads, block_size, head_dim]
+// and contiguous, so one kv head's positions of one block are contiguous and are read as one chunk: scores are
+// computed chunk by chunk into one array per row, softmaxed whole, then values are summed chunk by chunk.
+torch::Tensor paged_decode_attention(
+    const torch::Tensor& q,                     // [rows, heads, head_dim]
+    const torch::Tensor& k_new,                 // [rows, kv_heads, head_dim]: written at logical position end - 1
+    const torch::Tensor& v_new,
+    const std::vector<torch::Tensor>& k_slabs,  // each [slab_blocks, kv_heads, block_size, head_dim]
+    const std::vector<torch::Tensor>& v_slabs,
+    const torch::Tensor& tables,                // int64 [rows, max_blocks]: physical block ids, -1 = none
+    const torch::Tensor& spans,                 // int64 [rows, 2]: start, end (logical positions)
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.device().is_cpu(),
+              "q: [rows, heads, head_dim], contiguous, on the CPU");
+  const auto dtype = call_dtype(q);
+  const int64_t n_rows = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(!k_slabs.empty() && k_slabs.size() == v_slabs.size(), "as many k slabs as v slabs, at least one");
+  const auto slab_shape = k_slabs[0].sizes().vec();
+  TORCH_CHECK(slab_shape.size() == 4, "slabs: [slab_blocks, kv_heads, block_size, head_dim]");
+  const int64_t slab_blocks = slab_shape[0], kv_heads = slab_shape[1], block_size = slab_shape[2];
+  TORCH_CHECK(slab_blocks > 0 && block_size > 0, "slabs hold at least one block of at least one position");
+  TORCH_CHECK(slab_shape[3] == d, "slabs' head_dim (", slab_shape[3], ") is the query's (", d, ")");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (",
+              kv_heads, ")");
+  TORCH_CHECK(k_new.dim() == 3 && k_new.sizes() == v_new.sizes() && k_new.size(0) == n_rows &&
+                  k_new.size(1) == kv_heads && k_new.size(2) == d,
+              "new k/v: [rows, kv_heads, head_dim]");
+  check_dtype(k_new, dtype, "new k");
+  check_dtype(v_new, dtype, "new v");
+  TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "new k/v are contiguous");
+  TORCH_CHECK(k_new.device().is_cpu() && v_new.device().is_cpu(), "new k/v are on the CPU");
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    const auto& k = k_slabs[i];
+    const auto& v = v_slabs[i];
+    TORCH_CHECK(k.sizes() == slab_shape && v.sizes() == slab_shape, "slab ", i,
+                ": every k and v slab has the shape of the first, ", k_slabs[0].sizes());
+    check_dtype(k, dtype, "a k slab");
+    check_dtype(v, dtype, "a v slab");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "slab ", i, ": contiguous");
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "slab ", i, ": on the CPU");
+  }
+  const int64_t n_blocks = static_cast<int64_t>(k_slabs.size()) * slab_blocks;
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.size(0) == n_rows &&
+                  tables.device().is_cpu(),
+              "tables: int64 [rows, max_blocks] on the CPU");
+  TORCH_CHECK(spans.dim() == 2 && spans.scalar_type() == torch::kInt64 && spans.size(0) == n_rows &&
+                  spans.size(1) == 2 && spans.device().is_cpu(),
+              "spans: int64 [rows, 2] on the CPU");
+  const int64_t max_blocks = tables.size(1);
+  auto tables_c = tables.contiguous();
+  auto spans_c = spans.contiguous();
+  const int64_t* table = tables_c.data_ptr<int64_t>();
+  const int64_t* span = spans_c.data_ptr<int64_t>();
+  // Every block a row touches is checked here, so the loop reads and writes only inside the slabs.
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t start = span[2 * r], end = span[2 * r + 1];
+    TORCH_CHECK(0 <= start && start < end && end <= max_blocks * block_size,
+                "row ", r, ": bad span [", start, ", ", end, ") for ", max_blocks, " blocks of ", block_size);
+    for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
+      const int64_t b = table[r * max_blocks + lb];
+      TORCH_CHECK(0 <= b && b < n_blocks, "row ", r, ": logical block ", lb, " is block ", b, ", not one of the ",
+                  n_blocks, " in the slabs");
+    }
+  }
+  auto out = torch::empty_like(q);
+  if (dtype == torch::kBFloat16) {
+    paged_rows<BF16>(q, k_new, v_new, k_slabs, v_slabs, table, max_blocks, span, scale, out);
+  } else {
+    paged_rows<float>(q, k_new, v_new, k_slabs, v_slabs, table, max_blocks, span, scale, out);
+  }
   return out;
 }
 
