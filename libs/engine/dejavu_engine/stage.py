@@ -79,10 +79,7 @@ class Stage:
         # One-token attention of every row in one native call where the host can (CPU float32 or bfloat16,
         # and the kernels build): see dejavu_engine.native. Torch's attention per microbatch otherwise.
         self.native_attention = (
-            native_attention
-            and self.device.type == "cpu"
-            and dtype in native.DTYPES
-            and native.load() is not None
+            native_attention and self.device.type == "cpu" and dtype in native.DTYPES and native.load() is not None
         )
         # Prefill of left-padded prompts computes their tokens only, back to back (ForwardContext.segments).
         self.ragged_prefill = ragged_prefill
