@@ -59,6 +59,23 @@ inline const float* as_float(const BF16* x, int64_t n, std::vector<float>& out) 
   return out.data();
 }
 
+// The same for a run of values read once per head (a chunk of V): widened once, not once per head.
+inline const float* widen(const float* x, int64_t, std::vector<float>&) { return x; }
+inline const float* widen(const BF16* x, int64_t n, std::vector<float>& out) {
+  out.resize(n);
+#if defined(__AVX2__) && defined(__FMA__)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(out.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+#endif
+  return out.data();
+}
+
 // Store n float32 values as T (bfloat16: rounded to nearest even).
 inline void store(const float* x, int64_t n, float* out) { std::memcpy(out, x, sizeof(float) * n); }
 inline void store(const float* x, int64_t n, BF16* out) {
@@ -223,7 +240,7 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores, qf;
+    std::vector<float> scores, qf, vf;
     std::vector<float> acc(g * d);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t r = item / kv_heads, kh = item % kv_heads;
@@ -238,7 +255,8 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch
       scores.resize(g * n);
       dot_keys_heads(qh, g, k, v, n, d, sc, scores.data(), n);
       softmax_rows(scores.data(), g, n);
-      for (int64_t h = 0; h < g; ++h) weigh_values(scores.data() + h * n, v, n, d, acc.data() + h * d);
+      const float* vw = widen(v, n * d, vf);
+      for (int64_t h = 0; h < g; ++h) weigh_values(scores.data() + h * n, vw, n, d, acc.data() + h * d);
       store(acc.data(), g * d, op + (r * heads + kh * g) * d);
     }
   });
@@ -266,7 +284,7 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
     return (((b % slab_blocks) * kv_heads + kh) * block_size + o) * d;
   };
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores, qf;
+    std::vector<float> scores, qf, vf;
     std::vector<float> acc(g * d);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t r = item / kv_heads, kh = item % kv_heads;
@@ -292,7 +310,7 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
       for (int64_t lb = first; lb < past; ++lb) {
         const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
         const int64_t b = row_table[lb];
-        const T* v = vp[b / slab_blocks] + at(b, kh, lo - lb * block_size);
+        const float* v = widen(vp[b / slab_blocks] + at(b, kh, lo - lb * block_size), (hi - lo) * d, vf);
         for (int64_t h = 0; h < g; ++h) {
           weigh_values(scores.data() + h * n + (lo - start), v, hi - lo, d, acc.data() + h * d, lb != first);
         }
