@@ -76,6 +76,12 @@ inline const float* widen(const BF16* x, int64_t n, std::vector<float>& out) {
   return out.data();
 }
 
+// Asks for the cache lines of [p, p + bytes) into L1 ahead of their use (a no-op where unsupported).
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(c + line, 0, 3);
+}
+
 // Store n float32 values as T (bfloat16: rounded to nearest even).
 inline void store(const float* x, int64_t n, float* out) { std::memcpy(out, x, sizeof(float) * n); }
 inline void store(const float* x, int64_t n, BF16* out) {
@@ -283,6 +289,7 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
   auto at = [&](int64_t b, int64_t kh, int64_t o) {
     return (((b % slab_blocks) * kv_heads + kh) * block_size + o) * d;
   };
+  const int64_t block_bytes = block_size * d * static_cast<int64_t>(sizeof(T));  // of one kv head
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> scores, qf, vf;
     std::vector<float> acc(g * d);
@@ -302,6 +309,10 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
       for (int64_t lb = first; lb < past; ++lb) {
         const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
         const int64_t b = row_table[lb], off = at(b, kh, lo - lb * block_size);
+        if (lb + 1 < past) {  // blocks lie anywhere: the hardware prefetcher cannot guess the next one
+          const int64_t nb = row_table[lb + 1];
+          prefetch_lines(kp[nb / slab_blocks] + at(nb, kh, 0), block_bytes);
+        }
         dot_keys_heads(qh, g, kp[b / slab_blocks] + off, vp[b / slab_blocks] + off, hi - lo, d, sc,
                        scores.data() + (lo - start), n);
       }
@@ -310,6 +321,10 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
       for (int64_t lb = first; lb < past; ++lb) {
         const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
         const int64_t b = row_table[lb];
+        if (lb + 1 < past) {
+          const int64_t nb = row_table[lb + 1];
+          prefetch_lines(vp[nb / slab_blocks] + at(nb, kh, 0), block_bytes);
+        }
         const float* v = widen(vp[b / slab_blocks] + at(b, kh, lo - lb * block_size), (hi - lo) * d, vf);
         for (int64_t h = 0; h < g; ++h) {
           weigh_values(scores.data() + h * n + (lo - start), v, hi - lo, d, acc.data() + h * d, lb != first);
