@@ -25,15 +25,25 @@ def _prefill(stages: list[Stage], caches: list, geometry: BatchGeometry, ids: to
     return io.logits
 
 
-@pytest.mark.parametrize("native_attention", [True, False], ids=["native", "torch"])
+# bfloat16 through the native kernels, paged against contiguous (the kernels against torch's attention in
+# bfloat16: tests/engine/test_native.py, and transformers' tokens: tests/engine/test_smollm2.py).
+TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-4}
+
+
+@pytest.mark.parametrize(
+    ("native_attention", "dtype"),
+    [(True, "float32"), (False, "float32"), (True, "bfloat16")],
+    ids=["native", "torch", "native-bfloat16"],
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_paged_caches_compute_what_contiguous_caches_compute(
-    family: str, native_attention: bool, tiny_checkpoints: dict[str, Path]
+    family: str, native_attention: bool, dtype: str, tiny_checkpoints: dict[str, Path]
 ) -> None:
     folder = tiny_checkpoints[family]
     ranges = [(0, 2), (2, LAYERS)]
-    plain = [Stage(folder, r, native_attention=native_attention) for r in ranges]
-    paged = [Stage(folder, r, native_attention=native_attention) for r in ranges]
+    plain = [Stage(folder, r, dtype=dtype, native_attention=native_attention) for r in ranges]
+    paged = [Stage(folder, r, dtype=dtype, native_attention=native_attention) for r in ranges]
+    atol = TOLERANCE[dtype]
     pools = [s.block_pool(block_size=4, max_blocks=64, slab_blocks=8) for s in paged]
     generator = torch.Generator().manual_seed(3)
     state = []
@@ -47,7 +57,7 @@ def test_paged_caches_compute_what_contiguous_caches_compute(
         blocks = [pool.cache(s.kv_layout(len(lengths), span), geometry.pad_lens).holding(geometry.cur_len)
                   for s, pool in zip(paged, pools, strict=True)]  # fmt: skip
         torch.testing.assert_close(
-            _prefill(paged, blocks, geometry, ids), _prefill(plain, contiguous, geometry, ids), atol=1e-4, rtol=0
+            _prefill(paged, blocks, geometry, ids), _prefill(plain, contiguous, geometry, ids), atol=atol, rtol=0
         )
         state.append([geometry, contiguous, blocks])
     assert all(pool.used_blocks > 0 for pool in pools)
@@ -71,7 +81,7 @@ def test_paged_caches_compute_what_contiguous_caches_compute(
         for s in range(len(ranges)):
             io_plain = plain[s].decode_groups(io_plain, [(cs[s], g) for cs, g in groups_plain])
             io_paged = paged[s].decode_groups(io_paged, [(cs[s], g) for cs, g in groups_paged])
-        torch.testing.assert_close(io_paged.logits, io_plain.logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(io_paged.logits, io_plain.logits, atol=atol, rtol=0)
     for _, _, blocks in state:
         for cache in blocks:
             cache.free()
@@ -85,3 +95,4 @@ def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, P
     assert stage.paged_attention
     assert not Stage(tiny_checkpoints["llama"], (0, LAYERS), native_attention=False).paged_attention
     assert not Stage(tiny_checkpoints["bloom"], (0, LAYERS)).paged_attention  # ALiBi biases: not in the kernel
+    assert Stage(tiny_checkpoints["llama"], (0, LAYERS), dtype="bfloat16").paged_attention
