@@ -244,3 +244,52 @@ def test_a_microbatch_that_cannot_resume_is_freed_and_failed_only_if_still_await
     driver.resume({5: 3, 6: 20, 7: 3})
     assert [(mb, m.step, m.feed) for mb, m in driver._waiting] == [(5, 3, (9,))]
     assert sorted(p.released) == [6, 7] and p.failed == [7]
+
+
+class Colocated(Pipeline):
+    """:class:`Pipeline` for a colocated stage: a pass is a decode step of its members or a prefill of
+    one microbatch claimed from the queue; ``kinds`` records which, in order."""
+
+    def __init__(self, finish: dict[int, int], rows: dict[int, int]) -> None:
+        super().__init__(1, finish, {mb: _spec(mb, n) for mb, n in rows.items()})
+        self.kinds: list[tuple[str, tuple[int, ...]]] = []
+
+    def state(self, mb: int) -> State:
+        state = super().state(mb)
+        state.mark_complete = lambda _cells: state.complete.set()  # type: ignore[attr-defined]
+        return state
+
+    def release(self, mb: int, finished: bool = True) -> None:
+        if mb in self.states and finished:
+            super().release(mb)
+
+    def run(self, pos, members, kind, io, cohort=-1, next_mb=None):
+        self.kinds.append((kind.name, tuple(m.state.spec.mb_id for m in members)))
+        if kind is Kind.PREFILL:
+            (m,) = members
+            n = len(m.state.spec.rows)
+            return TokenReturn(cohort, (Returned(m.state.spec.mb_id, 0, (0,) * n, False, tuple(range(n))),))
+        return super().run(pos, members, kind, io, cohort, next_mb)
+
+
+def test_colocated_prefills_and_decode_steps_alternate_while_members_decode() -> None:
+    """Three prompts queued at once: each is prefilled as soon as the cohort has had a decode step since
+    the last prefill, so the running rows wait one prefill at a time, never the whole burst."""
+    from dejavu_common.messages import PromptPiece, PromptTask
+
+    p = Colocated({1: 4, 2: 4, 3: 4}, {1: 1, 2: 1, 3: 1})
+    queue = [PromptTask(task_id=mb, pieces=(PromptPiece(mb_id=mb, dst_rows=(0, 1)),)) for mb in (1, 2, 3)]
+    driver = Driver(p, p, None, "t0", Position(0, 1, None, "t0", colocated=True), None, 1.0)  # type: ignore[arg-type]
+    driver._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+    driver.run(lambda: len(p.kinds) >= 9 or (bool(p.kinds) and not queue and not driver.cohorts[0].members))
+    assert p.kinds == [
+        ("PREFILL", (1,)),
+        ("DECODE", (1,)),
+        ("PREFILL", (2,)),
+        ("DECODE", (1, 2)),
+        ("PREFILL", (3,)),
+        ("DECODE", (1, 2, 3)),
+        ("DECODE", (1, 2, 3)),  # microbatch 1's fourth step, its last
+        ("DECODE", (2, 3)),
+        ("DECODE", (3,)),
+    ]

@@ -62,6 +62,12 @@ class Cohort:
     index: int
     members: dict[int, Member] = field(default_factory=dict)
     pass_members: tuple[int, ...] | None = None
+    prefilled: bool = False  # its last pass was a colocated prefill
+
+    @property
+    def decoding(self) -> bool:
+        """Whether some member is past its prefill (it has tokens to feed)."""
+        return any(m.step > 0 for m in self.members.values())
 
     @property
     def rows(self) -> int:
@@ -251,12 +257,23 @@ class Driver:
 
     def _start_pass(self, cohort: Cohort) -> bool:
         """Start ``cohort``'s next pass (a colocated prefill, or one decode step of every member).
-        Returns False when it has nothing to run."""
-        if self.pos.colocated and len(cohort.members) < self.max_members and cohort.rows < self.cohort_rows:
+        Returns False when it has nothing to run.
+
+        Colocated, prefills and decode steps alternate while members decode: a prompt waiting is
+        prefilled next, but never twice in a row, so a burst of arrivals delays each running row by
+        one prefill at a time, not by the whole burst."""
+        if (
+            self.pos.colocated
+            and len(cohort.members) < self.max_members
+            and cohort.rows < self.cohort_rows
+            and not (cohort.prefilled and cohort.decoding)
+        ):
             task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
             if task is not None:
+                cohort.prefilled = True
                 self._prefill(cohort, task)
                 return True
+        cohort.prefilled = False
         self._place(cohort)
         if not cohort.members:
             return False
