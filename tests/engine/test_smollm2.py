@@ -49,11 +49,16 @@ def test_greedy_tokens_equal_transformers_generate(
 
 
 @pytest.fixture(scope="module")
-def bf16_cases(smollm2: Path) -> list[tuple[list[int], list[int], torch.Tensor]]:
+def hf_bf16(smollm2: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_cases(smollm2: Path, hf_bf16: AutoModelForCausalLM) -> list[tuple[list[int], list[int], torch.Tensor]]:
     """(prompt ids, HF greedy continuation, HF prefill logits) with transformers itself in bfloat16."""
     tok = Tokenizer.from_pretrained(smollm2)
     prompts = [tok.encode(p) for p in PLAIN] + [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16).eval()
+    model = hf_bf16
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -67,9 +72,26 @@ def bf16_cases(smollm2: Path) -> list[tuple[list[int], list[int], torch.Tensor]]
 BF16_LOGIT_TOLERANCE = 0.125
 
 
+def _same_greedy_tokens(model, prompt: list[int], tokens: list[int], expected: list[int]) -> None:
+    """``tokens`` are HF's greedy tokens, except that they may part where HF's own two candidates are
+    within one bfloat16 step (a tie at bfloat16's precision: attention that sums in another order, as the
+    native kernel's plain loops do on a host without AVX2, may take the other one; after that the
+    prefixes differ and nothing more is compared)."""
+    if tokens == expected:
+        return
+    i = next(i for i, (ours, theirs) in enumerate(zip(tokens, expected, strict=False)) if ours != theirs)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + expected[:i]])).logits[0, -1].float()
+    gap = float(logits[expected[i]] - logits[tokens[i]])
+    assert gap <= BF16_LOGIT_TOLERANCE, f"token {i}: {tokens[i]} instead of {expected[i]}, {gap:.3f} below it"
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_bfloat16_matches_transformers_in_bfloat16(
-    stages: int, smollm2: Path, bf16_cases: list[tuple[list[int], list[int], torch.Tensor]]
+    stages: int,
+    smollm2: Path,
+    hf_bf16: AutoModelForCausalLM,
+    bf16_cases: list[tuple[list[int], list[int], torch.Tensor]],
 ) -> None:
     """bfloat16 weights and KV: the same greedy tokens as HF in bfloat16, and prefill logits within
     :data:`BF16_LOGIT_TOLERANCE` of HF's at every position."""
@@ -78,7 +100,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(
     eos = pipeline.spec.eos_token_ids
     for prompt, expected, hf_logits in bf16_cases:
         (completion,), _ = generate_batch(pipeline, [Request(tuple(prompt), StopCriteria(NEW_TOKENS, eos))])
-        assert list(completion.token_ids) == expected
+        _same_greedy_tokens(hf_bf16, prompt, list(completion.token_ids), expected)
         caches = pipeline.allocate(1, len(prompt))
         assert caches[0].k.dtype == torch.bfloat16
         logits = pipeline.forward(torch.tensor([prompt]), caches, BatchGeometry((0,), len(prompt)), all_logits=True)

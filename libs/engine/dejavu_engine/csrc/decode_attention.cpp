@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -145,14 +144,14 @@ void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n
 
 // out = sum_j p[j] * v[j] over j < n, head_dim = 8 * C (accumulators kept in registers); out += that
 // where `accumulate` (the chunks of a span after its first).
-template <int C, typename T>
-void weigh_values(const float* p, const T* v, int64_t n, float* out, bool accumulate) {
+template <int C>
+void weigh_values(const float* p, const float* v, int64_t n, float* out, bool accumulate) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = accumulate ? _mm256_loadu_ps(out + 8 * c) : _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const T* vj = v + j * 8 * C;
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), acc[c]);
+    const float* vj = v + j * 8 * C;
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
@@ -221,13 +220,12 @@ void dot_keys_any(const float* q, const T* k, int64_t n, int64_t d, float scale,
   }
 }
 
-template <typename T>
-void weigh_values_any(const float* p, const T* v, int64_t n, int64_t d, float* out, bool accumulate) {
+void weigh_values_any(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate) {
   if (!accumulate) std::fill(out, out + d, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
-    const T* vj = v + j * d;
+    const float* vj = v + j * d;
 #pragma omp simd
-    for (int64_t e = 0; e < d; ++e) out[e] += p[j] * to_float(vj[e]);
+    for (int64_t e = 0; e < d; ++e) out[e] += p[j] * vj[e];
   }
 }
 
@@ -247,17 +245,15 @@ void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n
   for (int64_t h = 0; h < g; ++h) dot_keys_any(q + h * d, k, n, d, scale, scores + h * ld);
 }
 
-template <typename T>
-void weigh_values(const float* p, const T* v, int64_t n, int64_t d, float* out, bool accumulate = false) {
+// Values are float32 here: bfloat16 chunks are widened once for the heads that share them (widen).
+void weigh_values(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate = false) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) {
-    if (d == 64) return weigh_values16<4>(p, v, n, out, accumulate);
-    if (d == 128) return weigh_values16<8>(p, v, n, out, accumulate);
-  }
+  if (d == 64) return weigh_values16<4>(p, v, n, out, accumulate);
+  if (d == 128) return weigh_values16<8>(p, v, n, out, accumulate);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return weigh_values<8, T>(p, v, n, out, accumulate);
-  if (d == 128) return weigh_values<16, T>(p, v, n, out, accumulate);
+  if (d == 64) return weigh_values<8>(p, v, n, out, accumulate);
+  if (d == 128) return weigh_values<16>(p, v, n, out, accumulate);
 #endif
   weigh_values_any(p, v, n, d, out, accumulate);
 }
