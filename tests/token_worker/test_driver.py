@@ -272,24 +272,49 @@ class Colocated(Pipeline):
         return super().run(pos, members, kind, io, cohort, next_mb)
 
 
-def test_colocated_prefills_and_decode_steps_alternate_while_members_decode() -> None:
-    """Three prompts queued at once: each is prefilled as soon as the cohort has had a decode step since
-    the last prefill, so the running rows wait one prefill at a time, never the whole burst."""
+def _colocated(arrivals: dict[int, int]) -> Colocated:
+    """A colocated stage whose prompt ``mb`` (one row, four steps) can be claimed once ``arrivals[mb]``
+    passes have run; driven for nine passes or until all is done."""
     from dejavu_common.messages import PromptPiece, PromptTask
 
-    p = Colocated({1: 4, 2: 4, 3: 4}, {1: 1, 2: 1, 3: 1})
-    queue = [PromptTask(task_id=mb, pieces=(PromptPiece(mb_id=mb, dst_rows=(0, 1)),)) for mb in (1, 2, 3)]
+    p = Colocated(dict.fromkeys(arrivals, 4), dict.fromkeys(arrivals, 1))
+    queue = [PromptTask(task_id=mb, pieces=(PromptPiece(mb_id=mb, dst_rows=(0, 1)),)) for mb in sorted(arrivals)]
+
+    def claim(block: bool) -> PromptTask | None:
+        if queue and arrivals[queue[0].task_id] <= len(p.kinds):
+            return queue.pop(0)
+        return None
+
     driver = Driver(p, p, None, "t0", Position(0, 1, None, "t0", colocated=True), None, 1.0)  # type: ignore[arg-type]
-    driver._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+    driver._claim_queued = claim  # type: ignore[method-assign]
     driver.run(lambda: len(p.kinds) >= 9 or (bool(p.kinds) and not queue and not driver.cohorts[0].members))
+    return p
+
+
+def test_colocated_arrivals_delay_streaming_rows_one_prefill_at_a_time() -> None:
+    """Two prompts arrive while microbatch 1 streams: each is prefilled after a decode step of the
+    cohort, so the streaming row waits one prefill at a time, never the whole queue."""
+    p = _colocated({1: 0, 2: 3, 3: 3})
     assert p.kinds == [
         ("PREFILL", (1,)),
         ("DECODE", (1,)),
-        ("PREFILL", (2,)),
+        ("DECODE", (1,)),
+        ("PREFILL", (2,)),  # both arrived; the next waits for a decode step
         ("DECODE", (1, 2)),
         ("PREFILL", (3,)),
-        ("DECODE", (1, 2, 3)),
         ("DECODE", (1, 2, 3)),  # microbatch 1's fourth step, its last
         ("DECODE", (2, 3)),
-        ("DECODE", (3,)),
+        ("DECODE", (2, 3)),
+    ]
+
+
+def test_colocated_prompts_arriving_together_are_prefilled_back_to_back() -> None:
+    """Nothing streams yet: a burst's prompts are prefilled one after the other, then decode together."""
+    p = _colocated({1: 0, 2: 0, 3: 0})
+    assert p.kinds[:5] == [
+        ("PREFILL", (1,)),
+        ("PREFILL", (2,)),
+        ("PREFILL", (3,)),
+        ("DECODE", (1, 2, 3)),
+        ("DECODE", (1, 2, 3)),
     ]

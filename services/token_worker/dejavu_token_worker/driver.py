@@ -65,9 +65,10 @@ class Cohort:
     prefilled: bool = False  # its last pass was a colocated prefill
 
     @property
-    def decoding(self) -> bool:
-        """Whether some member is past its prefill (it has tokens to feed)."""
-        return any(m.step > 0 for m in self.members.values())
+    def streaming(self) -> bool:
+        """Whether some member has run a decode step (its rows stream; a member fresh from its prefill
+        is at step 1)."""
+        return any(m.step > 1 for m in self.members.values())
 
     @property
     def rows(self) -> int:
@@ -259,14 +260,14 @@ class Driver:
         """Start ``cohort``'s next pass (a colocated prefill, or one decode step of every member).
         Returns False when it has nothing to run.
 
-        Colocated, prefills and decode steps alternate while members decode: a prompt waiting is
-        prefilled next, but never twice in a row, so a burst of arrivals delays each running row by
-        one prefill at a time, not by the whole burst."""
+        Colocated, a prompt waiting is prefilled next, but while some member's rows stream, never twice
+        in a row: arrivals delay streaming rows one prefill at a time, not a whole queue's worth. Prompts
+        that arrive together when nothing streams yet are prefilled back to back, then decode together."""
         if (
             self.pos.colocated
             and len(cohort.members) < self.max_members
             and cohort.rows < self.cohort_rows
-            and not (cohort.prefilled and cohort.decoding)
+            and not (cohort.prefilled and cohort.streaming)
         ):
             task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
             if task is not None:
