@@ -94,82 +94,62 @@ inline void store(const float* x, int64_t n, BF16* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = BF16(x[i]);
 }
 
+// The vector kernels below are written once over a lane type: Lanes8 (AVX2) or, where the host has
+// AVX-512 (the build is for its CPU: -march=native), Lanes16, half the instructions and as fast again
+// where the FMA units are 512 bits wide.
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-// Eight bfloat16 as float32: the 16 bits are a float32's upper half.
-inline __m256 load8(const BF16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float hsum(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// scores[h * ld + j] = scale * q[h] . k[j] for h < g, j < n, head_dim = 8 * C: each key is loaded once
-// for the g heads that share it (ld > n where k is one chunk of a longer span, as in a paged cache).
-// The keys ahead and this key's value are prefetched, so the value pass that follows finds them in cache
-// (one row's K and V of one kv head are a few hundred KB at most).
-template <int C, typename T>
-void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n, float scale, float* scores,
-                    int64_t ld) {
-  constexpr int64_t d = 8 * C;
-  constexpr int64_t bytes = d * sizeof(T);  // of one key
-  constexpr int64_t ahead = 8;  // keys
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kj = k + j * d;
-    if (j + ahead < n) {
-      const char* next = reinterpret_cast<const char*>(kj + ahead * d);
-      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-    }
-    const char* vj = reinterpret_cast<const char*>(v + j * d);
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(vj + line, _MM_HINT_T1);
-    __m256 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load8(kj + 8 * c);
-    for (int64_t h = 0; h < g; ++h) {
-      const float* qh = q + h * d;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
-      __m256 a1 = _mm256_mul_ps(_mm256_loadu_ps(qh + 8), kv[1]);
-      for (int c = 2; c < C; c += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), kv[c], a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c + 8), kv[c + 1], a1);
-      }
-      scores[h * ld + j] = hsum(_mm256_add_ps(a0, a1)) * scale;
-    }
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  // Eight bfloat16 as float32: the 16 bits are a float32's upper half.
+  static V load(const BF16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-}
-
-// out = sum_j p[j] * v[j] over j < n, head_dim = 8 * C (accumulators kept in registers); out += that
-// where `accumulate` (the chunks of a span after its first).
-template <int C>
-void weigh_values(const float* p, const float* v, int64_t n, float* out, bool accumulate) {
-  __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = accumulate ? _mm256_loadu_ps(out + 8 * c) : _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v + j * 8 * C;
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
   }
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
-}
+};
 #endif
 
 #if defined(__AVX512F__)
-// The same with 16 lanes where the host has AVX-512 (its build is for this CPU: -march=native): half the
-// instructions of the 8-lane kernels, as fast again where the FMA units are 512 bits wide.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BF16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const BF16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V x) { return _mm512_reduce_add_ps(x); }
+};
+#endif
 
-template <int C, typename T>  // head_dim = 16 * C
-void dot_keys_heads16(const float* q, int64_t g, const T* k, const T* v, int64_t n, float scale, float* scores,
-                      int64_t ld) {
-  constexpr int64_t d = 16 * C;
+#if defined(__AVX2__) && defined(__FMA__)
+// scores[h * ld + j] = scale * q[h] . k[j] for h < g, j < n, head_dim = L::W * C (C even): each key is
+// loaded once for the g heads that share it (ld > n where k is one chunk of a longer span, as in a paged
+// cache). The keys ahead and this key's value are prefetched, so the value pass that follows finds them
+// in cache (one row's K and V of one kv head are a few hundred KB at most).
+template <class L, int C, typename T>
+void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n, float scale, float* scores,
+                    int64_t ld) {
+  constexpr int64_t d = L::W * C;
   constexpr int64_t bytes = d * sizeof(T);  // of one key
   constexpr int64_t ahead = 8;  // keys
   for (int64_t j = 0; j < n; ++j) {
@@ -180,31 +160,33 @@ void dot_keys_heads16(const float* q, int64_t g, const T* k, const T* v, int64_t
     }
     const char* vj = reinterpret_cast<const char*>(v + j * d);
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(vj + line, _MM_HINT_T1);
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load16(kj + 16 * c);
+    typename L::V kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = L::load(kj + L::W * c);
     for (int64_t h = 0; h < g; ++h) {
       const float* qh = q + h * d;
-      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-      __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(qh + 16), kv[1]);
+      auto a0 = L::mul(L::load(qh), kv[0]);
+      auto a1 = L::mul(L::load(qh + L::W), kv[1]);
       for (int c = 2; c < C; c += 2) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kv[c], a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c + 16), kv[c + 1], a1);
+        a0 = L::fma(L::load(qh + L::W * c), kv[c], a0);
+        a1 = L::fma(L::load(qh + L::W * (c + 1)), kv[c + 1], a1);
       }
-      scores[h * ld + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+      scores[h * ld + j] = L::sum(L::add(a0, a1)) * scale;
     }
   }
 }
 
-template <int C>  // head_dim = 16 * C
-void weigh_values16(const float* p, const float* v, int64_t n, float* out, bool accumulate) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = accumulate ? _mm512_loadu_ps(out + 16 * c) : _mm512_setzero_ps();
+// out = sum_j p[j] * v[j] over j < n, head_dim = L::W * C (accumulators kept in registers); out += that
+// where `accumulate` (the chunks of a span after its first).
+template <class L, int C>
+void weigh_values(const float* p, const float* v, int64_t n, float* out, bool accumulate) {
+  typename L::V acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = accumulate ? L::load(out + L::W * c) : L::zero();
   for (int64_t j = 0; j < n; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    const float* vj = v + j * 16 * C;
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+    const auto pj = L::broadcast(p[j]);
+    const float* vj = v + j * L::W * C;
+    for (int c = 0; c < C; ++c) acc[c] = L::fma(pj, L::load(vj + L::W * c), acc[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+  for (int c = 0; c < C; ++c) L::store(out + L::W * c, acc[c]);
 }
 #endif
 
@@ -234,12 +216,12 @@ template <typename T>
 void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n, int64_t d, float scale,
                     float* scores, int64_t ld) {
 #if defined(__AVX512F__)
-  if (d == 64) return dot_keys_heads16<4, T>(q, g, k, v, n, scale, scores, ld);
-  if (d == 128) return dot_keys_heads16<8, T>(q, g, k, v, n, scale, scores, ld);
+  if (d == 64) return dot_keys_heads<Lanes16, 4, T>(q, g, k, v, n, scale, scores, ld);
+  if (d == 128) return dot_keys_heads<Lanes16, 8, T>(q, g, k, v, n, scale, scores, ld);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return dot_keys_heads<8, T>(q, g, k, v, n, scale, scores, ld);
-  if (d == 128) return dot_keys_heads<16, T>(q, g, k, v, n, scale, scores, ld);
+  if (d == 64) return dot_keys_heads<Lanes8, 8, T>(q, g, k, v, n, scale, scores, ld);
+  if (d == 128) return dot_keys_heads<Lanes8, 16, T>(q, g, k, v, n, scale, scores, ld);
 #endif
   (void)v;
   for (int64_t h = 0; h < g; ++h) dot_keys_any(q + h * d, k, n, d, scale, scores + h * ld);
@@ -248,12 +230,12 @@ void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n
 // Values are float32 here: bfloat16 chunks are widened once for the heads that share them (widen).
 void weigh_values(const float* p, const float* v, int64_t n, int64_t d, float* out, bool accumulate = false) {
 #if defined(__AVX512F__)
-  if (d == 64) return weigh_values16<4>(p, v, n, out, accumulate);
-  if (d == 128) return weigh_values16<8>(p, v, n, out, accumulate);
+  if (d == 64) return weigh_values<Lanes16, 4>(p, v, n, out, accumulate);
+  if (d == 128) return weigh_values<Lanes16, 8>(p, v, n, out, accumulate);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 64) return weigh_values<8>(p, v, n, out, accumulate);
-  if (d == 128) return weigh_values<16>(p, v, n, out, accumulate);
+  if (d == 64) return weigh_values<Lanes8, 8>(p, v, n, out, accumulate);
+  if (d == 128) return weigh_values<Lanes8, 16>(p, v, n, out, accumulate);
 #endif
   weigh_values_any(p, v, n, d, out, accumulate);
 }
