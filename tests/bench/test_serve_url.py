@@ -160,8 +160,11 @@ def test_max_concurrency_bounds_requests_in_flight(fake: FakeServer) -> None:
     for record in sorted(records, key=lambda r: r.send_s)[2:]:  # each later send waited for an end
         assert any(end <= record.send_s for end in ends)
     fake.reset()
-    LoadGenerator(ClientConfig(fake.url, MODEL), lambda r: [7, 8]).run_sync(trace)
-    assert fake.max_in_flight == 5  # no bound: all at once
+    # No bound: all at once. Each lasts 2 s here, so a send delayed by a loaded host still finds the
+    # others in flight (3 tokens, 0.15 s, once made the fifth start after the first had ended).
+    long = Trace.of([(0.0, 4, 40)] * 5)
+    LoadGenerator(ClientConfig(fake.url, MODEL), lambda r: [7, 8]).run_sync(long)
+    assert fake.max_in_flight == 5
     with pytest.raises(ValueError):
         ClientConfig(fake.url, MODEL, max_concurrency=0)
 
