@@ -57,35 +57,12 @@ using BF16 = c10::BFloat16;
 inline float to_float(float x) { return x; }
 inline float to_float(BF16 x) { return static_cast<float>(x); }
 
-// n values of type T as float32 at out (a copy for bfloat16, the pointer itself for float32).
-inline const float* as_float(const float* x, int64_t, std::vector<float>&) { return x; }
-inline const float* as_float(const BF16* x, int64_t n, std::vector<float>& out) {
-  out.resize(n);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
-  return out.data();
-}
-
-// The same for a run of values read once per head (a chunk of V): widened once, not once per head.
-inline const float* widen(const float* x, int64_t, std::vector<float>&) { return x; }
-inline const float* widen(const BF16* x, int64_t n, std::vector<float>& out) {
-  out.resize(n);
-#if defined(__AVX2__) && defined(__FMA__)
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-    _mm256_storeu_ps(out.data() + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
-  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
-#else
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
-#endif
-  return out.data();
-}
-
-// Asks for the cache lines of [p, p + bytes) into L1 ahead of their use (a no-op where unsupported).
+// Asks for the cache lines of [p, p + bytes) ahead of their use: into L1 (locality 3) or L2 (2); a
+// no-op where unsupported.
+template <int locality = 3>
 inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(c + line, 0, 3);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(c + line, 0, locality);
 }
 
 // Store n float32 values as T (bfloat16: rounded to nearest even).
@@ -141,6 +118,19 @@ struct Lanes16 {
 };
 #endif
 
+// n values of type T as float32: the pointer itself for float32, a copy in ``out`` for bfloat16 (a query,
+// or a chunk of V widened once for the heads that share it).
+inline const float* widen(const float* x, int64_t, std::vector<float>&) { return x; }
+inline const float* widen(const BF16* x, int64_t n, std::vector<float>& out) {
+  out.resize(n);
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + Lanes8::W <= n; i += Lanes8::W) Lanes8::store(out.data() + i, Lanes8::load(x + i));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+  return out.data();
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // scores[h * ld + j] = scale * q[h] . k[j] for h < g, j < n, head_dim = L::W * C (C even): each key is
 // loaded once for the g heads that share it (ld > n where k is one chunk of a longer span, as in a paged
@@ -154,12 +144,8 @@ void dot_keys_heads(const float* q, int64_t g, const T* k, const T* v, int64_t n
   constexpr int64_t ahead = 8;  // keys
   for (int64_t j = 0; j < n; ++j) {
     const T* kj = k + j * d;
-    if (j + ahead < n) {
-      const char* next = reinterpret_cast<const char*>(kj + ahead * d);
-      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-    }
-    const char* vj = reinterpret_cast<const char*>(v + j * d);
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(vj + line, _MM_HINT_T1);
+    if (j + ahead < n) prefetch_lines(kj + ahead * d, bytes);
+    prefetch_lines<2>(v + j * d, bytes);
     typename L::V kv[C];
     for (int c = 0; c < C; ++c) kv[c] = L::load(kj + L::W * c);
     for (int64_t h = 0; h < g; ++h) {
@@ -288,8 +274,7 @@ void softmax_rows(float* scores, int64_t g, int64_t n) {
     float* s = scores + h * n;
 #if defined(__AVX512F__)
     softmax_row16(s, n);
-    continue;
-#endif
+#else
     float m = s[0];
     for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
     float total = 0.0f;
@@ -301,6 +286,7 @@ void softmax_rows(float* scores, int64_t g, int64_t n) {
     const float inv = 1.0f / total;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+#endif
   }
 }
 
@@ -349,7 +335,7 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch
       T* v = vp[grp] + offset;
       std::memcpy(k + (n - 1) * d, knp + (r * kv_heads + kh) * d, sizeof(T) * d);  // this step's K/V
       std::memcpy(v + (n - 1) * d, vnp + (r * kv_heads + kh) * d, sizeof(T) * d);
-      const float* qh = as_float(qp + (r * heads + kh * g) * d, g * d, qf);
+      const float* qh = widen(qp + (r * heads + kh * g) * d, g * d, qf);
       scores.resize(g * n);
       dot_keys_heads(qh, g, k, v, n, d, sc, scores.data(), n);
       softmax_rows(scores.data(), g, n);
@@ -394,7 +380,7 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
       const int64_t last_at = at(last, kh, (end - 1) % block_size);
       std::memcpy(kp[last / slab_blocks] + last_at, knp + (r * kv_heads + kh) * d, sizeof(T) * d);
       std::memcpy(vp[last / slab_blocks] + last_at, vnp + (r * kv_heads + kh) * d, sizeof(T) * d);
-      const float* qh = as_float(qp + (r * heads + kh * g) * d, g * d, qf);
+      const float* qh = widen(qp + (r * heads + kh * g) * d, g * d, qf);
       scores.resize(g * n);
       // Chunk of logical block lb: positions [lo, hi) of the span, at offset lo - start of each head's scores.
       const int64_t first = start / block_size, past = (end - 1) / block_size + 1;
