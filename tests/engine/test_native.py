@@ -312,3 +312,99 @@ def test_bfloat16_rows_of_many_caches_attend_as_each_alone() -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=2**-8)
     for mine, theirs in zip(k_caches + v_caches, k_after + v_after, strict=True):
         assert torch.equal(mine.double(), theirs)
+
+
+def prefill_case(heads, kv_heads, head_dim, lengths, *, gap=0, seed=0):
+    """q, k, v as strided views of one fused projection ``[tokens, heads + 2 kv_heads, head_dim]`` (as the
+    engine passes them), and the segments: prompts of ``lengths`` back to back, ``gap`` tokens in none after
+    the first."""
+    generator = torch.Generator().manual_seed(seed)
+    segments, offset = [], 0
+    for i, length in enumerate(lengths):
+        segments.append((offset, length))
+        offset += length + (gap if i == 0 else 0)
+    fused = torch.randn(offset, heads + 2 * kv_heads, head_dim, generator=generator) * 2
+    q, k, v = fused[:, :heads], fused[:, heads : heads + kv_heads], fused[:, heads + kv_heads :]
+    return q, k, v, torch.tensor(segments, dtype=torch.long)
+
+
+def prefill_reference(q, k, v, segments, scale):
+    """Each segment alone through torch's SDPA (is_causal), in q's dtype; 0 for tokens in no segment."""
+    out = torch.zeros_like(q)
+    for offset, length in segments.tolist():
+        part = [t[offset : offset + length].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        attended = F.scaled_dot_product_attention(*part, is_causal=True, scale=scale, enable_gqa=True)
+        out[offset : offset + length] = attended[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (8, 2, 128), (6, 3, 24)])
+@pytest.mark.usefixtures("kernels")
+def test_prefill_segments_attend_causally_over_their_own_tokens(heads: int, kv_heads: int, head_dim: int) -> None:
+    q, k, v, segments = prefill_case(heads, kv_heads, head_dim, [1, 5, 17, 40, 33, 70], gap=3, seed=head_dim)
+    out = native.prefill_attention(q, k, v, segments, 0.1)
+    assert out.shape == q.shape and out.is_contiguous()
+    expected = prefill_reference(q.double(), k.double(), v.double(), segments, 0.1)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+    assert not out[1:4].any()  # the gap's tokens belong to no prompt
+
+
+# bfloat16: queries, keys and values are read as stored, scores and sums are float32, and each unnormalised
+# probability is rounded to bfloat16 before it weighs the values, as torch's CPU flash attention does; so the
+# kernel equals torch's bfloat16 attention on almost every output, differs elsewhere by less than one bfloat16
+# step of the values it sums (those sums cancel: the result can be far smaller than its terms), and is as
+# close to float64 attention over the same values as torch is.
+@pytest.mark.parametrize("lengths", [[256], [3, 40, 129, 16]])
+@pytest.mark.usefixtures("kernels")
+def test_bfloat16_prefill_rounds_where_torch_does(lengths: list[int]) -> None:
+    q, k, v, segments = (t.bfloat16() if t.is_floating_point() else t for t in prefill_case(9, 3, 64, lengths, seed=1))
+    out = native.prefill_attention(q, k, v, segments, 0.125)
+    assert out.dtype == torch.bfloat16
+    out, theirs = out.float(), prefill_reference(q, k, v, segments, 0.125).float()
+    exact = prefill_reference(q.double(), k.double(), v.double(), segments, 0.125).float()
+    assert (out == theirs).float().mean() > 0.9
+    assert (out - theirs).abs().max() <= 2**-8 * v.float().abs().max()
+    assert (out - exact).abs().mean() <= 1.1 * (theirs - exact).abs().mean()
+
+
+@pytest.mark.parametrize(
+    ("segments", "message"),
+    [
+        ([(0, 5), (4, 3)], "in an earlier segment"),
+        ([(0, 5), (6, 3)], "not within"),
+        ([(2, 0)], "not within"),
+        ([(-1, 2)], "not within"),
+    ],
+)
+@pytest.mark.usefixtures("kernels")
+def test_prefill_bad_segments_are_refused(segments: list[tuple[int, int]], message: str) -> None:
+    q, k, v, _ = prefill_case(4, 2, 16, [8])
+    with pytest.raises(RuntimeError, match=message):
+        native.prefill_attention(q, k, v, torch.tensor(segments, dtype=torch.long), 0.1)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_prefill_tensors_of_two_dtypes_are_refused() -> None:
+    q, k, v, segments = prefill_case(4, 2, 16, [8])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.prefill_attention(q, k.bfloat16(), v, segments, 0.1)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "bloom"])  # ALiBi biases stay on torch's path
+@pytest.mark.parametrize("prompt_lens", [[11], [7, 7], [9, 4, 1]])  # alone, unpadded batch, ragged (padded)
+def test_a_stage_prefills_the_same_with_and_without_the_kernel(
+    family: str, prompt_lens: list[int], tiny_checkpoints: dict[str, Path]
+) -> None:
+    folder = tiny_checkpoints[family]
+    fast, plain = Stage(folder, (0, 2)), Stage(folder, (0, 2), native_attention=False)
+    geometry = BatchGeometry.for_prompts(prompt_lens)
+    ids = torch.randint(3, 300, (len(prompt_lens), geometry.cur_len), generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for stage in (fast, plain):
+        cache = stage.allocate_cache(len(prompt_lens), geometry.cur_len)
+        hidden = stage.prefill(StageIO(input_ids=ids), cache, geometry).hidden
+        outputs.append((hidden, cache.k, cache.v))
+    (hidden, k, v), (hidden_plain, k_plain, v_plain) = outputs
+    torch.testing.assert_close(hidden, hidden_plain, atol=1e-4, rtol=0)
+    for mine, theirs in zip(k + v, k_plain + v_plain, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)

@@ -24,11 +24,16 @@ CHAT = ["What is the tallest mountain on Earth?", "Write a haiku about the sea."
 
 
 @pytest.fixture(scope="module")
-def cases(smollm2: Path) -> list[tuple[list[int], list[int]]]:
+def hf_f32(smollm2: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(smollm2).eval()
+
+
+@pytest.fixture(scope="module")
+def cases(smollm2: Path, hf_f32: AutoModelForCausalLM) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, HF greedy continuation) per prompt; the HF model is loaded once."""
     tok = Tokenizer.from_pretrained(smollm2)
     prompts = [tok.encode(p) for p in PLAIN] + [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
-    model = AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    model = hf_f32
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -54,8 +59,11 @@ def hf_bf16(smollm2: Path) -> AutoModelForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def bf16_cases(smollm2: Path, hf_bf16: AutoModelForCausalLM) -> list[tuple[list[int], list[int], torch.Tensor]]:
-    """(prompt ids, HF greedy continuation, HF prefill logits) with transformers itself in bfloat16."""
+def bf16_cases(
+    smollm2: Path, hf_bf16: AutoModelForCausalLM, hf_f32: AutoModelForCausalLM
+) -> list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]]:
+    """(prompt ids, HF greedy continuation, HF prefill logits, HF float32 prefill logits) with transformers
+    itself in bfloat16 (and, for the logits' reference, in float32)."""
     tok = Tokenizer.from_pretrained(smollm2)
     prompts = [tok.encode(p) for p in PLAIN] + [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
     model = hf_bf16
@@ -63,13 +71,21 @@ def bf16_cases(smollm2: Path, hf_bf16: AutoModelForCausalLM) -> list[tuple[list[
     with torch.inference_mode():
         for ids in prompts:
             generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-            out.append((ids, generated[0, len(ids) :].tolist(), model(torch.tensor([ids])).logits[0].float()))
+            logits = model(torch.tensor([ids])).logits[0].float()
+            out.append((ids, generated[0, len(ids) :].tolist(), logits, hf_f32(torch.tensor([ids])).logits[0]))
     return out
 
 
-# One bfloat16 step at the logits' magnitude (16-32): the engine rounds where transformers does, so
-# its logits agree far closer than this in practice (identical on the held prompts when measured).
+# One bfloat16 step at the logits' magnitude (16-32): where HF's two best candidates are this close, a
+# bfloat16 computation that rounds anywhere else may take the other one.
 BF16_LOGIT_TOLERANCE = 0.125
+# bfloat16 logits are as exact as transformers' own bfloat16 ones: their distance from the float32 model's
+# (mean and largest over every position of a prompt) at most this factor above transformers'. Not closer to
+# transformers' bfloat16 itself: 30 layers amplify each rounding, so two bfloat16 forwards that round
+# differently in a few places part by as much as each parts from float32 (the native prefill kernel's
+# attention agrees with torch's bit for bit on ~98% of outputs, one step off on the rest; the logits then
+# differ by up to 1.6 on the chat prompts, where transformers' bfloat16 is 1.6 from float32 and ours 1.2).
+BF16_ERROR_FACTOR = 1.25
 
 
 def _same_greedy_tokens(model, prompt: list[int], tokens: list[int], expected: list[int]) -> None:
@@ -91,17 +107,19 @@ def test_bfloat16_matches_transformers_in_bfloat16(
     stages: int,
     smollm2: Path,
     hf_bf16: AutoModelForCausalLM,
-    bf16_cases: list[tuple[list[int], list[int], torch.Tensor]],
+    bf16_cases: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]],
 ) -> None:
-    """bfloat16 weights and KV: the same greedy tokens as HF in bfloat16, and prefill logits within
-    :data:`BF16_LOGIT_TOLERANCE` of HF's at every position."""
+    """bfloat16 weights and KV: the same greedy tokens as HF in bfloat16, and prefill logits as close to
+    the float32 model's as HF's bfloat16 ones (:data:`BF16_ERROR_FACTOR`)."""
     pipeline = Pipeline(smollm2, stages, dtype="bfloat16")
     assert all(stage.weights[name].dtype == torch.bfloat16 for stage in pipeline.stages for name in stage.weights)
     eos = pipeline.spec.eos_token_ids
-    for prompt, expected, hf_logits in bf16_cases:
+    for prompt, expected, hf_logits, f32_logits in bf16_cases:
         (completion,), _ = generate_batch(pipeline, [Request(tuple(prompt), StopCriteria(NEW_TOKENS, eos))])
         _same_greedy_tokens(hf_bf16, prompt, list(completion.token_ids), expected)
         caches = pipeline.allocate(1, len(prompt))
         assert caches[0].k.dtype == torch.bfloat16
         logits = pipeline.forward(torch.tensor([prompt]), caches, BatchGeometry((0,), len(prompt)), all_logits=True)
-        torch.testing.assert_close(logits[0].float(), hf_logits, atol=BF16_LOGIT_TOLERANCE, rtol=0)
+        ours, theirs = (logits[0].float() - f32_logits).abs(), (hf_logits - f32_logits).abs()
+        assert float(ours.mean()) <= BF16_ERROR_FACTOR * float(theirs.mean()), (ours.mean(), theirs.mean())
+        assert float(ours.max()) <= BF16_ERROR_FACTOR * float(theirs.max()), (ours.max(), theirs.max())

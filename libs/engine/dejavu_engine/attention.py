@@ -77,6 +77,12 @@ def attend(
         ]
         return torch.cat(outs)
     assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+    if ctx.native_prefill and ctx.geometry.rows is None:
+        k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
+        v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
+        batch, n = q.shape[0], q.shape[2]
+        segments = [(row * n, n) for row in range(batch)]
+        return _prefill_native(q, k, v, segments, scale).view(batch, n, -1)
     if ctx.geometry.rows is None:
         k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
         v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
@@ -114,6 +120,12 @@ def _attend_ragged(
     back to back in one row; each prompt writes its K/V into its own cache row (right-aligned, as left
     padding places it) and attends causally over its own tokens only. No padding is computed."""
     assert ctx.segments is not None
+    if ctx.native_prefill:
+        for offset, length, row, start, _ in ctx.segments:
+            k_cache[row, :, start : start + length].copy_(k[0, :, offset : offset + length])
+            v_cache[row, :, start : start + length].copy_(v[0, :, offset : offset + length])
+        segments = [(offset, length) for offset, length, *_ in ctx.segments]
+        return _prefill_native(q, k, v, segments, scale).view(1, q.shape[2], -1)
     outs = []
     for offset, length, row, start, seg in ctx.segments:
         ks, vs = k[:, :, offset : offset + length], v[:, :, offset : offset + length]
@@ -133,6 +145,24 @@ def _attend_ragged(
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     _, heads, n, head_dim = out.shape
     return out.transpose(1, 2).reshape(1, n, heads * head_dim)
+
+
+def _prefill_native(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[tuple[int, int]], scale: float | None
+) -> torch.Tensor:
+    """Causal attention of ``q`` ``[batch, heads, n, head_dim]`` over ``k``/``v`` (``[batch, kv_heads, n,
+    head_dim]``) through the native prefill kernel, the batch's tokens taken as one sequence cut into
+    ``segments`` (offset, length), each attending over itself only. Returns ``[batch * n, heads, head_dim]``."""
+    batch, heads, n, head_dim = q.shape
+    kv_heads = k.shape[1]
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    return native.prefill_attention(
+        q.transpose(1, 2).reshape(batch * n, heads, head_dim),  # views of a fused projection, not copies
+        k.transpose(1, 2).reshape(batch * n, kv_heads, head_dim),
+        v.transpose(1, 2).reshape(batch * n, kv_heads, head_dim),
+        torch.tensor(segments, dtype=torch.long),
+        scale,
+    )
 
 
 def decode_spans(geometries: Sequence[BatchGeometry]) -> torch.Tensor:

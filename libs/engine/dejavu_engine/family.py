@@ -64,6 +64,10 @@ class ForwardContext:
     ``(offset, length, row, start, ctx_s)`` is tokens ``[offset, offset + length)``: cache row ``row``'s
     prompt, written at cache positions ``[start, start + length)``, attending only over itself with its own
     context ``ctx_s`` (causal; ALiBi biases). ``positions`` and ``rope`` cover every token.
+
+    ``native_prefill`` is set when the stage runs a prefill's attention in the native kernel
+    (:func:`dejavu_engine.native.prefill_attention`): whole prompts, plainly causal (no mask, no biases),
+    each row's (or each segment's) queries over its own new tokens only, all of them in one call.
     """
 
     geometry: BatchGeometry
@@ -76,6 +80,7 @@ class ForwardContext:
     spans: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     segments: tuple[tuple[int, int, int, int, ForwardContext], ...] | None = None
+    native_prefill: bool = False
 
     @property
     def cur_len(self) -> int:

@@ -179,6 +179,8 @@ class Stage:
         ctx = self.family.context(geometry, n, self.device, torch_dtype(self.dtype))
         if n == 1:
             ctx = self._natively(ctx, [ctx], [cache])
+        elif self.native_attention and ctx.mask is None and ctx.causal and geometry.rows is None:
+            ctx = replace(ctx, native_prefill=True)  # whole unpadded prompts: the native prefill kernel
         hidden = self._layers(x, cache, ctx, on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden)
@@ -217,7 +219,10 @@ class Stage:
         self._check(cache, geometry, geometry.batch, geometry.cur_len)
         dtype = torch_dtype(self.dtype)
         contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
-        hidden = self._layers(x, cache, ForwardContext.ragged(geometry, contexts), on_layer_done)
+        ctx = ForwardContext.ragged(geometry, contexts)
+        if self.native_attention and all(c.mask is None for c in contexts):  # plainly causal: one native call
+            ctx = replace(ctx, native_prefill=True)
+        hidden = self._layers(x, cache, ctx, on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden)
         ends = torch.tensor(lengths, device=hidden.device).cumsum(0) - 1

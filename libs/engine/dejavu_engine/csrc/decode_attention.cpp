@@ -1,4 +1,5 @@
-// Decode attention over many caches in one call (the CPU seam of dejavu_engine.native).
+// Decode attention over many caches in one call, and prefill attention over many prompts in one call (the CPU
+// seam of dejavu_engine.native; the prefill kernel is described where it starts, below).
 //
 // One query token per row. Row r first writes its new key and value at position end_r - 1 of its
 // cache, then reads keys and values [start_r, end_r) of row `index_r` of group
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -243,7 +245,18 @@ inline __m512 exp16_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, fi);
 }
 
-// Softmax of n scores in place, 16 at a time (the last n % 16 through a mask).
+// x rounded to bfloat16 (nearest even) and back, 16 lanes; x finite.
+inline __m512 round_bf16_16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
+// Softmax of n scores in place, 16 at a time (the last n % 16 through a mask). With round_exps, each e^(s - max)
+// is rounded to bfloat16 before it is normalised (the sum is of the unrounded ones), as torch's CPU flash
+// attention does for bfloat16 inputs before it multiplies the values.
+template <bool round_exps = false>
 void softmax_row16(float* s, int64_t n) {
   const int64_t whole = n - n % 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
@@ -254,12 +267,12 @@ void softmax_row16(float* s, int64_t n) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < whole; j += 16) {
     const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), top));
-    _mm512_storeu_ps(s + j, e);
+    _mm512_storeu_ps(s + j, round_exps ? round_bf16_16(e) : e);
     total = _mm512_add_ps(total, e);
   }
   if (tail) {
     const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), top));
-    _mm512_mask_storeu_ps(s + whole, tail, e);
+    _mm512_mask_storeu_ps(s + whole, tail, round_exps ? round_bf16_16(e) : e);
     total = _mm512_mask_add_ps(total, tail, total, e);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
@@ -268,20 +281,22 @@ void softmax_row16(float* s, int64_t n) {
 }
 #endif
 
-// Softmax of each of the g rows of n scores at s[h * n], in place (max subtracted, so exp's argument <= 0).
+// Softmax of each of the g rows of n scores at s[h * n], in place (max subtracted, so exp's argument <= 0);
+// round_exps as softmax_row16.
+template <bool round_exps = false>
 void softmax_rows(float* scores, int64_t g, int64_t n) {
   for (int64_t h = 0; h < g; ++h) {
     float* s = scores + h * n;
 #if defined(__AVX512F__)
-    softmax_row16(s, n);
+    softmax_row16<round_exps>(s, n);
 #else
     float m = s[0];
     for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
     float total = 0.0f;
-#pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < n; ++j) {
-      s[j] = exp_nonpositive(s[j] - m);
-      total += s[j];
+      const float e = exp_nonpositive(s[j] - m);
+      s[j] = round_exps ? static_cast<float>(BF16(e)) : e;
+      total += e;
     }
     const float inv = 1.0f / total;
 #pragma omp simd
@@ -417,6 +432,238 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
   });
 }
 
+
+// ---- Prefill: causal attention of whole prompts, packed back to back (prefill_attention) ----
+//
+// Segment s is tokens [offset_s, offset_s + length_s) of the call: one prompt, whose queries attend causally
+// over its own keys only. Work items are (segment, kv head, tile of up to kTile query positions); the g q
+// heads of a kv head and the tile's positions make g * tile query rows that share every key. Keys are
+// transposed (and widened) once per call, so scores come out 2 * W keys at a time from broadcast FMAs, with
+// no horizontal sums: S[rows, keys] = Q . K^T four rows at a time, each row's softmax over its own causal
+// length, then O = P . V four rows (two for head_dim 128) at a time with the value rows loaded once for them.
+
+constexpr int64_t kTile = 16;  // query positions per work item
+
+struct PrefillItem {
+  int64_t offset, length, kh, t0, tq;
+};
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// s[r * lds + j] = qf[r] . kt[:, j] for the rows' keys j < lens[r] (rounded up to 2 * W; those past a row's
+// length are computed and later masked). kt is [d][ldk]: keys along a row.
+template <class L>
+void prefill_scores(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk, const int64_t* lens,
+                    float* s, int64_t lds) {
+  constexpr int64_t W = L::W, KB = 2 * W;
+  const int64_t cols = round_up(lens[rows - 1], KB);  // lens never decrease along the rows
+  for (int64_t jb = 0; jb < cols; jb += KB) {  // one block of keys stays in L1 for every row that needs it
+    const float* kc = kt + jb;
+    int64_t r = 0;
+    while (r < rows && lens[r] <= jb) ++r;
+    for (; r + 4 <= rows; r += 4) {
+      const float* q0 = qf + r * d;
+      const float* q1 = q0 + d;
+      const float* q2 = q1 + d;
+      const float* q3 = q2 + d;
+      auto a00 = L::zero(), a01 = L::zero(), a10 = L::zero(), a11 = L::zero();
+      auto a20 = L::zero(), a21 = L::zero(), a30 = L::zero(), a31 = L::zero();
+      for (int64_t e = 0; e < d; ++e) {
+        const auto k0 = L::load(kc + e * ldk), k1 = L::load(kc + e * ldk + W);
+        auto b = L::broadcast(q0[e]);
+        a00 = L::fma(b, k0, a00);
+        a01 = L::fma(b, k1, a01);
+        b = L::broadcast(q1[e]);
+        a10 = L::fma(b, k0, a10);
+        a11 = L::fma(b, k1, a11);
+        b = L::broadcast(q2[e]);
+        a20 = L::fma(b, k0, a20);
+        a21 = L::fma(b, k1, a21);
+        b = L::broadcast(q3[e]);
+        a30 = L::fma(b, k0, a30);
+        a31 = L::fma(b, k1, a31);
+      }
+      float* sr = s + r * lds + jb;
+      L::store(sr, a00);
+      L::store(sr + W, a01);
+      L::store(sr + lds, a10);
+      L::store(sr + lds + W, a11);
+      L::store(sr + 2 * lds, a20);
+      L::store(sr + 2 * lds + W, a21);
+      L::store(sr + 3 * lds, a30);
+      L::store(sr + 3 * lds + W, a31);
+    }
+    for (; r < rows; ++r) {
+      const float* q0 = qf + r * d;
+      auto a0 = L::zero(), a1 = L::zero();
+      for (int64_t e = 0; e < d; ++e) {
+        const auto b = L::broadcast(q0[e]);
+        a0 = L::fma(b, L::load(kc + e * ldk), a0);
+        a1 = L::fma(b, L::load(kc + e * ldk + W), a1);
+      }
+      L::store(s + r * lds + jb, a0);
+      L::store(s + r * lds + jb + W, a1);
+    }
+  }
+}
+
+// o[r] = sum_j p[r * lds + j] * vf[j] over j < the largest length of the rows done together (p is 0 past each
+// row's own), head_dim = W * C, R rows at a time so that each value row is loaded once for R rows.
+template <class L, int C>
+void prefill_values(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf, float* o) {
+  constexpr int R = C <= 4 ? 4 : 2;  // at most 16 accumulators
+  constexpr int64_t d = L::W * C;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    typename L::V acc[R][C];
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) acc[i][c] = L::zero();
+    const int64_t n = lens[r + R - 1];
+    for (int64_t j = 0; j < n; ++j) {
+      typename L::V vj[C];
+      for (int c = 0; c < C; ++c) vj[c] = L::load(vf + j * d + L::W * c);
+      for (int i = 0; i < R; ++i) {
+        const auto b = L::broadcast(p[(r + i) * lds + j]);
+        for (int c = 0; c < C; ++c) acc[i][c] = L::fma(b, vj[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) L::store(o + (r + i) * d + L::W * c, acc[i][c]);
+  }
+  for (; r < rows; ++r) weigh_values<L, C>(p + r * lds, vf, lens[r], o + r * d, false);
+}
+#endif
+
+// The same for any lane width and head_dim, left to the compiler.
+void prefill_scores_any(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk, const int64_t* lens,
+                        float* s, int64_t lds) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * lds;
+    std::fill(sr, sr + lens[r], 0.0f);
+    for (int64_t e = 0; e < d; ++e) {
+      const float qe = qf[r * d + e];
+      const float* ke = kt + e * ldk;
+#pragma omp simd
+      for (int64_t j = 0; j < lens[r]; ++j) sr[j] += qe * ke[j];
+    }
+  }
+}
+
+void prefill_values_any(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf, int64_t d,
+                        float* o) {
+  for (int64_t r = 0; r < rows; ++r) weigh_values(p + r * lds, vf, lens[r], d, o + r * d);
+}
+
+void prefill_scores_dispatch(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk,
+                             const int64_t* lens, float* s, int64_t lds) {
+#if defined(__AVX512F__)
+  return prefill_scores<Lanes16>(qf, rows, d, kt, ldk, lens, s, lds);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return prefill_scores<Lanes8>(qf, rows, d, kt, ldk, lens, s, lds);
+#else
+  return prefill_scores_any(qf, rows, d, kt, ldk, lens, s, lds);
+#endif
+}
+
+void prefill_values_dispatch(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf,
+                             int64_t d, float* o) {
+#if defined(__AVX512F__)
+  if (d == 16) return prefill_values<Lanes16, 1>(p, rows, lens, lds, vf, o);
+  if (d == 32) return prefill_values<Lanes16, 2>(p, rows, lens, lds, vf, o);
+  if (d == 64) return prefill_values<Lanes16, 4>(p, rows, lens, lds, vf, o);
+  if (d == 128) return prefill_values<Lanes16, 8>(p, rows, lens, lds, vf, o);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d == 8) return prefill_values<Lanes8, 1>(p, rows, lens, lds, vf, o);
+  if (d == 16) return prefill_values<Lanes8, 2>(p, rows, lens, lds, vf, o);
+  if (d == 32) return prefill_values<Lanes8, 4>(p, rows, lens, lds, vf, o);
+  if (d == 64) return prefill_values<Lanes8, 8>(p, rows, lens, lds, vf, o);
+#endif
+  prefill_values_any(p, rows, lens, lds, vf, d, o);
+}
+
+template <typename T>
+void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                  const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
+  const int64_t n_tokens = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1), g = heads / kv_heads;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  // Keys transposed and values widened, per kv head, with one block of zero keys past the last token (a tile's
+  // keys are read in blocks of 2 * W, possibly past its segment: those scores are masked).
+  const int64_t ldk = n_tokens + 32;
+  std::vector<float> kt(kv_heads * d * ldk, 0.0f), vf(kv_heads * ldk * d, 0.0f);
+  constexpr int64_t kChunk = 64;  // tokens per transposing item
+  const int64_t chunks = (n_tokens + kChunk - 1) / kChunk;
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t kh = item / chunks, j0 = (item % chunks) * kChunk, j1 = std::min(n_tokens, j0 + kChunk);
+      float* ktk = kt.data() + kh * d * ldk;
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* kj = kp + j * ks0 + kh * ks1;
+        for (int64_t e = 0; e < d; ++e) ktk[e * ldk + j] = to_float(kj[e]);
+        const T* vj = vp + j * vs0 + kh * vs1;
+        float* vfj = vf.data() + (kh * ldk + j) * d;
+        for (int64_t e = 0; e < d; ++e) vfj[e] = to_float(vj[e]);
+      }
+    }
+  });
+  // Items dealt to one bin per thread, longest first onto the least loaded bin: a causal tile's cost grows
+  // with its position, so contiguous ranges of items would leave one thread with the long ones.
+  const int64_t n_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  auto cost = [&](int64_t i) { return (items[i].t0 + items[i].tq) * items[i].tq; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::vector<std::vector<int64_t>> bins(n_bins);
+  std::vector<int64_t> load(n_bins, 0);
+  for (int64_t i : order) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(i);
+    load[b] += cost(i);
+  }
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> qf, s, o;
+    std::vector<int64_t> lens;
+    for (int64_t bin = begin; bin < stop; ++bin) {
+      for (int64_t i : bins[bin]) {
+        const PrefillItem& it = items[i];
+        const int64_t rows = g * it.tq;
+        const int64_t lds = round_up(it.t0 + it.tq, 32);
+        qf.resize(rows * d);
+        s.resize(rows * lds);
+        o.resize(rows * d);
+        lens.resize(rows);
+        for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
+          for (int64_t h = 0; h < g; ++h) {
+            const T* src = qp + (it.offset + it.t0 + t) * qs0 + (it.kh * g + h) * qs1;
+            float* dst = qf.data() + (t * g + h) * d;
+            for (int64_t e = 0; e < d; ++e) dst[e] = to_float(src[e]) * sc;
+            lens[t * g + h] = it.t0 + t + 1;
+          }
+        }
+        const float* ktk = kt.data() + it.kh * d * ldk + it.offset;
+        prefill_scores_dispatch(qf.data(), rows, d, ktk, ldk, lens.data(), s.data(), lds);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* sr = s.data() + r * lds;
+          softmax_rows<std::is_same_v<T, BF16>>(sr, 1, lens[r]);  // bfloat16: rounded where torch rounds
+          std::fill(sr + lens[r], sr + lds, 0.0f);  // rows done together read up to the longest of them
+        }
+        const float* vfk = vf.data() + (it.kh * ldk + it.offset) * d;
+        prefill_values_dispatch(s.data(), rows, lens.data(), lds, vfk, d, o.data());
+        for (int64_t t = 0; t < it.tq; ++t) {
+          store(o.data() + t * g * d, g * d, op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor decode_attention(
@@ -546,8 +793,60 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
+// Causal attention of whole prompts packed back to back: segment s = (offset, length) is tokens [offset, offset +
+// length) of q, k and v, and each of its queries attends over the segment's keys up to its own position (the
+// segment's prompt alone, as SDPA with is_causal does). q, k and v may be strided views (the last dimension
+// contiguous), as a fused QKV projection leaves them; the output is contiguous.
+torch::Tensor prefill_attention(
+    const torch::Tensor& q,         // [tokens, heads, head_dim]
+    const torch::Tensor& k,         // [tokens, kv_heads, head_dim]
+    const torch::Tensor& v,         // [tokens, kv_heads, head_dim]
+    const torch::Tensor& segments,  // int64 [segments, 2]: offset, length
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v: [tokens, heads, head_dim]");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k, v are on the CPU");
+  const auto dtype = call_dtype(q);
+  check_dtype(k, dtype, "k");
+  check_dtype(v, dtype, "v");
+  const int64_t n_tokens = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == n_tokens && k.size(2) == d,
+              "k and v: [tokens, kv_heads, head_dim] with q's tokens and head_dim");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads,
+              ")");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: the last dimension contiguous");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2 && segments.scalar_type() == torch::kInt64 &&
+                  segments.device().is_cpu(),
+              "segments: int64 [segments, 2] on the CPU");
+  auto segs = segments.contiguous();
+  const int64_t* sp = segs.data_ptr<int64_t>();
+  std::vector<PrefillItem> items;
+  std::vector<char> covered(n_tokens, 0);
+  for (int64_t i = 0; i < segs.size(0); ++i) {
+    const int64_t offset = sp[2 * i], length = sp[2 * i + 1];
+    TORCH_CHECK(0 <= offset && 0 < length && offset + length <= n_tokens, "segment ", i, ": tokens [", offset, ", ",
+                offset + length, ") are not within the call's ", n_tokens);
+    for (int64_t j = offset; j < offset + length; ++j) {
+      TORCH_CHECK(!covered[j], "segment ", i, ": token ", j, " is in an earlier segment too");
+      covered[j] = 1;
+    }
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      for (int64_t t0 = 0; t0 < length; t0 += kTile) items.push_back({offset, length, kh, t0, std::min(kTile, length - t0)});
+    }
+  }
+  auto out = torch::zeros({n_tokens, heads, d}, q.options());  // tokens in no segment stay 0
+  if (items.empty()) return out;
+  if (dtype == torch::kBFloat16) {
+    prefill_rows<BF16>(q, k, v, items, scale, out);
+  } else {
+    prefill_rows<float>(q, k, v, items, scale, out);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention of many rows over their own caches and spans");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token attention of many rows over their own spans of a paged cache (block tables over slabs)");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of whole prompts packed back to back, each over its own tokens");
 }
