@@ -96,3 +96,49 @@ def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, P
     assert not Stage(tiny_checkpoints["llama"], (0, LAYERS), native_attention=False).paged_attention
     assert not Stage(tiny_checkpoints["bloom"], (0, LAYERS)).paged_attention  # ALiBi biases: not in the kernel
     assert Stage(tiny_checkpoints["llama"], (0, LAYERS), dtype="bfloat16").paged_attention
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "bloom"])  # ALiBi: no paged kernel, no mixing
+def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(family: str, dtype: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """Decoding rows of two microbatches and the prefill of a third (left-padded prompts) in one pass give the
+    logits and caches that a decode step and a prefill give one after the other."""
+    folder = tiny_checkpoints[family]
+    mixed, apart = Stage(folder, (0, LAYERS), dtype=dtype), Stage(folder, (0, LAYERS), dtype=dtype)
+    if not mixed.mixes:
+        pytest.skip("native kernels unavailable on this host")
+    assert not Stage(folder, (0, 2), dtype=dtype).mixes  # only a stage that is the whole model mixes
+    generator = torch.Generator().manual_seed(5)
+    runs = []
+    for stage in (mixed, apart):
+        pool = stage.block_pool(block_size=4, max_blocks=64, slab_blocks=8)
+        groups = []
+        for lengths in ([9, 4], [3]):  # already prefilled, decoding
+            geometry = BatchGeometry.for_prompts(lengths)
+            ids = torch.randint(3, 300, (len(lengths), geometry.cur_len), generator=torch.Generator().manual_seed(1))
+            cache = pool.cache(stage.kv_layout(len(lengths), geometry.cur_len + STEPS), geometry.pad_lens)
+            stage.prefill(StageIO(input_ids=ids), cache.holding(geometry.cur_len), geometry)
+            groups.append((cache, geometry.advance()))
+        feed = StageIO(input_ids=torch.tensor([[11], [12], [13]]))
+        geometry = BatchGeometry.for_prompts([6, 6, 2])
+        ids = torch.zeros(3, geometry.cur_len, dtype=torch.long)
+        for row, n in enumerate([6, 6, 2]):
+            ids[row, geometry.pad_lens[row] :] = torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(row))
+        cache = pool.cache(stage.kv_layout(3, geometry.cur_len + STEPS), geometry.pad_lens)
+        if stage is mixed:
+            logits = stage.mixed(feed, groups, (StageIO(input_ids=ids), cache, geometry)).logits
+        else:
+            decoded = stage.decode_groups(feed, groups).logits
+            prefilled = stage.prefill(StageIO(input_ids=ids), cache, geometry).logits
+            logits = torch.cat([decoded, prefilled])
+        # One more decode step of all three reads what the mixed pass wrote.
+        groups = [(c, g.advance()) for c, g in groups] + [(cache, geometry.advance())]
+        after = stage.decode_groups(StageIO(input_ids=torch.arange(20, 26).unsqueeze(1)), groups).logits
+        runs.append((logits, after))
+        for c, _ in groups:
+            c.free()
+        assert pool.used_blocks == 0
+    (logits, after), (logits_apart, after_apart) = runs
+    assert logits is not None and logits.shape == (6, 1, mixed.spec.vocab_size)
+    torch.testing.assert_close(logits, logits_apart, atol=1e-4, rtol=0)
+    torch.testing.assert_close(after, after_apart, atol=1e-4, rtol=0)

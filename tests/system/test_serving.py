@@ -113,12 +113,17 @@ def test_disaggregated_1p_2t_sixteen_concurrent_requests_and_bad_input(redis_url
     [
         pytest.param(dict(prompt_depth=2, token_depth=3, prompt_microbatch=2, token_microbatch=4), id="2P+3T"),
         pytest.param(dict(mode=Mode.COLOCATED, token_depth=2, token_microbatch=2), id="colocated-2"),
+        # One stage over a paged pool: requests arriving while others stream are prefilled in the passes that
+        # decode them (mixed passes).
+        pytest.param(dict(mode=Mode.COLOCATED, token_depth=1, token_microbatch=2), id="colocated-1"),
     ],
 )
 def test_split_merge_and_colocated_deployments(deployment, redis_url, model, reference) -> None:
     settings = cluster_settings(redis_url, model, **deployment)
     with running(settings) as launcher:
         _check_outputs(launcher, settings, reference, 6)
+        if deployment.get("token_depth") == 1:
+            assert "mixed passes True" in logs(launcher, tail=None)
 
 
 def _mixed_jobs(n: int) -> list[tuple[str, int]]:

@@ -13,9 +13,10 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
 from dejavu_token_worker.driver import Driver
 from dejavu_token_worker.ready import ReadyMicrobatch
-from dejavu_token_worker.runner import Position
+from dejavu_token_worker.runner import Position, PrefillRefused
 from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
+from dejavulib.paged import PoolExhausted
 
 
 def _spec(mb: int, rows: int) -> MicrobatchSpec:
@@ -31,6 +32,10 @@ class State:
     broken: bool = False
     cells: tuple[()] = ()
     expected_cells: int = 1
+
+    @property
+    def mb_id(self) -> int:
+        return self.spec.mb_id
 
     def __post_init__(self) -> None:
         self.complete = threading.Event()
@@ -58,6 +63,7 @@ class Pipeline:
     computed: list[dict[int, tuple[int, ...]]] = field(default_factory=list)  # per pass: mb -> rows computed
     swap: None = None
     pool: None = None  # contiguous caches: no paged pool to fit passes into
+    mixes: bool = False  # prefills and decode steps in separate passes
     states: dict[int, State] = field(default_factory=dict)
     passes: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
@@ -253,9 +259,21 @@ class Colocated(Pipeline):
     """:class:`Pipeline` for a colocated stage: a pass is a decode step of its members or a prefill of
     one microbatch claimed from the queue; ``kinds`` records which, in order."""
 
-    def __init__(self, finish: dict[int, int], rows: dict[int, int]) -> None:
+    def __init__(self, finish: dict[int, int], rows: dict[int, int], mixes: bool = False) -> None:
         super().__init__(1, finish, {mb: _spec(mb, n) for mb, n in rows.items()})
+        self.mixes = mixes
+        self.refuse: set[int] = set()  # prompts whose mixed pass cannot have their blocks
         self.kinds: list[tuple[str, tuple[int, ...]]] = []
+
+    def run_mixed(self, pos, members, io, prefill, prompts, cohort):
+        mb = prefill.state.spec.mb_id
+        if mb in self.refuse:
+            raise PrefillRefused(mb, PoolExhausted("no blocks"))
+        decoded = self.run(pos, members, Kind.DECODE, io, cohort)
+        self.kinds[-1] = ("MIXED", (*self.kinds[-1][1], mb))
+        n = len(prefill.state.spec.rows)
+        assert prompts.input_ids.shape[0] == n
+        return TokenReturn(cohort, (*decoded.members, Returned(mb, 0, (0,) * n, False, tuple(range(n)))))
 
     def release(self, mb: int, finished: bool = True) -> None:
         if mb in self.states and finished:
@@ -270,12 +288,13 @@ class Colocated(Pipeline):
         return super().run(pos, members, kind, io, cohort, next_mb)
 
 
-def _colocated(arrivals: dict[int, int]) -> Colocated:
+def _colocated(arrivals: dict[int, int], mixes: bool = False, refuse: frozenset[int] = frozenset()) -> Colocated:
     """A colocated stage whose prompt ``mb`` (one row, four steps) can be claimed once ``arrivals[mb]``
     passes have run; driven for nine passes or until all is done."""
     from dejavu_common.messages import PromptPiece, PromptTask
 
-    p = Colocated(dict.fromkeys(arrivals, 4), dict.fromkeys(arrivals, 1))
+    p = Colocated(dict.fromkeys(arrivals, 4), dict.fromkeys(arrivals, 1), mixes)
+    p.refuse = set(refuse)
     queue = [PromptTask(task_id=mb, pieces=(PromptPiece(mb_id=mb, dst_rows=(0, 1)),)) for mb in sorted(arrivals)]
 
     def claim(block: bool) -> PromptTask | None:
@@ -316,3 +335,34 @@ def test_colocated_prompts_arriving_together_are_prefilled_back_to_back() -> Non
         ("DECODE", (1, 2, 3)),
         ("DECODE", (1, 2, 3)),
     ]
+
+
+def test_where_passes_mix_arrivals_are_prefilled_in_the_streaming_rows_decode_steps() -> None:
+    """A prompt that arrives while others stream is prefilled in the pass that also runs their next step:
+    they get a token from every pass, and the new microbatch decodes with them from the next one."""
+    p = _colocated({1: 0, 2: 3, 3: 3}, mixes=True)
+    assert p.kinds == [
+        ("PREFILL", (1,)),  # nothing to decode yet
+        ("DECODE", (1,)),
+        ("DECODE", (1,)),
+        ("MIXED", (1, 2)),  # microbatch 1's step 3 and microbatch 2's prompt
+        ("MIXED", (1, 2, 3)),  # microbatch 1's last step, 2's first, 3's prompt
+        ("DECODE", (2, 3)),
+        ("DECODE", (2, 3)),
+        ("DECODE", (2, 3)),  # microbatch 2's last step
+        ("DECODE", (3,)),
+    ]
+    assert not p.failed
+
+
+def test_where_passes_mix_a_burst_decodes_from_the_second_prefill_on() -> None:
+    p = _colocated({1: 0, 2: 0, 3: 0}, mixes=True)
+    assert p.kinds[:4] == [("PREFILL", (1,)), ("MIXED", (1, 2)), ("MIXED", (1, 2, 3)), ("DECODE", (1, 2, 3))]
+
+
+def test_a_prompt_refused_its_blocks_in_a_mixed_pass_fails_alone_and_the_others_decode_at_once() -> None:
+    p = _colocated({1: 0, 2: 1, 3: 2}, mixes=True, refuse=frozenset({2}))
+    assert p.failed == [2]
+    assert 2 in p.released  # freed along the pipeline
+    # In 2's pass, refused before anything ran, microbatch 1 decodes alone; 3 is prefilled in the next one.
+    assert p.kinds[:3] == [("PREFILL", (1,)), ("DECODE", (1,)), ("MIXED", (1, 3))]

@@ -13,6 +13,7 @@ from dejavulib.paged import BlockGeometry, BlockPool, PagedKVCache
 
 class Stage:  # what StageRunner.state asks of a stage
     num_layers = 2
+    mixes = False
 
     def kv_layout(self, batch: int, max_len: int) -> KVLayout:
         return KVLayout(2, batch, 1, max_len, 4)

@@ -114,6 +114,14 @@ class EngineSettings(BaseModel):
         "(each attending over its own), instead of every row padded to the longest. Off: the padded batch.",
     )
 
+    mixed_passes: bool = Field(
+        True,
+        description="A colocated one-stage pipeline prefills arriving prompts in the same pass as the decode "
+        "step of the requests already streaming (one forward over both; needs the paged pool and the native "
+        "kernels), so streaming requests get a token from every pass instead of waiting out each prefill. "
+        "Off: prefill and decode passes alternate.",
+    )
+
     kv_block_size: int = Field(
         16,
         ge=0,

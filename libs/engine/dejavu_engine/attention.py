@@ -64,6 +64,8 @@ def attend(
     attend over their own cache and length only (one attention call per group, or one call of the
     native kernel for every group with ``ctx.spans``).
     """
+    if ctx.mixed is not None:
+        return _attend_mixed(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.spans is not None:
         return _attend_native(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.segments is not None:
@@ -105,6 +107,35 @@ def attend(
     )
     batch, heads, n, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
+
+
+def _attend_mixed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | Sequence[torch.Tensor],
+    v_cache: torch.Tensor | Sequence[torch.Tensor],
+    ctx: ForwardContext,
+    scale: float | None,
+) -> torch.Tensor:
+    """:func:`attend` of a mixed pass (``ctx.mixed``): the first tokens of the one row decode (one per
+    decoding row, over the pool's slabs through the paged kernel), the rest are a ragged prefill (into its
+    own cache). ``k_cache``/``v_cache`` are ``(slabs, prefill cache)``."""
+    assert ctx.mixed is not None
+    decode, prefill = ctx.mixed
+    (k_slabs, k_prefill), (v_slabs, v_prefill) = k_cache, v_cache
+    rows = decode.positions.shape[0]
+    out_decode = _attend_native(
+        q[0, :, :rows].transpose(0, 1).unsqueeze(2),
+        k[0, :, :rows].transpose(0, 1).unsqueeze(2),
+        v[0, :, :rows].transpose(0, 1).unsqueeze(2),
+        k_slabs,
+        v_slabs,
+        decode,
+        scale,
+    )
+    out_prefill = _attend_ragged(q[:, :, rows:], k[:, :, rows:], v[:, :, rows:], k_prefill, v_prefill, prefill, scale)
+    return torch.cat([out_decode.view(1, rows, -1), out_prefill], dim=1)
 
 
 def _attend_ragged(

@@ -65,6 +65,12 @@ class ForwardContext:
     prompt, written at cache positions ``[start, start + length)``, attending only over itself with its own
     context ``ctx_s`` (causal; ALiBi biases). ``positions`` and ``rope`` cover every token.
 
+    ``mixed`` is set for a pass that decodes some rows and prefills whole prompts at once (a colocated
+    one-stage pipeline, :meth:`Stage.mixed`): ``(decode, prefill)``, the contexts of its first tokens (one per
+    decoding row, paged: ``spans``/``tables``) and of the rest (every prompt's tokens back to back:
+    ``segments``). ``positions`` and ``rope`` cover every token in that order; the layer's caches are then
+    ``(pool slabs, prefill cache)`` pairs.
+
     ``native_prefill`` is set when the stage runs a prefill's attention in the native kernel
     (:func:`dejavu_engine.native.prefill_attention`): whole prompts, plainly causal (no mask, no biases),
     each row's (or each segment's) queries over its own new tokens only, all of them in one call.
@@ -81,6 +87,7 @@ class ForwardContext:
     tables: torch.Tensor | None = None
     segments: tuple[tuple[int, int, int, int, ForwardContext], ...] | None = None
     native_prefill: bool = False
+    mixed: tuple[ForwardContext, ForwardContext] | None = None
 
     @property
     def cur_len(self) -> int:
@@ -100,6 +107,20 @@ class ForwardContext:
             rope = tuple(torch.cat([c.rope[i] for c in contexts], dim=1) for i in range(2))  # type: ignore[index]
         positions = torch.cat([c.positions for c in contexts], dim=1)
         return cls(geometry, 0, positions, None, False, rope, segments=tuple(segments))  # type: ignore[arg-type]
+
+    @classmethod
+    def combined(cls, decode: ForwardContext, prefill: ForwardContext) -> ForwardContext:
+        """One context for a pass of ``decode``'s rows (one token each) followed by ``prefill``'s tokens (a
+        ragged prefill), all in one row of tokens."""
+        rows = decode.positions.shape[0]
+        positions = torch.cat([decode.positions.view(1, rows), prefill.positions], dim=1)
+        rope = None
+        if decode.rope is not None and prefill.rope is not None:
+            rope = tuple(
+                torch.cat([decode.rope[i].reshape(1, rows, *decode.rope[i].shape[2:]), prefill.rope[i]], dim=1)
+                for i in range(2)
+            )
+        return cls(prefill.geometry, 0, positions, None, False, rope, mixed=(decode, prefill))  # type: ignore[arg-type]
 
     @classmethod
     def grouped(cls, contexts: list[ForwardContext]) -> ForwardContext:

@@ -311,6 +311,19 @@ class Stage:
         (:attr:`paged_attention`)."""
         if not self.paged_attention:
             return None
+        ctx = self._paged_context(groups)
+        pool = groups[0][0].pool
+        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        for index, w in enumerate(self._layer_w):
+            k_slabs, v_slabs = pool.layer(index)
+            hidden = self.family.layer(w, hidden, k_slabs, v_slabs, ctx)  # type: ignore[arg-type]
+        if not self.is_last:
+            return StageIO(hidden=hidden)
+        return StageIO(logits=self.logits(hidden))
+
+    def _paged_context(self, groups: Sequence[tuple[PagedKVCache, BatchGeometry]]) -> ForwardContext:
+        """The context of one decode step of ``groups`` through the paged kernel (each row's span and block
+        table); takes the blocks of the positions the step writes."""
         dtype = torch_dtype(self.dtype)
         contexts, tables, spans = [], [], []
         for cache, geometry in groups:
@@ -322,15 +335,61 @@ class Stage:
         width = max(t.shape[1] for t in tables)
         table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in tables])
         ctx = ForwardContext.grouped(contexts) if len(contexts) > 1 else contexts[0]
-        ctx = replace(ctx, spans=torch.tensor(spans, dtype=torch.long), tables=table)
-        pool = groups[0][0].pool
-        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        return replace(ctx, spans=torch.tensor(spans, dtype=torch.long), tables=table)
+
+    @functools.cached_property
+    def mixes(self) -> bool:
+        """Whether this stage runs mixed passes (:meth:`mixed`): it is the whole model (first and last), and
+        both its decode (paged) and its prefill attention run in the native kernels."""
+        if not (self.is_first and self.is_last and self.paged_attention):
+            return False
+        probe = self.family.context(BatchGeometry((0,), 2), 2, self.device, torch_dtype(self.dtype))
+        return probe.mask is None and probe.causal
+
+    @torch.inference_mode()
+    def mixed(
+        self,
+        io: StageIO,
+        groups: list[tuple[PagedKVCache, BatchGeometry]],
+        prefill: tuple[StageIO, PagedKVCache, BatchGeometry],
+    ) -> StageIO:
+        """One decode step of ``groups`` (as :meth:`decode_groups`: ``io`` holds one token per computed row)
+        and the prefill of ``prefill``'s whole, left-padded prompts (as :meth:`prefill`) in one pass: the
+        projections and MLPs run once over the decoding rows' tokens and every prompt's tokens together (the
+        padding is never computed), each decoding row attends over its own span of the pool and each prompt
+        over itself. Returns logits ``[rows + prompt rows, 1, vocab]``: the decoding rows', then each prompt's
+        last position's. Requires :attr:`mixes` and caches of one pool. Equivalent to :meth:`decode_groups`
+        and :meth:`prefill` one after the other."""
+        if not self.mixes:
+            raise ValueError(f"stage {self.layers} does not run mixed passes")
+        prefill_io, prefill_cache, geometry = prefill
+        pool = prefill_cache.pool
+        if any(cache.pool is not pool for cache, _ in groups):
+            raise ValueError("one call's paged caches must all be blocks of one pool")
+        x, prompts = self._input(io), self._input(prefill_io)
+        if x.shape[1] != 1 or x.shape[0] != sum(g.batch for _, g in groups):
+            raise ValueError(f"decode feeds one token per row: {tuple(x.shape)} for groups of {[g.batch for _, g in groups]}")
+        if prompts.shape != (geometry.batch, geometry.cur_len):
+            raise ValueError(f"prefill feeds all cur_len positions of the microbatch, not {tuple(prompts.shape)}")
+        self._check(prefill_cache, geometry, geometry.batch, geometry.cur_len)
+        dtype = torch_dtype(self.dtype)
+        lengths = [geometry.cur_len - pad for pad in geometry.pad_lens]
+        contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
+        prefill_ctx = replace(ForwardContext.ragged(geometry, contexts), native_prefill=True)
+        ctx = ForwardContext.combined(self._paged_context(groups), prefill_ctx)
+        prefill_cache.holding(geometry.cur_len)
+        dense = KVCache.allocate(self.kv_layout(geometry.batch, geometry.cur_len), self.device)
+        packed = torch.cat([prompts[r, pad:] for r, pad in enumerate(geometry.pad_lens)])
+        hidden = self.family.embed(self._embed_w, torch.cat([x.view(-1), packed]).unsqueeze(0), ctx)
         for index, w in enumerate(self._layer_w):
             k_slabs, v_slabs = pool.layer(index)
-            hidden = self.family.layer(w, hidden, k_slabs, v_slabs, ctx)  # type: ignore[arg-type]
-        if not self.is_last:
-            return StageIO(hidden=hidden)
-        return StageIO(logits=self.logits(hidden))
+            k_layer, v_layer = (k_slabs, dense.k[index]), (v_slabs, dense.v[index])
+            hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)  # type: ignore[arg-type]
+        prefill_cache.write_back(dense, (0, geometry.cur_len))
+        rows = x.shape[0]
+        ends = rows - 1 + torch.tensor(lengths, device=hidden.device).cumsum(0)
+        last = torch.cat([torch.arange(rows, device=hidden.device), ends])
+        return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
 
     def _natively(
         self, ctx: ForwardContext, contexts: Sequence[ForwardContext], caches: Sequence[KVCache]

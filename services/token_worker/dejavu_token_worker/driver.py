@@ -30,7 +30,7 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.ready import ReadyPrompts
-from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, StageRunner, history
+from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, PrefillRefused, StageRunner, history
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState
@@ -256,35 +256,49 @@ class Driver:
             if payload is not None:
                 self._returned(TokenReturn.decode(payload))
 
-    def _start_pass(self, cohort: Cohort) -> bool:
-        """Start ``cohort``'s next pass (a colocated prefill, or one decode step of every member).
-        Returns False when it has nothing to run.
+    @property
+    def mixes(self) -> bool:
+        """Whether colocated prefills run in the same pass as the cohort's decode step (a one-stage pipeline
+        whose runner mixes: :meth:`StageRunner.run_mixed`)."""
+        return self.pos.colocated and self.pos.depth == 1 and self.runner.mixes
 
-        Colocated, a prompt waiting is prefilled next, but while some member's rows stream, never twice
-        in a row: arrivals delay streaming rows one prefill at a time, not a whole queue's worth. Prompts
-        that arrive together when nothing streams yet are prefilled back to back, then decode together."""
+    def _start_pass(self, cohort: Cohort) -> bool:
+        """Start ``cohort``'s next pass (a colocated prefill, one decode step of every member, or both at
+        once). Returns False when it has nothing to run.
+
+        Colocated, a prompt waiting is prefilled next. Where passes mix (:attr:`mixes`), the members decode
+        in the same pass, so streaming rows get a token from every pass. Otherwise, while some member's rows
+        stream, never twice in a row: arrivals delay streaming rows one prefill at a time, not a whole
+        queue's worth; prompts that arrive together when nothing streams yet are prefilled back to back,
+        then decode together."""
+        self._place(cohort)
+        task = None
         if (
             self.pos.colocated
             and len(cohort.members) < self.max_members
             and cohort.rows < self.cohort_rows
-            and not (cohort.prefilled and cohort.streaming)
+            and (self.mixes or not (cohort.prefilled and cohort.streaming))
         ):
             task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
-            if task is not None:
+            if task is not None and not (self.mixes and cohort.members):
                 cohort.prefilled = True
                 self._prefill(cohort, task)
                 return True
         cohort.prefilled = False
-        self._place(cohort)
         if not cohort.members:
             return False
         states = self._runnable_states(cohort)
         if not states:  # every member failed and left
-            self.runnable.append(cohort.index)
+            if task is not None:
+                self._prefill(cohort, task)
+            else:
+                self.runnable.append(cohort.index)
             return True
         self._fit_pool(cohort, states)
         members = [PassMember(states[mb], cohort.members[mb].step, cohort.members[mb].live) for mb in states]
         ids = torch.tensor([[cohort.members[mb].feed[r]] for mb in states for r in cohort.members[mb].live])
+        if task is not None and self._mixed(cohort, members, ids, task):
+            return True
         cohort.pass_members = tuple(states)
         try:
             ret = self.runner.run(
@@ -358,28 +372,76 @@ class Driver:
             log.error("dropped a malformed colocated task: %s", exc)
             return None
 
-    def _prefill(self, cohort: Cohort, task: PromptTask) -> None:
-        """The cohort's next pass prefills ``task``'s microbatch (its other members skip this pass)."""
+    def _prompt_state(self, task: PromptTask) -> MicrobatchState | None:
+        """The clean state of ``task``'s microbatch, about to be prefilled (None: it is gone, a stale entry)."""
         (piece,) = task.pieces  # a colocated task carries one whole token microbatch
-        mb_id = piece.mb_id
-        self.runner.release(mb_id, finished=False)  # a re-run prompt starts from a clean cache
+        self.runner.release(piece.mb_id, finished=False)  # a re-run prompt starts from a clean cache
         try:
-            state = self.runner.state(mb_id)
+            state = self.runner.state(piece.mb_id)
         except DeadlineExceeded as exc:
-            log.error("dropped a colocated task: %s", exc)  # its microbatch is gone (a stale entry)
-            self.runnable.append(cohort.index)
-            return
+            log.error("dropped a colocated task: %s", exc)
+            return None
+        state.mark_complete(0)
+        return state
+
+    @staticmethod
+    def _prompt_ids(state: MicrobatchState) -> torch.Tensor:
+        """The microbatch's prompts, left padded to its prompt length."""
         spec = state.spec
         ids = torch.zeros((len(spec.rows), spec.prompt_len), dtype=torch.long)
         for r, row in enumerate(spec.rows):
             ids[r, spec.prompt_len - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
-        state.mark_complete(0)
-        every_row = tuple(range(len(spec.rows)))
+        return ids
+
+    def _mixed(self, cohort: Cohort, members: list[PassMember], ids: torch.Tensor, task: PromptTask) -> bool:
+        """The cohort's next pass decodes ``members`` and prefills ``task``'s microbatch, which then joins the
+        cohort. False when nothing ran (the task was stale, or its prompt could not have its blocks and
+        failed alone): the caller runs the decode step by itself."""
+        state = self._prompt_state(task)
+        if state is None:
+            return False
+        every_row = tuple(range(len(state.spec.rows)))
+        cohort.members[state.mb_id] = Member(0, (), every_row)
+        cohort.pass_members = (*(m.state.mb_id for m in members), state.mb_id)
+        try:
+            ret = self.runner.run_mixed(
+                self.pos,
+                members,
+                StageIO(input_ids=ids),
+                PassMember(state, 0, every_row),
+                StageIO(input_ids=self._prompt_ids(state)),
+                cohort.index,
+            )
+        except PrefillRefused as exc:
+            cohort.pass_members = None
+            self._fail(cohort, exc.mb_id, exc.error)
+            return False
+        except STEP_FAILURES as exc:
+            passed, cohort.pass_members = cohort.pass_members, None
+            for mb in passed:
+                self._fail(cohort, mb, exc)
+            self.runnable.append(cohort.index)
+            return True
+        self._returned(ret)
+        return True
+
+    def _prefill(self, cohort: Cohort, task: PromptTask) -> None:
+        """The cohort's next pass prefills ``task``'s microbatch (its other members skip this pass)."""
+        state = self._prompt_state(task)
+        if state is None:
+            self.runnable.append(cohort.index)
+            return
+        mb_id = state.mb_id
+        every_row = tuple(range(len(state.spec.rows)))
         cohort.members[mb_id] = Member(0, (), every_row)
         cohort.pass_members = (mb_id,)
         try:
             ret = self.runner.run(
-                self.pos, [PassMember(state, 0, every_row)], Kind.PREFILL, StageIO(input_ids=ids), cohort.index
+                self.pos,
+                [PassMember(state, 0, every_row)],
+                Kind.PREFILL,
+                StageIO(input_ids=self._prompt_ids(state)),
+                cohort.index,
             )
         except STEP_FAILURES as exc:
             cohort.pass_members = None

@@ -60,6 +60,15 @@ class FinishedMicrobatch(Exception):
     """The microbatch finished and was released here; nothing may bring its state back."""
 
 
+class PrefillRefused(Exception):
+    """A mixed pass could not take the blocks of its prompt: nothing ran; that microbatch alone fails."""
+
+    def __init__(self, mb_id: int, error: Exception) -> None:
+        super().__init__(f"microbatch {mb_id}: {error}")
+        self.mb_id = mb_id
+        self.error = error
+
+
 @dataclass(frozen=True)
 class Position:
     """Where this stage sits in the token pipeline at the current epoch."""
@@ -85,8 +94,12 @@ class StageRunner:
         swap: SwapManager | None = None,
         abandon: Callable[[], bool] | None = None,
         pool: BlockPool | None = None,
+        mixed_passes: bool = True,
     ) -> None:
         self.stage = stage
+        # Decode steps and prefills in one pass (run_mixed): a one-stage pipeline over a paged pool whose
+        # stage runs both attentions natively.
+        self.mixes = mixed_passes and pool is not None and swap is None and stage.mixes
         self.pool = pool  # the paged KV pool every microbatch's cache takes blocks from (None: contiguous)
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         self.swap = swap  # microbatch swapping: caches live in host memory, two device buffers
@@ -219,6 +232,45 @@ class StageRunner:
             self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
+        return self._publish(pos, members, out.logits, cohort)
+
+    def run_mixed(
+        self, pos: Position, members: list[PassMember], io: StageIO, prefill: PassMember, prompts: StageIO, cohort: int
+    ) -> TokenReturn:
+        """One pass of a one-stage pipeline (:attr:`mixes`) that runs a decode step of ``members`` (as a DECODE
+        pass: ``io`` holds their computed rows' tokens) and the prefill of ``prefill`` (a microbatch at step
+        0, every row; ``prompts`` its left-padded prompt ids) together (:meth:`Stage.mixed`): the decoding
+        rows get their next token in the pass that prefills, instead of waiting for it. Raises
+        :class:`PrefillRefused` (nothing ran) when the prompt's blocks cannot be had, and what a DECODE pass
+        raises otherwise."""
+        if not self.mixes or pos.depth != 1:
+            raise ValueError("mixed passes run on a one-stage pipeline over a paged pool with native kernels")
+        geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
+        prompt_geometry = prefill.state.geometry(0).only(prefill.rows)
+        self._passes += 1
+        self._in_pass = {m.state.mb_id for m in (*members, prefill)}
+        for m in (*members, prefill):
+            m.state.last_pass = self._passes
+        try:  # every prompt position's blocks first: a prompt that cannot have them fails alone
+            prompt_cache = self._acquire(prefill.state, prompt_geometry.cur_len - 1, prefill.rows)
+        except STEP_FAILURES as exc:
+            raise PrefillRefused(prefill.state.mb_id, exc) from exc
+        caches = [self._acquire(m.state, g.cur_len - 1, m.rows) for m, g in zip(members, geometries, strict=True)]
+        assert isinstance(prompt_cache, PagedKVCache) and all(isinstance(c, PagedKVCache) for c in caches)
+        groups = list(zip(caches, geometries, strict=True))
+        out = self.stage.mixed(io, groups, (prompts, prompt_cache, prompt_geometry))  # type: ignore[arg-type]
+        written = [(m.state, m.step, (g.cur_len - 1, g.cur_len)) for m, g in zip(members, geometries, strict=True)]
+        written.append((prefill.state, 0, (0, prompt_geometry.cur_len)))
+        for state, step, _ in written:
+            state.done_step = step
+        if self.replicas is not None:
+            self.replicas.send_pass(written)
+        assert out.logits is not None
+        return self._publish(pos, [*members, prefill], out.logits, cohort)
+
+    def _publish(self, pos: Position, members: list[PassMember], logits: torch.Tensor, cohort: int) -> TokenReturn:
+        """The last stage's end of a pass: sample each member's rows from ``logits`` (its rows in order), publish
+        the tokens on the members' token streams, and return them (to stage 0, when this is not stage 0)."""
         # Two Redis round trips per pass, whatever the number of members: cancellations, then tokens.
         pipe = self.redis.pipeline(transaction=False)
         for m in members:
@@ -227,8 +279,7 @@ class StageRunner:
         returned, entries, row = [], [], 0
         for (state, step, rows), cancelled in zip(members, cancels, strict=True):
             n = len(rows)
-            logits = out.logits[row : row + n, -1]
-            entry = self._sample(state, step, logits, {int(x) for x in cancelled}, rows)
+            entry = self._sample(state, step, logits[row : row + n, -1], {int(x) for x in cancelled}, rows)
             entries.append(entry)
             row += n
             feed = tuple(t if t >= 0 else 0 for t in entry.tokens)

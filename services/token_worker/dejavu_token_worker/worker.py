@@ -97,6 +97,7 @@ class TokenWorker(WorkerProcess):
             swap,
             abandon=self.epoch_changed,
             pool=pool,
+            mixed_passes=engine.mixed_passes,
         )
         if self.replica is not None:
             self.replica.close()  # of the previous assignment
@@ -108,11 +109,12 @@ class TokenWorker(WorkerProcess):
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
-            "loaded layers %s (%.1f MB, packed GEMMs %s, native attention %s)",
+            "loaded layers %s (%.1f MB, packed GEMMs %s, native attention %s, mixed passes %s)",
             assignment.layers,
             stage.param_bytes / 1e6,
             stage.packed_gemms,
             stage.native_attention,
+            self.runner.mixes,
         )
 
     def _pool_blocks(self, geometry: BlockGeometry) -> int:
