@@ -35,12 +35,31 @@ def test_full_microbatch_forms_at_once_and_geometry_is_left_padded() -> None:
     assert all(r.status is RequestStatus.SCHEDULED for r in mb.requests)
 
 
-def test_partial_microbatch_waits_for_batch_wait() -> None:
+def test_partial_microbatch_waits_for_batch_wait_while_others_run() -> None:
     s = _sched(wait=0.05)
-    s.admit(_req(0, arrival=10.0))
+    for i in range(4):
+        s.admit(_req(i, arrival=10.0))
+    (running,) = s.form(now=10.0)
+    s.admit(_req(4, arrival=10.0))
     assert s.form(now=10.01) == []
     (mb,) = s.form(now=10.06)
     assert len(mb.requests) == 1
+    # Once the workers are done with everything dispatched, a partial microbatch goes at once.
+    s.admit(_req(5, arrival=11.0))
+    running.finished_rows.update(range(4))
+    mb.finished_rows.add(0)
+    (alone,) = s.form(now=11.0)
+    assert [r.request_id for r in alone.requests] == ["r5"]
+
+
+def test_a_request_arriving_at_an_idle_pipeline_is_dispatched_at_once() -> None:
+    """Nothing is running: waiting batch_wait_ms for company would only add to its time to first token."""
+    s = _sched(wait=0.05)
+    s.admit(_req(0, arrival=10.0))
+    (mb,) = s.form(now=10.0)
+    assert len(mb.requests) == 1
+    s.admit(_req(1, arrival=10.001))
+    assert s.form(now=10.001) == []  # r0 is running now: r1 waits for company (or batch_wait)
 
 
 def test_outstanding_bound_and_replacement() -> None:

@@ -1,7 +1,8 @@
 """Microbatch formation and slot accounting (pure logic; no I/O, no asyncio).
 
 Requests wait in FIFO order; a token microbatch is formed from up to ``token_microbatch`` of them
-when that many are waiting, or when the oldest has waited ``batch_wait_ms``, as long as fewer than
+when that many are waiting, when the oldest has waited ``batch_wait_ms``, or at once when the workers
+have nothing to do (waiting for company then only delays the request), as long as fewer than
 ``max_outstanding_rows`` requests are dispatched and unfinished: the token pipeline decodes up to
 ``max_running`` of them at once (its stage 0 batches microbatches into D_t cohorts whose membership
 changes at every step: iteration-level batching), and the prompt pipeline may run ahead by D_p prompt
@@ -106,7 +107,8 @@ class Scheduler:
         while self.waiting and self.outstanding_rows < self.limits.max_outstanding_rows:
             full = len(self.waiting) >= b
             stale = now - self.waiting[0].arrival >= self.limits.batch_wait_s
-            if not (full or stale):
+            idle = self.outstanding_rows == 0  # nothing to batch with: the pipeline would wait too
+            if not (full or stale or idle):
                 break
             reqs = [self.waiting.popleft()]
             while self.waiting and len(reqs) < b and self._fits([*reqs, self.waiting[0]]):
