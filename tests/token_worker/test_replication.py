@@ -48,7 +48,7 @@ def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored
     assert torch.equal(cache.v[1, 0, 1, 2], torch.full((8,), 0.0)) and torch.equal(cache.v[1, 0, 1, 3], torch.ones(8))
     in_memory = sum(c.nbytes for c in store.memory_caches())
     assert (in_memory == 0) == (mode is Replication.DISK)
-    files = list((tmp_path / "t1").glob("*.kv")) if mode is not Replication.MEMORY else []
+    files = list(store.disk.root.glob("*.kv")) if store.disk is not None else []
     assert len(files) == (70 if mode is not Replication.MEMORY else 0)  # one chunk per message, on disk
     assert client.hget(keys.watermark(1), 5) == b"69"
     store.drop(5, finished=True)
@@ -58,25 +58,65 @@ def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored
     assert client.hget(keys.watermark(1), 5) is None
     assert not list(tmp_path.rglob("*.kv"))  # no replica chunk stays or comes back either
     store.close()
-    assert not list(tmp_path.iterdir())  # the worker's folder is gone with its store
+    assert _folders(tmp_path) == []  # the process's folder (and its lease) is gone with its store
     client.close()
 
 
-def test_a_disk_replica_leaves_chunks_of_an_earlier_process_behind_and_rejects_a_wrong_size(
+def _folders(base) -> list[str]:
+    """The replica folders under ``base``, and the lock files of their leases (``.owners``)."""
+    owners = base / ".owners"
+    leases = sorted(p.name for p in owners.iterdir()) if owners.exists() else []
+    return sorted(p.name for p in base.iterdir() if p.name != ".owners") + [f"lease:{n}" for n in leases]
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from dejavulib.transport.disk import FolderLease
+base, owner = Path(sys.argv[1]), sys.argv[2]
+lease = FolderLease(base, owner)
+(base / owner).mkdir(mode=0o700)
+(base / owner / (owner + ".0.kv")).write_bytes(b"kv")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_disk_replica_store_removes_the_folders_of_processes_that_died_and_rejects_a_wrong_size(
     redis_url, tmp_path
 ) -> None:
-    client = redis.Redis.from_url(redis_url)
-    (tmp_path / "t1").mkdir(mode=0o700)
-    (tmp_path / "t1" / "t1.7.kv").write_bytes(b"stale")  # an earlier process of this worker id died
-    store = _store(client, tmp_path, Replication.DISK)
-    assert not list((tmp_path / "t1").iterdir())
-    region, step, message = _chunk(0, 3, 0)
-    short = Message(message.header, message.payload[:-4])
-    with pytest.raises(IntegrityError):
-        store.store(region, step, short)
-    assert not list((tmp_path / "t1").iterdir()) and store.watermark(5) == -1
-    store.close()
-    client.close()
+    """Worker processes on one host share ``replica_dir``: a store that opens removes the folders of the
+    processes that died (their leases were dropped by the kernel), never a live one's."""
+    import signal
+    import subprocess
+    import sys
+
+    holders = {}
+    for owner in ("t7.100", "t8.200"):
+        holders[owner] = subprocess.Popen(
+            [sys.executable, "-c", _HOLD, str(tmp_path), owner], stdout=subprocess.PIPE, text=True
+        )
+        assert holders[owner].stdout.readline().strip() == "held"  # type: ignore[union-attr]
+    try:
+        holders["t7.100"].send_signal(signal.SIGKILL)  # dies holding its lease and one chunk
+        holders["t7.100"].wait(10)
+        client = redis.Redis.from_url(redis_url)
+        store = _store(client, tmp_path, Replication.DISK)
+        mine = store.disk.root.name  # type: ignore[union-attr]
+        assert mine.startswith("t1.")  # one folder per process: the worker id and its pid
+        assert _folders(tmp_path) == sorted([mine, "t8.200"]) + sorted([f"lease:{mine}", "lease:t8.200"])
+        region, step, message = _chunk(0, 3, 0)
+        short = Message(message.header, message.payload[:-4])
+        with pytest.raises(IntegrityError):
+            store.store(region, step, short)
+        assert not list(store.disk.root.iterdir()) and store.watermark(5) == -1  # type: ignore[union-attr]
+        store.close()
+        assert _folders(tmp_path) == ["t8.200", "lease:t8.200"]  # the live holder's stays
+        client.close()
+    finally:
+        for proc in holders.values():
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_finished_microbatch_is_not_revived_by_late_prompt_kv_but_a_rerun_one_is(redis_url) -> None:
@@ -136,15 +176,15 @@ def test_a_disk_replica_refuses_what_a_memory_one_would_and_one_unreadable_is_re
     _, step, message = _chunk(3, 4, 1)
     with pytest.raises(ValueError, match="rows"):
         store.store(Region(5, (2, 4), (1, 2), (3, 4)), step, message)  # a row the microbatch lacks
-    assert len(list((tmp_path / "t1").glob("*.kv"))) == 1 and store.watermark(5) == 0
+    assert len(list(store.disk.root.glob("*.kv"))) == 1 and store.watermark(5) == 0  # type: ignore[union-attr]
     store.store(*_chunk(3, 4, 1))
     assert store.watermark(5) == 1
-    next((tmp_path / "t1").glob("*.kv")).unlink()  # a chunk lost on disk
+    next(store.disk.root.glob("*.kv")).unlink()  # type: ignore[union-attr]  # a chunk lost on disk
     assert list(store.restorable([5])) == []  # not served: recovery re-runs the prompt instead
     assert store.microbatches() == set() and client.hget(keys.watermark(1), 5) is None
     store.close()
     store.store(*_chunk(0, 3, 0))  # a closed store keeps nothing
-    assert store.microbatches() == set() and not (tmp_path / "t1").exists()
+    assert store.microbatches() == set() and _folders(tmp_path) == []
     client.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from dejavulib.kvcache import KVCache
 from dejavulib.layout import KVLayout, Region
 from dejavulib.streaming import region_of, stream_in
 from dejavulib.transport.base import KEY_LIMIT
-from dejavulib.transport.disk import DiskTransport
+from dejavulib.transport.disk import DiskTransport, FolderLease, sweep_orphans
 
 log = logging.getLogger("dejavu.token_worker.replication")
 
@@ -101,10 +102,11 @@ class ReplicaStore:
     """The predecessor's caches; a background thread receives into them.
 
     ``memory`` keeps each replica as a host cache. ``disk`` keeps none in memory: every chunk goes
-    through DejaVuLib's disk transport (``flush`` to this worker's own folder under ``replica_dir``, one
+    through DejaVuLib's disk transport (``flush`` to this process's own folder under ``replica_dir``, one
     file per chunk, written atomically) and a restore gathers the chunks back (``fetch``) into a cache
     built for it. ``both`` does both and restores from memory. A microbatch's chunks are discarded with
-    it; the folder is emptied when the store opens and removed when it closes."""
+    it; the folder is removed when the store closes, and a folder whose process died (its
+    :class:`FolderLease` dropped by the kernel) is removed by the next store that opens on the host."""
 
     def __init__(
         self,
@@ -134,11 +136,19 @@ class ReplicaStore:
         self._closed = False
         self.disk: DiskTransport | None = None
         self._next_key = 0
+        self._lease: FolderLease | None = None
         if mode in (Replication.DISK, Replication.BOTH):
             # Replicas are KV caches: in a folder others can neither read nor plant files in.
-            self.disk = DiskTransport(worker_id, ensure_private_dir(replica_dir))
-            self.disk.connect(worker_id, self.disk.address)  # chunks are flushed to this worker's own folder
-            _empty(self.disk.root)  # left by an earlier process of this worker id: nothing refers to them
+            # One folder per process (a restarted worker never reads an earlier one's chunks), leased while it
+            # lives: whoever opens a store next on this host removes the folders of processes that died.
+            base, owner = ensure_private_dir(replica_dir), f"{worker_id}.{os.getpid()}"
+            self._lease = FolderLease(base, owner)
+            self.disk = DiskTransport(owner, base)
+            self.disk.connect(owner, self.disk.address)  # chunks are flushed to this process's own folder
+            _empty(self.disk.root)  # left by a dead process with the same id and pid (a container's restart)
+            gone = sweep_orphans(base)
+            if gone:
+                log.info("removed the replica folders of processes that died: %s", gone)
 
     @property
     def in_memory(self) -> bool:
@@ -287,6 +297,9 @@ class ReplicaStore:
                 _empty(self.disk.root)
                 with contextlib.suppress(OSError):
                     self.disk.root.rmdir()
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
 
 
 def _empty(folder: Path) -> None:
