@@ -31,9 +31,12 @@ def _few_threads() -> None:
 class UcxPeer:
     """``tests/dejavulib/peer.py`` in its own process, and this process's ``driver`` endpoint to it."""
 
-    def __init__(self, progress: str = "polling") -> None:
+    def __init__(self, progress: str = "polling", endpoint: Endpoint | None = None, name: str = "peer") -> None:
+        """``endpoint``: a driver endpoint of the test's own, which several peers can share (each connected
+        under its ``name``); by default the peer gets a driver endpoint of its own."""
         from dejavulib.transport.ucx import UcxTransport
 
+        self.name, self._owns_endpoint = name, endpoint is None
         self._dir = tempfile.mkdtemp(prefix="dejavu-peer-")
         address_file = Path(self._dir) / "address"
         self.proc = subprocess.Popen(
@@ -43,9 +46,13 @@ class UcxPeer:
         try:
             address = bytes.fromhex(self._wait_for(address_file))
             self.proc_address = address
-            self.transport = UcxTransport("driver", progress=progress)
-            self.endpoint = Endpoint(self.transport, SECRET)
-            self.transport.connect("peer", address)
+            if endpoint is None:
+                self.transport = UcxTransport("driver", progress=progress)
+                self.endpoint = Endpoint(self.transport, SECRET)
+            else:
+                self.endpoint = endpoint
+                self.transport = endpoint.transport  # type: ignore[assignment]
+            self.transport.connect(name, address)
             self.proc.stdin.write(self.transport.address.hex() + "\n")
             self.proc.stdin.flush()
         except BaseException:
@@ -61,7 +68,7 @@ class UcxPeer:
         return path.read_text()
 
     def command(self, **cmd: object) -> None:
-        self.endpoint.send("peer", Header(Channel.CONTROL), json.dumps(cmd).encode(), 10).wait()
+        self.endpoint.send(self.name, Header(Channel.CONTROL), json.dumps(cmd).encode(), 10).wait()
 
     def reply(self) -> dict:
         return json.loads(self.endpoint.recv(Channel.CONTROL, 10).payload.tobytes())
@@ -80,7 +87,8 @@ class UcxPeer:
             except Exception:
                 pass
         self.kill()
-        self.endpoint.close()
+        if self._owns_endpoint:
+            self.endpoint.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

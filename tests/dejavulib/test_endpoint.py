@@ -238,3 +238,47 @@ def test_messages_from_one_sender_arrive_in_the_order_sent() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_peer_killed_with_sends_outstanding_holds_up_no_send_to_another_peer() -> None:
+    """A recovery's pattern (issue 14's one unexplained CI stall): a stage has sends outstanding to a peer that
+    stops and is then SIGKILLed, and right after, its caches go to the spare that replaces that peer, in
+    rendezvous-sized messages through the same streamer and UCX worker. The spare's sends complete at once;
+    the dead peer's complete or fail, each by its deadline."""
+    import os
+    import signal
+
+    from dejavulib.transport.ucx import UcxTransport
+
+    from .conftest import SECRET
+
+    endpoint = Endpoint(UcxTransport("driver", progress="thread"), SECRET)  # as workers run it
+    victim = UcxPeer(endpoint=endpoint, name="victim")
+    spare = UcxPeer(endpoint=endpoint, name="spare")
+    streamer = Streamer(endpoint, max_inflight_bytes=64 << 20)
+    try:
+        for peer in ("victim", "spare"):
+            streamer.submit(peer, Header(Channel.KV_REPLICA), np.ones(1024, np.uint8), 5.0).wait()
+        os.kill(victim.proc.pid, signal.SIGSTOP)  # stops reading: what it is sent now stays outstanding
+        outstanding = [
+            streamer.submit("victim", Header(Channel.KV_REPLICA, microbatch=i), np.ones(n, np.uint8), 2.0)
+            for i, n in enumerate((30 << 10, 30 << 10, 800 << 10))
+        ]
+        victim.kill()
+        start = time.monotonic()
+        restores = [
+            streamer.submit("spare", Header(Channel.KV_RESTORE, microbatch=i), np.ones(n, np.uint8), 5.0)
+            for i, n in enumerate((798_720, 952_320))
+        ]
+        for handle in restores:
+            handle.wait()
+        assert time.monotonic() - start < 2.0
+        for handle in outstanding:
+            with contextlib.suppress(TransferTimeout, PeerError):
+                handle.wait()
+        assert time.monotonic() - start < 4.0  # each settled by its own deadline (2 s)
+    finally:
+        streamer.close()
+        victim.stop()
+        spare.stop()
+        endpoint.close()
