@@ -100,7 +100,9 @@ def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, P
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "bloom"])  # ALiBi: no paged kernel, no mixing
-def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(family: str, dtype: str, tiny_checkpoints: dict[str, Path]) -> None:
+def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(
+    family: str, dtype: str, tiny_checkpoints: dict[str, Path]
+) -> None:
     """Decoding rows of two microbatches and the prefill of a third (left-padded prompts) in one pass give the
     logits and caches that a decode step and a prefill give one after the other."""
     folder = tiny_checkpoints[family]
@@ -108,7 +110,6 @@ def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(family: str, dtype: s
     if not mixed.mixes:
         pytest.skip("native kernels unavailable on this host")
     assert not Stage(folder, (0, 2), dtype=dtype).mixes  # only a stage that is the whole model mixes
-    generator = torch.Generator().manual_seed(5)
     runs = []
     for stage in (mixed, apart):
         pool = stage.block_pool(block_size=4, max_blocks=64, slab_blocks=8)
@@ -123,7 +124,9 @@ def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(family: str, dtype: s
         geometry = BatchGeometry.for_prompts([6, 6, 2])
         ids = torch.zeros(3, geometry.cur_len, dtype=torch.long)
         for row, n in enumerate([6, 6, 2]):
-            ids[row, geometry.pad_lens[row] :] = torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(row))
+            ids[row, geometry.pad_lens[row] :] = torch.randint(
+                3, 300, (n,), generator=torch.Generator().manual_seed(row)
+            )
         cache = pool.cache(stage.kv_layout(3, geometry.cur_len + STEPS), geometry.pad_lens)
         if stage is mixed:
             logits = stage.mixed(feed, groups, (StageIO(input_ids=ids), cache, geometry)).logits

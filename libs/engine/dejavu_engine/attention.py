@@ -79,15 +79,12 @@ def attend(
         ]
         return torch.cat(outs)
     assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
-    if ctx.native_prefill and ctx.geometry.rows is None:
-        k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
-        v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
-        batch, n = q.shape[0], q.shape[2]
-        segments = [(row * n, n) for row in range(batch)]
-        return _prefill_native(q, k, v, segments, scale).view(batch, n, -1)
     if ctx.geometry.rows is None:
         k_cache[:, :, ctx.start : ctx.cur_len].copy_(k)
         v_cache[:, :, ctx.start : ctx.cur_len].copy_(v)
+        if ctx.native_prefill:  # whole prompts: each row attends over its own new tokens, read from k/v
+            batch, n = q.shape[0], q.shape[2]
+            return _prefill_native(q, k, v, [(row * n, n) for row in range(batch)], scale).view(batch, n, -1)
         keys = k_cache[:, :, : ctx.cur_len]
         values = v_cache[:, :, : ctx.cur_len]
     else:  # some rows of the cache only: written in place, read as copies (the native path reads in place)
@@ -151,22 +148,19 @@ def _attend_ragged(
     back to back in one row; each prompt writes its K/V into its own cache row (right-aligned, as left
     padding places it) and attends causally over its own tokens only. No padding is computed."""
     assert ctx.segments is not None
+    for offset, length, row, start, _ in ctx.segments:
+        k_cache[row, :, start : start + length].copy_(k[0, :, offset : offset + length])
+        v_cache[row, :, start : start + length].copy_(v[0, :, offset : offset + length])
     if ctx.native_prefill:
-        for offset, length, row, start, _ in ctx.segments:
-            k_cache[row, :, start : start + length].copy_(k[0, :, offset : offset + length])
-            v_cache[row, :, start : start + length].copy_(v[0, :, offset : offset + length])
         segments = [(offset, length) for offset, length, *_ in ctx.segments]
         return _prefill_native(q, k, v, segments, scale).view(1, q.shape[2], -1)
     outs = []
-    for offset, length, row, start, seg in ctx.segments:
-        ks, vs = k[:, :, offset : offset + length], v[:, :, offset : offset + length]
-        k_cache[row, :, start : start + length].copy_(ks[0])
-        v_cache[row, :, start : start + length].copy_(vs[0])
+    for offset, length, _row, _start, seg in ctx.segments:
         outs.append(
             F.scaled_dot_product_attention(
                 q[:, :, offset : offset + length],
-                ks,
-                vs,
+                k[:, :, offset : offset + length],
+                v[:, :, offset : offset + length],
                 attn_mask=seg.mask,
                 is_causal=seg.causal,
                 scale=scale,

@@ -213,20 +213,24 @@ class Stage:
         is never computed), each written right-aligned into its own cache row. Returns hidden states in
         the same packed form (``[1, tokens, hidden]``, what the next stage takes) or, from a last stage,
         each row's last-position logits ``[batch, 1, vocab]``, as the padded path does."""
-        lengths = [geometry.cur_len - pad for pad in geometry.pad_lens]
-        if x.shape[0] != 1:  # pack: row r's tokens are its last lengths[r] positions
-            x = torch.cat([x[r, pad:] for r, pad in enumerate(geometry.pad_lens)]).unsqueeze(0)
+        if x.shape[0] != 1:
+            x = _packed(x, geometry).unsqueeze(0)
         self._check(cache, geometry, geometry.batch, geometry.cur_len)
-        dtype = torch_dtype(self.dtype)
-        contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
-        ctx = ForwardContext.ragged(geometry, contexts)
-        if self.native_attention and all(c.mask is None for c in contexts):  # plainly causal: one native call
-            ctx = replace(ctx, native_prefill=True)
-        hidden = self._layers(x, cache, ctx, on_layer_done)
+        hidden = self._layers(x, cache, self._ragged_context(geometry), on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden)
-        ends = torch.tensor(lengths, device=hidden.device).cumsum(0) - 1
-        return StageIO(logits=self.logits(hidden[0, ends].unsqueeze(1)))
+        return StageIO(logits=self.logits(hidden[0, _prompt_ends(geometry, hidden.device)].unsqueeze(1)))
+
+    def _ragged_context(self, geometry: BatchGeometry) -> ForwardContext:
+        """The context of a ragged prefill of ``geometry``'s whole prompts, each as if alone and unpadded; its
+        attention in the native prefill kernel where every prompt is plainly causal (one call for all)."""
+        dtype = torch_dtype(self.dtype)
+        lengths = [geometry.cur_len - pad for pad in geometry.pad_lens]
+        contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
+        ctx = ForwardContext.ragged(geometry, contexts)
+        if self.native_attention and all(c.mask is None for c in contexts):
+            ctx = replace(ctx, native_prefill=True)
+        return ctx
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -368,27 +372,24 @@ class Stage:
             raise ValueError("one call's paged caches must all be blocks of one pool")
         x, prompts = self._input(io), self._input(prefill_io)
         if x.shape[1] != 1 or x.shape[0] != sum(g.batch for _, g in groups):
-            raise ValueError(f"decode feeds one token per row: {tuple(x.shape)} for groups of {[g.batch for _, g in groups]}")
+            raise ValueError(
+                f"decode feeds one token per row: {tuple(x.shape)} for groups of {[g.batch for _, g in groups]}"
+            )
         if prompts.shape != (geometry.batch, geometry.cur_len):
             raise ValueError(f"prefill feeds all cur_len positions of the microbatch, not {tuple(prompts.shape)}")
         self._check(prefill_cache, geometry, geometry.batch, geometry.cur_len)
-        dtype = torch_dtype(self.dtype)
-        lengths = [geometry.cur_len - pad for pad in geometry.pad_lens]
-        contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
-        prefill_ctx = replace(ForwardContext.ragged(geometry, contexts), native_prefill=True)
-        ctx = ForwardContext.combined(self._paged_context(groups), prefill_ctx)
+        ctx = ForwardContext.combined(self._paged_context(groups), self._ragged_context(geometry))
         prefill_cache.holding(geometry.cur_len)
         dense = KVCache.allocate(self.kv_layout(geometry.batch, geometry.cur_len), self.device)
-        packed = torch.cat([prompts[r, pad:] for r, pad in enumerate(geometry.pad_lens)])
-        hidden = self.family.embed(self._embed_w, torch.cat([x.view(-1), packed]).unsqueeze(0), ctx)
+        ids = torch.cat([x.view(-1), _packed(prompts, geometry)]).unsqueeze(0)
+        hidden = self.family.embed(self._embed_w, ids, ctx)
         for index, w in enumerate(self._layer_w):
             k_slabs, v_slabs = pool.layer(index)
             k_layer, v_layer = (k_slabs, dense.k[index]), (v_slabs, dense.v[index])
             hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)  # type: ignore[arg-type]
         prefill_cache.write_back(dense, (0, geometry.cur_len))
         rows = x.shape[0]
-        ends = rows - 1 + torch.tensor(lengths, device=hidden.device).cumsum(0)
-        last = torch.cat([torch.arange(rows, device=hidden.device), ends])
+        last = torch.cat([torch.arange(rows, device=hidden.device), rows + _prompt_ends(geometry, hidden.device)])
         return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
 
     def _natively(
@@ -421,3 +422,15 @@ class Stage:
             raise ValueError(f"batch mismatch: input {batch}, geometry {geometry.batch}, cache {layout.batch}")
         if not n <= geometry.cur_len <= layout.max_len:
             raise ValueError(f"{n} new tokens up to position {geometry.cur_len} do not fit max_len {layout.max_len}")
+
+
+def _packed(prompts: torch.Tensor, geometry: BatchGeometry) -> torch.Tensor:
+    """Left-padded rows ``[batch, cur_len, ...]`` as their tokens back to back (row r's last ``cur_len - pad_r``
+    positions), the padding left out."""
+    return torch.cat([prompts[r, pad:] for r, pad in enumerate(geometry.pad_lens)])
+
+
+def _prompt_ends(geometry: BatchGeometry, device: torch.device) -> torch.Tensor:
+    """Indices of each prompt's last token among :func:`_packed` tokens."""
+    lengths = torch.tensor([geometry.cur_len - pad for pad in geometry.pad_lens], device=device)
+    return lengths.cumsum(0) - 1

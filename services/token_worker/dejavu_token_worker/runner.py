@@ -201,10 +201,7 @@ class StageRunner:
         if kind is Kind.PREFILL and len(members) != 1:
             raise ValueError("a prefill pass runs one microbatch")
         geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
-        self._passes += 1
-        self._in_pass = {m.state.mb_id for m in members}
-        for m in members:
-            m.state.last_pass = self._passes
+        self._begin_pass(members)
         caches = [
             self._acquire(m.state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1), m.rows)
             for m, g in zip(members, geometries, strict=True)
@@ -215,15 +212,12 @@ class StageRunner:
             out = self.stage.prefill(io, caches[0], geometries[0])
         else:
             out = self.stage.decode_groups(io, list(zip(caches, geometries, strict=True)))
-        replicated = []
-        for (state, step, _rows), g in zip(members, geometries, strict=True):
-            written = (0, g.cur_len) if kind is Kind.PREFILL else (g.cur_len - 1, g.cur_len)
-            if self.swap is not None:
-                self.swap.commit(state.mb_id, written)  # only the new positions go back to host memory
-            state.done_step = step
-            replicated.append((state, step, written))
-        if self.replicas is not None:
-            self.replicas.send_pass(replicated)
+        self._commit(
+            [
+                (m.state, m.step, (0, g.cur_len) if kind is Kind.PREFILL else (g.cur_len - 1, g.cur_len))
+                for m, g in zip(members, geometries, strict=True)
+            ]
+        )
         steps = tuple((state.mb_id, step, rows) for state, step, rows in members)
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
@@ -247,10 +241,7 @@ class StageRunner:
             raise ValueError("mixed passes run on a one-stage pipeline over a paged pool with native kernels")
         geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
         prompt_geometry = prefill.state.geometry(0).only(prefill.rows)
-        self._passes += 1
-        self._in_pass = {m.state.mb_id for m in (*members, prefill)}
-        for m in (*members, prefill):
-            m.state.last_pass = self._passes
+        self._begin_pass([*members, prefill])
         try:  # every prompt position's blocks first: a prompt that cannot have them fails alone
             prompt_cache = self._acquire(prefill.state, prompt_geometry.cur_len - 1, prefill.rows)
         except STEP_FAILURES as exc:
@@ -260,13 +251,26 @@ class StageRunner:
         groups = list(zip(caches, geometries, strict=True))
         out = self.stage.mixed(io, groups, (prompts, prompt_cache, prompt_geometry))  # type: ignore[arg-type]
         written = [(m.state, m.step, (g.cur_len - 1, g.cur_len)) for m, g in zip(members, geometries, strict=True)]
-        written.append((prefill.state, 0, (0, prompt_geometry.cur_len)))
-        for state, step, _ in written:
+        self._commit([*written, (prefill.state, 0, (0, prompt_geometry.cur_len))])
+        assert out.logits is not None
+        return self._publish(pos, [*members, prefill], out.logits, cohort)
+
+    def _begin_pass(self, members: list[PassMember]) -> None:
+        """Mark ``members`` as the pass being set up (preemption leaves them) and as the most recently computed."""
+        self._passes += 1
+        self._in_pass = {m.state.mb_id for m in members}
+        for m in members:
+            m.state.last_pass = self._passes
+
+    def _commit(self, written: list[tuple[MicrobatchState, int, tuple[int, int]]]) -> None:
+        """After a pass: each ``(state, step, positions)`` holds ``step`` now; with swapping its new positions go
+        back to host memory, and they are replicated to the successor."""
+        for state, step, positions in written:
+            if self.swap is not None:
+                self.swap.commit(state.mb_id, positions)  # only the new positions go back to host memory
             state.done_step = step
         if self.replicas is not None:
             self.replicas.send_pass(written)
-        assert out.logits is not None
-        return self._publish(pos, [*members, prefill], out.logits, cohort)
 
     def _publish(self, pos: Position, members: list[PassMember], logits: torch.Tensor, cohort: int) -> TokenReturn:
         """The last stage's end of a pass: sample each member's rows from ``logits`` (its rows in order), publish

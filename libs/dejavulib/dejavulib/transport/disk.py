@@ -53,7 +53,9 @@ class FolderLease:
             except BlockingIOError:
                 os.close(fd)
                 if time.monotonic() >= end:
-                    raise PeerError(f"the folder of {owner!r} under {base_dir} is held by another live process") from None
+                    raise PeerError(
+                        f"the folder of {owner!r} under {base_dir} is held by another live process"
+                    ) from None
                 time.sleep(0.01)
                 continue
             try:  # a sweeper may have removed the file between the open and the lock: then it locks nothing
