@@ -102,6 +102,22 @@ def test_prompt_packing_splits_and_merges(token_b, prompt_b, n_mbs, expected) ->
     assert {t.epoch for t in tasks} == {7}  # the epoch they are queued under (a prompt worker waits for it)
 
 
+def test_colocated_tasks_are_whole_microbatches_of_any_size() -> None:
+    """Colocated, stage 0 prefills each token microbatch in one pass. Microbatches of 1, 2 and 1 rows (an
+    idle pipeline's first request goes alone; a repair re-runs them together) are three tasks, not rows
+    packed across microbatches as prompt workers take them."""
+    s = Scheduler(SchedulerLimits(2, 2, 8, 100, 0.05, split_prompts=False))
+    s.admit(_req(0))
+    (first,) = s.form(now=0.0)  # idle: at once, alone
+    for i in (1, 2, 3):
+        s.admit(_req(i))
+    rest = s.form(now=1.0)
+    assert [len(m.requests) for m in (first, *rest)] == [1, 2, 1]
+    tasks = s.pack_prompt_tasks([first, *rest], epoch=3)
+    got = [[(p.mb_id, p.dst_rows) for p in t.pieces] for t in tasks]
+    assert got == [[(first.spec.mb_id, (0, 1))], [(rest[0].spec.mb_id, (0, 2))], [(rest[1].spec.mb_id, (0, 1))]]
+
+
 def test_cancelled_waiting_requests_are_dropped() -> None:
     s = _sched(tb=2)
     a, b, c = _req(0), _req(1), _req(2)
@@ -158,6 +174,19 @@ def test_an_error_finish_fails_the_request() -> None:
     assert r.status is RequestStatus.FAILED and r.done
     assert r.events.get_nowait().finish_reason is FinishReason.ERROR
     assert not r.deliver(1, 5, None)  # nothing after the failure reaches the client
+
+
+def test_an_error_finish_behind_the_delivered_steps_still_fails_the_request() -> None:
+    """A re-run microbatch fails at its prompt (step 0) after earlier steps were delivered: the error is
+    not a duplicate step, or the request would wait for tokens that never come."""
+    r = _req(0)
+    r.transition(RequestStatus.SCHEDULED)
+    assert r.deliver(0, 7, None) and r.deliver(1, 8, None)
+    assert not r.deliver(0, 7, None)  # a re-executed step's token is a duplicate
+    assert r.deliver(0, -1, FinishReason.ERROR)
+    assert r.status is RequestStatus.FAILED and r.output_ids == [7, 8]
+    assert [e.finish_reason for e in (r.events.get_nowait() for _ in range(3))] == [None, None, FinishReason.ERROR]
+    assert not r.deliver(2, 9, None)
 
 
 def test_chat_requests_without_max_tokens_share_a_microbatch() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import shutil
 import socket
@@ -78,7 +79,10 @@ def running(
         print(f"process logs kept in {launcher.log_dir}")
         raise
     launcher.stop()
-    shutil.rmtree(launcher.log_dir, ignore_errors=True)
+    if os.environ.get("DEJAVU_TEST_KEEP_LOGS"):  # for studying a run that passed (slowly, say)
+        print(f"process logs kept in {launcher.log_dir}")
+    else:
+        shutil.rmtree(launcher.log_dir, ignore_errors=True)
 
 
 def kv_held(redis_url: str) -> dict[str, dict]:

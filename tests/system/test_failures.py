@@ -46,6 +46,7 @@ class Round:
         # Like a client honouring 503 + Retry-After: a round that follows a failure starts once the repair
         # is over (a round that finished before its failure was even detected would otherwise be refused).
         _wait_ready(launcher.api_url)
+        self.launcher = launcher
         self.client = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=180, max_retries=0)
         self.model = settings.model.name
         self.texts: dict[str, str] = {}
@@ -86,7 +87,7 @@ class Round:
         for t in self.threads:
             t.join(timeout_s)
             assert not t.is_alive(), "a request hung"
-        assert not self.errors, self.errors
+        assert not self.errors, f"{self.errors}\n{logs(self.launcher)}"
         return self.texts
 
 
@@ -250,6 +251,22 @@ def test_adjacent_failures_and_prompt_worker_crash_fall_back_to_prompts(redis_ur
         time.sleep(0.3)  # the prompts are being processed
         _kill(launcher, "p0")
         _check(r.finish(), reference, launcher)
+
+
+def test_a_colocated_stage_crash_re_runs_every_microbatch_on_a_spare(redis_url, model, reference) -> None:
+    """One colocated stage (no replica survives it) dies mid-round: the spare that takes the stage
+    prefills every microbatch again, each as one task whatever its size (an idle pipeline's first request
+    forms a microbatch alone; re-runs of uneven microbatches once reached the stage packed across them,
+    and the task ended every worker that took it)."""
+    settings = cluster_settings(redis_url, model, mode=Mode.COLOCATED, token_depth=1, token_microbatch=3)
+    with running(settings, spares=1) as launcher:
+        victim = _holder(settings, 0)
+        r = Round(launcher, settings)
+        r.wait_tokens(5)
+        _kill(launcher, victim)
+        _check(r.finish(), reference, launcher)
+        _replaced(settings, [victim])
+        _check(Round(launcher, settings).finish(), reference, launcher)
 
 
 def test_swapping_with_disk_replicas_and_disaggregation_recovers(redis_url, model, reference, tmp_path) -> None:

@@ -366,3 +366,23 @@ def test_a_prompt_refused_its_blocks_in_a_mixed_pass_fails_alone_and_the_others_
     assert 2 in p.released  # freed along the pipeline
     # In 2's pass, refused before anything ran, microbatch 1 decodes alone; 3 is prefilled in the next one.
     assert p.kinds[:3] == [("PREFILL", (1,)), ("DECODE", (1,)), ("MIXED", (1, 3))]
+
+
+def test_a_colocated_task_that_is_not_one_whole_microbatch_fails_its_microbatches_and_the_stage_serves_on() -> None:
+    """Stage 0 prefills a colocated task as one microbatch. A task naming parts of several (as the
+    controller once packed a repair's re-runs) used to end the process, and so every replacement in
+    turn; its microbatches fail instead, and the next task is served."""
+    from dejavu_common.messages import PromptPiece, PromptTask
+
+    p = Colocated({1: 2, 2: 2, 3: 2, 4: 2}, {1: 1, 2: 2, 3: 1, 4: 2})
+    queue = [
+        PromptTask(task_id=10, pieces=(PromptPiece(mb_id=1, dst_rows=(0, 1)), PromptPiece(mb_id=2, dst_rows=(0, 1)))),
+        PromptTask(task_id=11, pieces=(PromptPiece(mb_id=2, dst_rows=(1, 2)), PromptPiece(mb_id=3, dst_rows=(0, 1)))),
+        PromptTask(task_id=12, pieces=(PromptPiece(mb_id=4, dst_rows=(0, 1)),)),  # half of microbatch 4
+        PromptTask(task_id=13, pieces=(PromptPiece(mb_id=3, dst_rows=(0, 1)),)),  # whole: served
+    ]
+    driver = Driver(p, p, None, "t0", Position(0, 1, None, "t0", colocated=True), None, 1.0)  # type: ignore[arg-type]
+    driver._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+    driver.run(lambda: len(p.kinds) >= 3 or (bool(p.kinds) and not queue and not driver.cohorts[0].members))
+    assert p.failed == [1, 2, 2, 3, 4]
+    assert p.kinds == [("PREFILL", (3,)), ("DECODE", (3,)), ("DECODE", (3,))]

@@ -83,8 +83,12 @@ def progress(epoch: int, stage: int) -> str:
 
 
 def restored(epoch: int, stage: int) -> str:
-    """Set when a replacement of token ``stage`` has received every cache it must hold at ``epoch``."""
+    """Set when a replacement of token ``stage`` has received every cache it must hold at ``epoch`` (to
+    ``RESTORED``), or has given up receiving them (to ``RESTORE_FAILED``: every microbatch re-runs)."""
     return f"{PREFIX}:wm:restored:{epoch}:{stage}"
+
+
+RESTORED, RESTORE_FAILED = b"1", b"failed"
 
 
 ADMIN_STREAM = f"{PREFIX}:admin:commands"  # stream of messages.AdminCommand

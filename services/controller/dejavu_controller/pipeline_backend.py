@@ -80,6 +80,7 @@ class PipelineBackend:
                 queue_bound=c.queue_bound,
                 batch_wait_s=c.batch_wait_ms / 1000.0,
                 max_len=context_limit(settings.model.folder, settings.engine.max_context),
+                split_prompts=not colocated,
             )
         )
         self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE

@@ -8,7 +8,8 @@ process takes the stage; the epoch bump fences the old worker), and:
    finds its order (without one it would take the epoch for a fresh pipeline and drop its caches);
    then the topology is published and :meth:`Repair.run` drives the rest:
 2. the token stages exchange caches (successor -> replacement: the replica; predecessor ->
-   replacement: its own cache) and report progress; the replacement reports when it is restored;
+   replacement: its own cache) and report progress; the replacement reports when it is restored (or
+   that it could not be: then, as when the reports do not all come in time, every prompt re-runs);
 3. it computes each microbatch's resume step from progress and replication watermarks
    (:func:`plan_resume`) and publishes the :class:`ResumePoint`;
 4. microbatches that cannot resume re-run their prompts.
@@ -85,7 +86,7 @@ class Repair:
         survivors = [a.stage for a in topology.token_stages if a.stage not in replaced]
         deadline = time.monotonic() + self.settings.transport.deadline_s * 3
         progress: dict[int, dict[int, int]] = {}
-        restored: set[int] = set()
+        restored: dict[int, bytes] = {}
         while time.monotonic() < deadline:
             cancellation_point()
             for s in survivors:
@@ -94,9 +95,17 @@ class Repair:
                     if raw is not None:
                         progress[s] = StageProgress.decode(raw).done
             for s in replaced:
-                if s not in restored and await self.redis.exists(keys.restored(epoch, s)):
-                    restored.add(s)
-            if len(progress) == len(survivors) and restored == set(replaced):
+                if s not in restored and (outcome := await self.redis.get(keys.restored(epoch, s))) is not None:
+                    restored[s] = outcome
+            if keys.RESTORE_FAILED in restored.values():
+                log.error(
+                    "recovery at epoch %d: stages %s could not restore their caches: re-running every prompt",
+                    epoch,
+                    sorted(s for s, outcome in restored.items() if outcome == keys.RESTORE_FAILED),
+                )
+                progress = {}
+                break
+            if len(progress) == len(survivors) and restored.keys() == set(replaced):
                 break
             await asyncio.sleep(0.02)
         else:

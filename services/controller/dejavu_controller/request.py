@@ -64,12 +64,16 @@ class Request:
         return RowSpec(request_id=self.request_id, prompt_ids=self.prompt_ids, sampling=self.sampling)
 
     def deliver(self, step: int, token: int, finish: FinishReason | None) -> bool:
-        """Record step ``step``'s token once; returns False for a duplicate (a resumed step)."""
-        if self.done or step <= self.last_step:
+        """Record step ``step``'s token once; returns False for a duplicate (a resumed step). An error
+        finish is never a duplicate: a microbatch re-run or resumed behind its last delivered step can
+        still fail there (at its prompt, step 0), and its request must then fail, not wait."""
+        if self.done:
+            return False
+        if step <= self.last_step and not (finish is FinishReason.ERROR and token < 0):
             return False
         if token < 0 and finish is None:
             return False  # this entry carries nothing for this row (another prompt piece, or already done)
-        self.last_step = step
+        self.last_step = max(self.last_step, step)
         if self.status is RequestStatus.SCHEDULED:
             self.transition(RequestStatus.DECODING)
         ids: tuple[int, ...] = ()

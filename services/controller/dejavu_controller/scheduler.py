@@ -10,7 +10,8 @@ microbatches, whose caches wait in the token workers' memory. A microbatch is th
 of token streams and of recovery; it leaves the token pipeline the step its last row finishes. Rows
 of new token microbatches are packed, in order, into prompt microbatches of up to
 ``prompt_microbatch`` rows, so a prompt microbatch can feed several token microbatches (split) or
-several prompt microbatches one token microbatch (merge).
+several prompt microbatches one token microbatch (merge); colocated, where stage 0 prefills a token
+microbatch in one pass, each token microbatch is one prompt task.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class SchedulerLimits:
     queue_bound: int
     batch_wait_s: float
     max_len: int = 1 << 30  # cache positions a microbatch may span: the model's context
+    # Disaggregated: prompt microbatches split and merge token microbatches. Colocated: stage 0 prefills
+    # each token microbatch as one pass, so each is a prompt task of its own, whatever its size.
+    split_prompts: bool = True
 
 
 @dataclass
@@ -150,7 +154,10 @@ class Scheduler:
 
     def pack_prompt_tasks(self, mbs: list[Microbatch], epoch: int = 0) -> list[PromptTask]:
         """Pack the rows of ``mbs`` in order into prompt microbatches of at most ``prompt_microbatch`` rows,
-        queued under topology ``epoch``."""
+        queued under topology ``epoch``; without ``split_prompts``, one task per whole microbatch."""
+        if not self.limits.split_prompts:
+            whole = ([PromptPiece(mb_id=mb.spec.mb_id, dst_rows=(0, len(mb.spec.rows)))] for mb in mbs)
+            return [self._task(pieces, epoch) for pieces in whole]
         tasks: list[PromptTask] = []
         pieces: list[PromptPiece] = []
         room = self.limits.prompt_microbatch

@@ -373,16 +373,32 @@ class Driver:
             return None
 
     def _prompt_state(self, task: PromptTask) -> MicrobatchState | None:
-        """The clean state of ``task``'s microbatch, about to be prefilled (None: it is gone, a stale entry)."""
-        (piece,) = task.pieces  # a colocated task carries one whole token microbatch
+        """The clean state of ``task``'s microbatch, about to be prefilled (None: it is gone, a stale entry,
+        or the task is not one whole microbatch, whose requests then fail)."""
+        if len(task.pieces) != 1:  # a colocated task carries one whole token microbatch
+            self._refuse(task)
+            return None
+        (piece,) = task.pieces
         self.runner.release(piece.mb_id, finished=False)  # a re-run prompt starts from a clean cache
         try:
             state = self.runner.state(piece.mb_id)
         except DeadlineExceeded as exc:
             log.error("dropped a colocated task: %s", exc)
             return None
+        if piece.dst_rows != (0, len(state.spec.rows)):
+            self._refuse(task)
+            return None
         state.mark_complete(0)
         return state
+
+    def _refuse(self, task: PromptTask) -> None:
+        """Fail the microbatches of a colocated task that is not one whole token microbatch: none of them
+        can be prefilled from it (and the process must not die of it, or every replacement would too)."""
+        error = ValueError(f"colocated task {task.task_id} is not one whole microbatch: {list(task.pieces)}")
+        log.error("refused %s", error)
+        for mb_id in dict.fromkeys(p.mb_id for p in task.pieces):
+            self.runner.fail(mb_id, 0, error)
+            self._release_everywhere(mb_id)
 
     @staticmethod
     def _prompt_ids(state: MicrobatchState) -> torch.Tensor:

@@ -261,8 +261,13 @@ class TokenWorker(WorkerProcess):
                     # announced before is the old holder's or resumes through this recovery; what re-runs is
                     # dispatched only once this stage reports its restore.
                     self.ready.start_over()
-                self._restore(order, pos)
-                self.redis.set(keys.restored(topology.epoch, pos.index), "1", ex=3600)
+                try:
+                    self._restore(order, pos)
+                except (DeadlineExceeded, IntegrityError):
+                    # Said at once, so the controller re-runs every microbatch now rather than at its deadline.
+                    self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
+                    raise
+                self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORED, ex=3600)
             else:
                 self._send_restores(order, pos, topology)
                 recovery.report_progress(self.redis, topology.epoch, pos.index, self.worker_id, self.runner.progress())
