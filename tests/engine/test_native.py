@@ -408,3 +408,54 @@ def test_a_stage_prefills_the_same_with_and_without_the_kernel(
     torch.testing.assert_close(hidden, hidden_plain, atol=1e-4, rtol=0)
     for mine, theirs in zip(k + v, k_plain + v_plain, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+
+
+def _torch_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+# 576 and 1536 are SmolLM2's widths (whole vectors); 37 leaves a tail to the scalar loop.
+@pytest.mark.parametrize("shape", [(16, 1, 576), (1, 300, 576), (3, 7, 37), (5, 1536)])
+def test_pointwise_ops_compute_what_torch_computes(kernels: None, shape: tuple[int, ...]) -> None:
+    """bfloat16: transformers' values, each rounded where torch rounds (where a float32 difference below, in
+    the order of a sum or e^x's last bit, tips a rounding: one step, two after the next rounding). float32:
+    within float32 rounding of them, and no further from float64 than torch."""
+    from dejavu_engine.families.llama import rms_norm
+
+    seeded = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=seeded) * 3
+    w = torch.randn(shape[-1], generator=seeded)
+    gate_up = torch.randn((*shape[:-1], 2 * shape[-1]), generator=seeded) * 4
+    for dtype in (torch.bfloat16, torch.float32):
+        xd, wd, gd = x.to(dtype), w.to(dtype), gate_up.to(dtype)
+        got_norm, want_norm = native.rms_norm(xd, wd, 1e-5), rms_norm(xd, wd, 1e-5)
+        got_glu, want_glu = native.silu_mul(gd), _torch_swiglu(gd)
+        assert got_norm.dtype == got_glu.dtype == dtype and got_glu.shape == (*shape[:-1], shape[-1])
+        if dtype == torch.bfloat16:
+            for got, want in ((got_norm, want_norm), (got_glu, want_glu)):
+                assert (got == want).float().mean() >= 0.999
+                torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-30)
+            continue
+        torch.testing.assert_close(got_norm, want_norm, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_glu, want_glu, rtol=1e-6, atol=1e-6)
+        exact = _torch_swiglu(gate_up.double())
+        assert (got_glu.double() - exact).abs().max() <= 2 * (want_glu.double() - exact).abs().max() + 1e-12
+
+
+def test_pointwise_ops_keep_nan_and_refuse_what_does_not_fit(kernels: None) -> None:
+    x = torch.ones(2, 32, dtype=torch.bfloat16)
+    x[1, 5] = float("nan")
+    out = native.rms_norm(x, torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()  # one bad value spoils its row only
+    assert torch.isnan(native.silu_mul(torch.cat([x, x], dim=-1))[1, 5])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.rms_norm(torch.ones(32, 4).t(), torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.rms_norm(torch.ones(2, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        native.rms_norm(torch.ones(2, 32), torch.ones(16), 1e-6)
+    with pytest.raises(RuntimeError, match="even"):
+        native.silu_mul(torch.ones(2, 33))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        native.silu_mul(torch.ones(2, 32, dtype=torch.float64))

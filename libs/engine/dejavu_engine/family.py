@@ -158,6 +158,9 @@ class Family(ABC):
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.spec = self.read_spec(config)
+        # The native kernels (dejavu_engine.native), where the stage runs on them: a family may take its
+        # pointwise ops from there (one pass instead of several torch ops); None: torch's ops.
+        self.kernels: Any = None
 
     @classmethod
     @abstractmethod

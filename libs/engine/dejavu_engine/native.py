@@ -10,14 +10,17 @@ prefill's segments, or an unpadded batch's rows), each prompt over its own token
 CPU flash attention on SmolLM2's heads (docs/benchmarks.md).
 Both take float32 or bfloat16 (:data:`DTYPES`); bfloat16 keys and values are widened as they are read,
 and scores, softmax and sums are float32, the output rounded once (as torch's CPU attention does).
+:func:`rms_norm` and :func:`silu_mul` are a Llama layer's pointwise ops, one pass each instead of several torch
+ops (with their dispatch and temporaries); a stage with the kernels uses them (``Family.kernels``) where they
+are vectorized (AVX-512 hosts: ``POINTWISE_FAST``; the scalar loops elsewhere are slower than torch's ops).
 
 The extension is compiled with the host's compiler the first time a process asks for it (ninja and
 g++, about 30 s on the reference host) into ``$DEJAVU_KERNEL_CACHE`` (default
 ``~/.cache/dejavu/kernels``), keyed by the source, torch's version and the CPU's flags, so a build is
 reused only where it was made for; ``make setup`` builds it ahead (``python -m dejavu_engine.native``).
 Where it cannot be built (no compiler), :func:`load` returns None and stages use torch's attention
-per microbatch: same results, slower. ``engine.native_attention`` (``Stage(native_attention=...)``)
-turns it off. CUDA never takes this path.
+per microbatch (and its pointwise ops): same results, slower. ``engine.native_attention``
+(``Stage(native_attention=...)``) turns all of them off. CUDA never takes this path.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 log = logging.getLogger("dejavu.engine.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call has one of them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 
@@ -168,6 +171,28 @@ def prefill_attention(
         raise RuntimeError("native kernels are not available")
     with torch.profiler.record_function("dejavu::prefill_attention"):
         return module.prefill_attention(q, k, v, segments, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension of ``x`` (contiguous, float32 or bfloat16, any leading dimensions),
+    scaled by ``weight`` (``[hidden]``, of ``x``'s dtype), in one pass: transformers' arithmetic
+    (:func:`dejavu_engine.families.llama.rms_norm`), so bfloat16 results are torch's and float32 ones differ
+    only by the order of the sum of squares. Raises RuntimeError where the kernels are not loaded or the
+    arguments do not fit."""
+    return _require().rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up = [..., gate | up]`` (contiguous, float32 or bfloat16) in one
+    pass, rounded where torch's two ops round. Returns ``[..., width / 2]``."""
+    return _require().silu_mul(gate_up)
+
+
+def _require() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("native kernels are not available")
+    return module
 
 
 if __name__ == "__main__":  # make setup: build ahead, so no worker or test waits for the compiler

@@ -81,6 +81,10 @@ class Stage:
         self.native_attention = (
             native_attention and self.device.type == "cpu" and dtype in native.DTYPES and native.load() is not None
         )
+        # The same kernels' pointwise ops (RMSNorm, SwiGLU) for the families that have them, where they are
+        # vectorized (AVX-512 hosts; elsewhere torch's ops are faster).
+        kernels = native.load() if self.native_attention else None
+        self.family.kernels = kernels if getattr(kernels, "POINTWISE_FAST", False) else None
         # Prefill of left-padded prompts computes their tokens only, back to back (ForwardContext.segments).
         self.ragged_prefill = ragged_prefill
         self.weights = self._load(CheckpointReader(self.folder))

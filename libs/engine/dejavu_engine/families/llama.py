@@ -144,7 +144,7 @@ class Llama(Family):
         spec = self.spec
         batch, n, _ = hidden.shape
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        x = rms_norm(hidden, w["ln_1"], self.eps)
+        x = self.norm(hidden, w["ln_1"])
         qkv = linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
         cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
         qk = qkv[:, :, : heads + kv_heads]  # rotary embedding of q and k in one pass
@@ -153,10 +153,24 @@ class Llama(Family):
         k = qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
         hidden = residual_linear(hidden, attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
-        x = rms_norm(hidden, w["ln_2"], self.eps)
-        gate, up = linear(x, w["gate_up"], w.get("gate_up_bias")).chunk(2, dim=-1)
-        return residual_linear(hidden, F.silu(gate).mul_(up), w["down"], w.get("down_bias"))
+        x = self.norm(hidden, w["ln_2"])
+        gated = self.gated(linear(x, w["gate_up"], w.get("gate_up_bias")))
+        return residual_linear(hidden, gated, w["down"], w.get("down_bias"))
 
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(hidden, w["norm"], self.eps)
+        x = self.norm(hidden, w["norm"])
         return linear(x, w["lm_head"], None)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """:func:`rms_norm`, in one native pass where the stage has the kernels (the same arithmetic)."""
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.rms_norm(x, weight, self.eps)
+        return rms_norm(x, weight, self.eps)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` of the fused projection ``[..., gate | up]`` (one native pass where
+        the stage has the kernels)."""
+        if self.kernels is not None and gate_up.is_contiguous():
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)

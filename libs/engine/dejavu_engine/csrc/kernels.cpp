@@ -1,5 +1,6 @@
-// Decode attention over many caches in one call, and prefill attention over many prompts in one call (the CPU
-// seam of dejavu_engine.native; the prefill kernel is described where it starts, below).
+// Decode attention over many caches in one call, prefill attention over many prompts in one call, and a Llama
+// layer's pointwise ops in one pass each (the CPU seam of dejavu_engine.native; the prefill kernel and the
+// pointwise ops are described where they start, below).
 //
 // One query token per row. Row r first writes its new key and value at position end_r - 1 of its
 // cache, then reads keys and values [start_r, end_r) of row `index_r` of group
@@ -34,21 +35,22 @@
 
 namespace {
 
-// e^x for x <= 0: 2^(x log2 e) split into an integer power (exponent bits) and a degree-6
-// polynomial of the fraction; relative error below 2e-7. Written so the compiler vectorizes it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.4426950408889634f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022650e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+// e^x, x clamped to [-87, 88] (past it e^x under- or overflows float32 anyway): x = n ln 2 + r with n the
+// nearest integer to x log2 e and ln 2 in two parts (r exact to float32's precision, |r| <= ln 2 / 2), e^r by
+// a degree-7 polynomial (Cephes' expf), 2^n in the exponent bits. Relative error about 1e-7 (1-2 ulp; a
+// first version took the fraction of x log2 e on [0, 1) and was off by up to 9e-6). Vectorizes.
+inline float exp_any(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
@@ -229,20 +231,21 @@ void weigh_values(const float* p, const float* v, int64_t n, int64_t d, float* o
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive of 16 lanes: the same polynomial, the power of two applied by scalef.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, fi);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, fi);
+// exp_any of 16 lanes: the same reduction and polynomial, 2^n applied by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
 }
 
 // x rounded to bfloat16 (nearest even) and back, 16 lanes; x finite.
@@ -266,12 +269,12 @@ void softmax_row16(float* s, int64_t n) {
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(m));
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < whole; j += 16) {
-    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), top));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), top));
     _mm512_storeu_ps(s + j, round_exps ? round_bf16_16(e) : e);
     total = _mm512_add_ps(total, e);
   }
   if (tail) {
-    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), top));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), top));
     _mm512_mask_storeu_ps(s + whole, tail, round_exps ? round_bf16_16(e) : e);
     total = _mm512_mask_add_ps(total, tail, total, e);
   }
@@ -294,7 +297,7 @@ void softmax_rows(float* scores, int64_t g, int64_t n) {
     for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
     float total = 0.0f;
     for (int64_t j = 0; j < n; ++j) {
-      const float e = exp_nonpositive(s[j] - m);
+      const float e = exp_any(s[j] - m);
       s[j] = round_exps ? static_cast<float>(BF16(e)) : e;
       total += e;
     }
@@ -843,10 +846,179 @@ torch::Tensor prefill_attention(
   return out;
 }
 
+// ---- Pointwise: a layer's RMSNorm and SiLU-gated product, one pass each (rms_norm, silu_mul) ----
+//
+// Each is several torch ops (RMSNorm six, with their dispatch and temporaries); here one loop over each row,
+// written so the compiler vectorizes it. The arithmetic is transformers' op for op, so the results are
+// torch's: RMSNorm normalises in float32 and rounds to the input's dtype before scaling by the weight
+// (rounded again); SiLU rounds silu(gate) to the dtype before multiplying by up. What can differ is the
+// order of the sum of squares (within float32 rounding) and e^x (below 2e-7 relative, torch's within 1 ulp).
+
+namespace {
+
+// float32 -> bfloat16 bits, nearest even (NaN stays a quiet NaN), as c10::BFloat16 rounds; vectorizable.
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+}
+
+inline float bf16_value(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// x as the dtype T holds it (bfloat16: rounded), back in float32.
+inline float round_to(float x, float*) { return x; }
+inline float round_to(float x, BF16*) { return bf16_value(bf16_bits(x)); }
+
+inline void put(float x, float* out) { *out = x; }
+inline void put(float x, BF16* out) {
+  const uint16_t h = bf16_bits(x);
+  std::memcpy(out, &h, sizeof(h));
+}
+
+// Rows per parallel chunk: a decode step's few rows run on the calling thread (a thread hand-off costs
+// more than the work); a prefill's thousands are split.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(width, 1)); }
+
+#if defined(__AVX512F__)
+// 16 float32 lanes as T holds them (bfloat16: rounded to nearest even, NaN kept), back in float32.
+inline __m512 round16(__m512 x, float*) { return x; }
+inline void put16(__m512 x, float* out) { _mm512_storeu_ps(out, x); }
+#if defined(__AVX512BF16__)  // the host converts in one instruction (nearest even, NaN kept)
+inline __m512 round16(__m512 x, BF16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+inline void put16(__m512 x, BF16* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(x));
+}
+#else
+inline __m512 round16(__m512 x, BF16*) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), round_bf16_16(x), x);
+}
+inline void put16(__m512 x, BF16* out) {  // rounded, its upper halves are the bfloat16s
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16(x, out)), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+}
+#endif
+#endif
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps) {
+  at::parallel_for(0, rows, grain(h), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * h;
+      T* o = out + r * h;
+      float ss = 0.0f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      for (; i + 32 <= h; i += 32) {
+        const __m512 v0 = Lanes16::load(xr + i), v1 = Lanes16::load(xr + i + 16);
+        a0 = _mm512_fmadd_ps(v0, v0, a0);
+        a1 = _mm512_fmadd_ps(v1, v1, a1);
+      }
+      for (; i + 16 <= h; i += 16) {
+        const __m512 v = Lanes16::load(xr + i);
+        a0 = _mm512_fmadd_ps(v, v, a0);
+      }
+      ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+      for (; i < h; ++i) {
+        const float v = to_float(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; k + 16 <= h; k += 16)
+        put16(_mm512_mul_ps(Lanes16::load(w + k), round16(_mm512_mul_ps(Lanes16::load(xr + k), vinv), o)), o + k);
+#endif
+      for (; k < h; ++k) put(to_float(w[k]) * round_to(to_float(xr[k]) * inv, o), o + k);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+      int64_t k = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; k + 16 <= n; k += 16) {
+        const __m512 x = Lanes16::load(g + k);
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        put16(_mm512_mul_ps(round16(silu, o), Lanes16::load(u + k)), o + k);
+      }
+#endif
+      for (; k < n; ++k) {
+        const float x = to_float(g[k]);
+        put(round_to(x / (1.0f + exp_any(-x)), o) * to_float(u[k]), o + k);
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu(), what, " must be on the CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), what, " must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const auto dtype = call_dtype(x);
+  check_dtype(weight, dtype, "weight");
+  const int64_t h = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.is_contiguous(), "weight must be [", h, "]");
+  check_rows(x, "x");
+  auto out = torch::empty_like(x);
+  const int64_t rows = h ? x.numel() / h : 0;
+  if (dtype == torch::kFloat32)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, h,
+                  static_cast<float>(eps));
+  else
+    rms_norm_rows(x.data_ptr<BF16>(), weight.data_ptr<BF16>(), out.data_ptr<BF16>(), rows, h,
+                  static_cast<float>(eps));
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  const auto dtype = call_dtype(gate_up);
+  const int64_t width = gate_up.size(-1);
+  TORCH_CHECK(width % 2 == 0, "gate_up's last dimension must be even (gate, then up)");
+  check_rows(gate_up, "gate_up");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = width / 2;
+  auto out = torch::empty(sizes, gate_up.options());
+  const int64_t rows = width ? gate_up.numel() / width : 0;
+  if (dtype == torch::kFloat32)
+    silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width / 2);
+  else
+    silu_mul_rows(gate_up.data_ptr<BF16>(), out.data_ptr<BF16>(), rows, width / 2);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention of many rows over their own caches and spans");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token attention of many rows over their own spans of a paged cache (block tables over slabs)");
   m.def("prefill_attention", &prefill_attention,
         "causal attention of whole prompts packed back to back, each over its own tokens");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension, as transformers computes it");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [..., gate | up], as transformers computes it");
+#if defined(__AVX512F__)
+  m.attr("POINTWISE_FAST") = true;
+#else
+  m.attr("POINTWISE_FAST") = false;  // scalar loops here: torch's vectorized ops are faster
+#endif
 }
