@@ -2,7 +2,8 @@
 # Shared bases of the DejaVu images; build context: the repository root.
 #
 #   --target python  Python 3 in /opt/venv, user 'dejavu', dejavu-common (the controller's base; no torch)
-#   --target engine  python + torch + dejavulib + dejavu-engine + dejavu-worker (the workers' base)
+#   --target engine  python + torch + dejavulib + dejavu-engine + dejavu-worker + the native kernels built
+#                    for each CPU level (the workers' base)
 #   --target model   engine + dejavu-cli + the default model, prepared into /opt/dejavu/models, and its
 #                    config and tokenizer files alone in /opt/dejavu/model-meta (for the controller)
 #
@@ -71,9 +72,26 @@ RUN python /src/third_party.py /src/libs/dejavulib /src/libs/engine /src/libs/wo
 ENV DEJAVU_MODEL__CACHE_DIR=/opt/dejavu/models
 RUN mkdir -p /opt/dejavu/models
 
+# The native CPU kernels (dejavu_engine.native), built ahead for each CPU level (x86-64-v4: AVX-512, x86-64-v3:
+# AVX2): the images carry no compiler, and a worker loads the best build its CPU can run (without them,
+# no paged KV pool and torch's attention per microbatch). Only the kernels' source and build script are
+# copied in, so no other change rebuilds them. Not pinned (DL3008), as above.
+FROM engine-deps AS kernels
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && { python -c 'import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
+         || apt-get install -y --no-install-recommends python3-dev; } \
+    && rm -rf /var/lib/apt/lists/*
+COPY libs/engine/dejavu_engine/native.py /src/kernels/native.py
+COPY libs/engine/dejavu_engine/csrc /src/kernels/csrc
+RUN python /src/kernels/native.py --portable /opt/dejavu/kernels
+
 FROM engine-deps AS engine
 ARG PIP_NO_INDEX=0
 ARG PIP_FIND_LINKS
+COPY --from=kernels /opt/dejavu/kernels /opt/dejavu/kernels
+ENV DEJAVU_KERNEL_PREBUILT=/opt/dejavu/kernels
 COPY libs/common /src/libs/common
 COPY libs/dejavulib /src/libs/dejavulib
 COPY libs/engine /src/libs/engine

@@ -459,3 +459,38 @@ def test_pointwise_ops_keep_nan_and_refuse_what_does_not_fit(kernels: None) -> N
         native.silu_mul(torch.ones(2, 33))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         native.silu_mul(torch.ones(2, 32, dtype=torch.float64))
+
+
+def test_a_host_without_a_compiler_loads_the_best_build_made_ahead_that_it_can_run(
+    kernels: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The images carry builds per CPU level (``--portable``) and no compiler. A level the CPU lacks is
+    skipped, one that does not load is passed over with a warning, and the best one left is used. (This
+    host's own build stands in for a level's, under that level's key; the selection is what is tested.)"""
+    import shutil
+
+    own_key = native.build_key()
+    own = native.cache_dir() / own_key / f"dejavu_kernels_{own_key}.so"
+    keys = {"x86-64-v4": "broken0000000000", "x86-64-v3": own_key}
+    (tmp_path / "x86-64-v4").mkdir()
+    (tmp_path / "x86-64-v4" / "dejavu_kernels_broken0000000000.so").write_bytes(b"not a library")
+    (tmp_path / "x86-64-v3").mkdir()
+    shutil.copy2(own, tmp_path / "x86-64-v3" / own.name)
+    monkeypatch.setenv("DEJAVU_KERNEL_PREBUILT", str(tmp_path))
+    monkeypatch.setattr(native, "build_key", lambda march="native": keys.get(march, "unbuilt000000000"))
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "_build", lambda *a, **k: pytest.fail("no compiler: nothing is built"))
+    every_level = " ".join(sorted(set().union(*(needs for _march, needs in native.PORTABLE))))
+
+    def fresh_load(cpu: str):
+        monkeypatch.setattr(native, "_module", None)
+        monkeypatch.setattr(native, "_tried", False)
+        monkeypatch.setattr(native, "_cpu_flags", lambda: f"flags\t: {cpu}")
+        return native.load()
+
+    module = fresh_load(every_level)
+    assert module is not None and hasattr(module, "paged_decode_attention")
+    assert "do not load here" in caplog.text  # the v4 file, passed over
+    v3_only = " ".join(sorted(native.PORTABLE[1][1]))
+    assert fresh_load("sse2 avx") is None  # no level this CPU runs was made
+    assert fresh_load(v3_only) is not None

@@ -284,6 +284,20 @@ def test_images_run_as_non_root_and_their_health_checks_pass(deployment: Deploym
     assert deployment.exec("controller", "python", "-c", probe) == "True"
 
 
+def test_workers_load_the_native_kernels_built_for_their_cpu_level(deployment: Deployment) -> None:
+    """The images carry no compiler but a build of the native kernels per CPU level: a worker loads the best
+    one its CPU runs, so containers serve with the paged KV pool and native attention as `dejavu up` does."""
+    from dejavu_engine import native
+
+    cpu = set(native._cpu_flags().split())
+    if not any(needs <= cpu for _level, needs in native.PORTABLE):
+        pytest.skip("this CPU runs none of the levels the images carry")
+    probe = "from dejavu_engine import native; print(getattr(native.load(), '__file__', None))"
+    for service in ("prompt-worker-0", "token-worker-0"):
+        loaded = deployment.exec(service, "python", "-c", probe).splitlines()[-1]
+        assert loaded.startswith("/opt/dejavu/kernels/x86-64-v"), f"{service}: {loaded}"
+
+
 def test_redis_has_its_acl_users_and_persists(deployment: Deployment) -> None:
     anonymous = redis.Redis(port=deployment.redis_port, socket_timeout=10)
     assert anonymous.ping()

@@ -26,8 +26,10 @@ per microbatch (and its pointwise ops): same results, slower. ``engine.native_at
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -39,7 +41,22 @@ log = logging.getLogger("dejavu.engine.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call has one of them
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+
+
+def compile_flags(march: str = "native") -> tuple[str, ...]:
+    return ("-O3", f"-march={march}", "-fopenmp", "-fno-math-errno")
+
+
+FLAGS = compile_flags()
+
+# CPU levels a build can be made for ahead of time, on another machine (a container image), best first,
+# with the /proc/cpuinfo flags each needs: where no compiler is at hand, a host loads the best one it can run.
+_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_1", "sse4_2", "ssse3", "popcnt"})
+# (x86-64 hosts older than AVX2, about 2013, build for themselves or run without the kernels.)
+PORTABLE: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v3", _V3),
+)
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -56,10 +73,13 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_key() -> str:
-    """What a build is valid for: the source, the compile flags, torch's version and the CPU."""
+def build_key(march: str = "native") -> str:
+    """What a build is valid for: the source, the compile flags, torch's version, and (``native``: built
+    for this very CPU) the CPU's flags."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    cpu = _cpu_flags() if march == "native" else ""
+    flags = " ".join(compile_flags(march))
+    for part in (SOURCE.read_bytes(), flags.encode(), torch.__version__.encode(), cpu.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -68,9 +88,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DEJAVU_KERNEL_CACHE", Path.home() / ".cache" / "dejavu" / "kernels"))
 
 
+def prebuilt_dir() -> Path | None:
+    """Where builds made ahead for CPU levels are (``$DEJAVU_KERNEL_PREBUILT``, set in the images)."""
+    folder = os.environ.get("DEJAVU_KERNEL_PREBUILT")
+    return Path(folder) if folder else None
+
+
 def load() -> ModuleType | None:
-    """The compiled kernels, built on first use; None where they cannot be built (the reason is
-    logged once)."""
+    """The compiled kernels: built for this host on first use where a compiler is at hand (or found built
+    already), else the best build made ahead for a CPU level this host runs (:func:`build_portable`); None
+    where there is neither (the reason is logged once)."""
     global _module, _tried
     if _module is not None or _tried:
         return _module
@@ -78,19 +105,66 @@ def load() -> ModuleType | None:
         if _module is not None or _tried:
             return _module
         _tried = True
-        try:
-            _module = _build()
-        except Exception as exc:  # a compiler's failure has many shapes; all of them mean "fall back"
-            log.warning("native kernels unavailable, attention runs per microbatch: %s", str(exc)[-600:])
-            _module = None
+        error: Exception | None = None
+        if _compiler() is not None or _built(build_key()) is not None:
+            try:
+                _module = _build()
+                return _module
+            except Exception as exc:  # a compiler's failure has many shapes; all of them mean "fall back"
+                error = exc
+        _module = _load_prebuilt()
+        if _module is None:
+            reason = str(error)[-600:] if error is not None else "no C++ compiler and no build made ahead for this CPU"
+            log.warning("native kernels unavailable, attention runs per microbatch: %s", reason)
         return _module
 
 
-def _build() -> ModuleType:
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def _built(key: str) -> Path | None:
+    """This host's earlier build of ``key``, if its library is there."""
+    path = cache_dir() / key / f"dejavu_kernels_{key}.so"
+    return path if path.exists() else None
+
+
+def _load_prebuilt() -> ModuleType | None:
+    folder = prebuilt_dir()
+    if folder is None:
+        return None
+    flags = set(_cpu_flags().split())
+    for march, needs in PORTABLE:
+        if not needs <= flags:
+            continue
+        key = build_key(march)
+        path = folder / march / f"dejavu_kernels_{key}.so"
+        if not path.exists():
+            continue
+        try:
+            module = _import(path, f"dejavu_kernels_{key}")
+        except Exception as exc:  # e.g. made for another Python or torch: the next level may still do
+            log.warning("prebuilt native kernels %s do not load here: %s", path, exc)
+            continue
+        log.info("native kernels: the build made ahead for %s (%s)", march, path)
+        return module
+    return None
+
+
+def _import(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(march: str = "native", folder: Path | None = None) -> ModuleType:
     from torch.utils import cpp_extension
 
-    key = build_key()
-    folder = cache_dir() / key
+    key = build_key(march)
+    folder = folder or cache_dir() / key
     folder.mkdir(parents=True, exist_ok=True)
     # ninja and the compiler are looked up on PATH; the venv's own bin (PyPI's ninja) may not be on it.
     bindir = str(Path(sys.executable).parent)
@@ -99,11 +173,27 @@ def _build() -> ModuleType:
     return cpp_extension.load(
         name=f"dejavu_kernels_{key}",
         sources=[str(SOURCE)],
-        extra_cflags=list(FLAGS),
+        extra_cflags=list(compile_flags(march)),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
         verbose=False,
     )
+
+
+def build_portable(folder: Path) -> list[Path]:
+    """Build the kernels for every CPU level of :data:`PORTABLE` into ``folder/<level>/`` (the library
+    alone), for hosts without a compiler that run this torch and Python: what the worker images carry."""
+    out = []
+    for march, _needs in PORTABLE:
+        key = build_key(march)
+        work = folder / ".build" / march
+        _build(march, work)
+        target = folder / march
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(work / f"dejavu_kernels_{key}.so", target / f"dejavu_kernels_{key}.so")
+        out.append(target / f"dejavu_kernels_{key}.so")
+    shutil.rmtree(folder / ".build", ignore_errors=True)
+    return out
 
 
 def decode_attention(
@@ -197,6 +287,10 @@ def _require() -> ModuleType:
 
 if __name__ == "__main__":  # make setup: build ahead, so no worker or test waits for the compiler
     logging.basicConfig(level=logging.INFO)
+    if len(sys.argv) == 3 and sys.argv[1] == "--portable":  # the images: a build per CPU level
+        for path in build_portable(Path(sys.argv[2])):
+            print(f"built {path}")
+        sys.exit(0)
     if load() is None:
         print("native kernels could not be built; attention will run per microbatch")
         sys.exit(0)
