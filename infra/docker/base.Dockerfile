@@ -85,13 +85,12 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 COPY libs/engine/dejavu_engine/native.py /src/kernels/native.py
 COPY libs/engine/dejavu_engine/csrc /src/kernels/csrc
-RUN python /src/kernels/native.py --portable /opt/dejavu/kernels
+RUN python /src/kernels/native.py --portable /opt/venv/share/dejavu/kernels
 
 FROM engine-deps AS engine
 ARG PIP_NO_INDEX=0
 ARG PIP_FIND_LINKS
-COPY --from=kernels /opt/dejavu/kernels /opt/dejavu/kernels
-ENV DEJAVU_KERNEL_PREBUILT=/opt/dejavu/kernels
+COPY --from=kernels /opt/venv/share/dejavu/kernels /opt/venv/share/dejavu/kernels
 COPY libs/common /src/libs/common
 COPY libs/dejavulib /src/libs/dejavulib
 COPY libs/engine /src/libs/engine

@@ -476,7 +476,7 @@ def test_a_host_without_a_compiler_loads_the_best_build_made_ahead_that_it_can_r
     (tmp_path / "x86-64-v4" / "dejavu_kernels_broken0000000000.so").write_bytes(b"not a library")
     (tmp_path / "x86-64-v3").mkdir()
     shutil.copy2(own, tmp_path / "x86-64-v3" / own.name)
-    monkeypatch.setenv("DEJAVU_KERNEL_PREBUILT", str(tmp_path))
+    monkeypatch.setattr(native, "prebuilt_dir", lambda: tmp_path)
     monkeypatch.setattr(native, "build_key", lambda march="native": keys.get(march, "unbuilt000000000"))
     monkeypatch.setattr(native, "_compiler", lambda: None)
     monkeypatch.setattr(native, "_build", lambda *a, **k: pytest.fail("no compiler: nothing is built"))

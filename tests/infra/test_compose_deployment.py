@@ -295,7 +295,7 @@ def test_workers_load_the_native_kernels_built_for_their_cpu_level(deployment: D
     probe = "from dejavu_engine import native; print(getattr(native.load(), '__file__', None))"
     for service in ("prompt-worker-0", "token-worker-0"):
         loaded = deployment.exec(service, "python", "-c", probe).splitlines()[-1]
-        assert loaded.startswith("/opt/dejavu/kernels/x86-64-v"), f"{service}: {loaded}"
+        assert loaded.startswith("/opt/venv/share/dejavu/kernels/x86-64-v"), f"{service}: {loaded}"
 
 
 def test_redis_has_its_acl_users_and_persists(deployment: Deployment) -> None:

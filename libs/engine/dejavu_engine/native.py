@@ -88,10 +88,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DEJAVU_KERNEL_CACHE", Path.home() / ".cache" / "dejavu" / "kernels"))
 
 
-def prebuilt_dir() -> Path | None:
-    """Where builds made ahead for CPU levels are (``$DEJAVU_KERNEL_PREBUILT``, set in the images)."""
+def prebuilt_dir() -> Path:
+    """Where builds made ahead for CPU levels are: ``share/dejavu/kernels`` of the Python environment they
+    were built for (the images build them there), or ``$DEJAVU_KERNEL_PREBUILT``."""
     folder = os.environ.get("DEJAVU_KERNEL_PREBUILT")
-    return Path(folder) if folder else None
+    return Path(folder) if folder else Path(sys.prefix) / "share" / "dejavu" / "kernels"
 
 
 def load() -> ModuleType | None:
@@ -131,7 +132,7 @@ def _built(key: str) -> Path | None:
 
 def _load_prebuilt() -> ModuleType | None:
     folder = prebuilt_dir()
-    if folder is None:
+    if not folder.is_dir():
         return None
     flags = set(_cpu_flags().split())
     for march, needs in PORTABLE:
