@@ -413,6 +413,14 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
           const int64_t nb = row_table[lb + 2];
           prefetch_lines(kp[nb / slab_blocks] + at(nb, kh, 0), block_bytes);
         }
+        // And five ahead, keys and values, into the outer caches: more misses in flight than the L1's fill
+        // buffers allow (a row's walk is bound by them): 16 rows x 1000 positions 25.8 -> 23.8 ms per 30 layers
+        // in float32, 14.9 -> 14.4 in bfloat16 (medians of 8 interleaved rounds; no change at 320 positions).
+        if (lb + 5 < past) {
+          const int64_t nb = row_table[lb + 5];
+          prefetch_lines<1>(kp[nb / slab_blocks] + at(nb, kh, 0), block_bytes);
+          prefetch_lines<1>(vp[nb / slab_blocks] + at(nb, kh, 0), block_bytes);
+        }
         dot_keys_heads(qh, g, kp[b / slab_blocks] + off, vp[b / slab_blocks] + off, hi - lo, d, sc,
                        scores.data() + (lo - start), n);
       }
