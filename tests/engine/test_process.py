@@ -195,3 +195,21 @@ def test_a_worker_never_quiet_still_releases_between_tasks_every_so_often(monkey
         clock[0] += 1.0
     assert not releaser.maybe_release() and calls == [1]  # the next one only after another every_s
     assert not releaser.maybe_release(idle=False)  # a worker holding state keeps to the quiet rule
+
+
+def test_openmp_registration_files_of_processes_that_are_gone_are_removed(tmp_path: Path) -> None:
+    """Intel OpenMP's /dev/shm file of a SIGKILLed process stays for good; a starting worker removes those
+    of dead processes and keeps the live ones' and anything else."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getpid()
+    for name in (
+        f"__KMP_REGISTERED_LIB_{dead.pid}_0",
+        f"__KMP_REGISTERED_LIB_{dead.pid}",
+        f"__KMP_REGISTERED_LIB_{live}_0",
+    ):
+        (tmp_path / name).write_bytes(b"0x7f-cafe-libiomp5.so")
+    (tmp_path / "unrelated").write_bytes(b"x")
+    assert process.sweep_openmp_registrations(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"__KMP_REGISTERED_LIB_{live}_0", "unrelated"]
+    assert process.sweep_openmp_registrations(tmp_path / "missing") == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import sys
 import threading
 import time
@@ -140,6 +141,37 @@ class MemoryReleaser:
             self._freed_at, self._released_at = None, now
         release_free_memory()
         return True
+
+
+#: Intel OpenMP registers each process that loads it with a file in /dev/shm, removed at a normal exit; a
+#: SIGKILLed worker (every failure test, every chaos fault) leaves its file behind for good.
+OPENMP_REGISTRATION = re.compile(r"__KMP_REGISTERED_LIB_(\d+)(_\d+)?")
+
+
+def sweep_openmp_registrations(folder: Path = Path("/dev/shm")) -> int:
+    """Remove the Intel OpenMP registration files of processes that no longer exist (ours only: a file
+    another user owns stays); returns how many. Each worker calls it as it starts, so the files of the
+    workers killed before it go with it."""
+    removed = 0
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return 0
+    for path in entries:
+        match = OPENMP_REGISTRATION.fullmatch(path.name)
+        if match is None:
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+        except OSError:  # gone meanwhile, or a live process of another user (PermissionError)
+            continue
+    return removed
 
 
 def loaded_libraries(names: Sequence[str] = ("tcmalloc", "iomp5", "gomp")) -> list[str]:

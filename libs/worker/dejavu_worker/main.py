@@ -12,7 +12,7 @@ import sys
 from dejavu_common import keys
 from dejavu_common.redis_client import sync_client
 from dejavu_common.settings import Settings
-from dejavu_engine.process import describe_runtime
+from dejavu_engine.process import describe_runtime, sweep_openmp_registrations
 
 
 def worker_main(role: str, worker_class: str, argv: list[str] | None = None) -> int:
@@ -44,5 +44,8 @@ def worker_main(role: str, worker_class: str, argv: list[str] | None = None) -> 
     module, name = worker_class.split(":")
     factory = getattr(importlib.import_module(module), name)
     worker = factory(settings, args.worker_id, args.spare)
-    logging.getLogger("dejavu.worker").info("runtime: %s", describe_runtime())
+    log = logging.getLogger("dejavu.worker")
+    log.info("runtime: %s", describe_runtime())
+    if swept := sweep_openmp_registrations():
+        log.info("removed the Intel OpenMP registration files of %d processes that are gone", swept)
     return worker.run()
