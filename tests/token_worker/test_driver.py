@@ -233,26 +233,28 @@ def test_a_colocated_task_of_a_newer_epoch_is_held_until_that_epoch_and_runs_fir
 
 
 def test_a_microbatch_that_cannot_resume_is_freed_and_failed_only_if_still_awaited(redis_url) -> None:
-    """The resume point of a repair can name a microbatch whose tokens are not all on its stream: one
-    that finished while the repair was planned (the controller deleted its spec and stream) is only
-    freed; one the controller still waits for is failed too. Either way no stage keeps its caches (the
-    recovery kept them for this resume: a CI run found three stages holding them after the test)."""
+    """The resume point of a repair can name a microbatch whose tokens are not all on its stream. One whose
+    newest tokens were lost with the failed last stage (it had replicated their step's KV: a multi-host CI
+    run) resumes after the newest token there. One with none that finished while the repair was planned
+    (the controller deleted its spec and stream) is only freed; one the controller still waits for is
+    failed too. Either way no stage keeps its caches (the recovery kept them for this resume: a CI run
+    found three stages holding them after the test)."""
     import redis as redis_lib
 
     from dejavu_common import keys
     from dejavu_common.messages import TokenStep
 
     client = redis_lib.Redis.from_url(redis_url)
-    for mb in (5, 7):
+    for mb in (5, 7, 8):
         client.set(keys.microbatch(mb), _spec(mb, 1).encode())
     for step in range(3):
         client.xadd(keys.tokens(5), {"step": TokenStep(mb_id=5, step=step, tokens=(9,), finished=(None,)).encode()})
-    client.xadd(keys.tokens(7), {"step": TokenStep(mb_id=7, step=0, tokens=(9,), finished=(None,)).encode()})
-    p = Pipeline(1, {}, {mb: _spec(mb, 1) for mb in (5, 6, 7)})
+    client.xadd(keys.tokens(7), {"step": TokenStep(mb_id=7, step=0, tokens=(4,), finished=(None,)).encode()})
+    p = Pipeline(1, {}, {mb: _spec(mb, 1) for mb in (5, 6, 7, 8)})
     driver = Driver(p, p, client, "t0", Position(0, 1, None, "t0", colocated=False), None, 1.0)  # type: ignore[arg-type]
-    driver.resume({5: 3, 6: 20, 7: 3})
-    assert [(mb, m.step, m.feed) for mb, m in driver._waiting] == [(5, 3, (9,))]
-    assert sorted(p.released) == [6, 7] and p.failed == [7]
+    driver.resume({5: 3, 6: 20, 7: 3, 8: 3})
+    assert [(mb, m.step, m.feed) for mb, m in driver._waiting] == [(5, 3, (9,)), (7, 1, (4,))]
+    assert sorted(p.released) == [6, 8] and p.failed == [8]
 
 
 class Colocated(Pipeline):

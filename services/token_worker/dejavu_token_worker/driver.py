@@ -116,12 +116,20 @@ class Driver:
 
     # -- membership -----------------------------------------------------------------------------
     def resume(self, points: dict[int, int]) -> None:
-        """Re-admit microbatches after recovery, each at the step it resumes from. One whose tokens up to
-        there are not on its stream cannot resume: it is failed if the controller still waits for it, and
-        freed along the pipeline, which kept it for this resume. (Seen when it finished while the repair
-        was planned: the controller deleted its spec and stream, and every stage kept its caches.)"""
+        """Re-admit microbatches after recovery, each at the step it resumes from, or earlier: where the
+        newest tokens did not reach its stream (the last stage sampled them, replicated that step's KV, and
+        died before stage 0 published them), at the step after the newest one there. Every stage holds the
+        KV of those steps, and re-executed steps rewrite it identically (the controller drops their
+        duplicate tokens). One with no tokens on its stream cannot resume: it is failed if the controller
+        still waits for it, and freed along the pipeline, which kept it for this resume. (Seen when it
+        finished while the repair was planned: the controller deleted its spec and stream, and every stage
+        kept its caches.)"""
         for mb, step in sorted(points.items()):
             entries = history(self.redis, mb, before_step=step)
+            if entries and entries[-1].step < step - 1:
+                log.warning("microbatch %d: tokens of steps %d..%d are not on its stream: resuming at step %d",
+                            mb, entries[-1].step + 1, step - 1, entries[-1].step + 1)  # fmt: skip
+                step = entries[-1].step + 1
             if not entries or entries[-1].step != step - 1:
                 if self.redis.exists(keys.microbatch(mb)):  # the controller still waits for it: fail it
                     error = RuntimeError(f"no tokens of step {step - 1} for microbatch {mb}: cannot resume it")
