@@ -47,8 +47,6 @@ def compile_flags(march: str = "native") -> tuple[str, ...]:
     return ("-O3", f"-march={march}", "-fopenmp", "-fno-math-errno")
 
 
-FLAGS = compile_flags()
-
 # CPU levels a build can be made for ahead of time, on another machine (a container image), best first,
 # with the /proc/cpuinfo flags each needs: where no compiler is at hand, a host loads the best one it can run.
 _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_1", "sse4_2", "ssse3", "popcnt"})
@@ -213,9 +211,7 @@ def decode_attention(
     contiguous, of ``q``'s dtype), then attends positions ``[start, end)`` there. Returns ``[rows, heads,
     head_dim]`` of ``q``'s dtype.
     Raises RuntimeError where the kernels are not loaded or the arguments do not fit."""
-    module = load()
-    if module is None:
-        raise RuntimeError("native kernels are not available")
+    module = _require()
     with torch.profiler.record_function("dejavu::decode_attention"):  # named in profiles like torch's ops
         return module.decode_attention(q, k_new, v_new, k_caches, v_caches, rows, scale)
 
@@ -240,9 +236,7 @@ def paged_decode_attention(
     in parallel, so no two rows may write one slot, nor may one row read a slot another writes.
     Returns ``[rows, heads, head_dim]``. Raises RuntimeError where the kernels are not loaded or the
     arguments do not fit (a span past its table, a block it touches that is -1 or not in the slabs)."""
-    module = load()
-    if module is None:
-        raise RuntimeError("native kernels are not available")
+    module = _require()
     with torch.profiler.record_function("dejavu::paged_decode_attention"):
         return module.paged_decode_attention(q, k_new, v_new, k_slabs, v_slabs, tables, spans, scale)
 
@@ -257,9 +251,7 @@ def prefill_attention(
     ``i`` attends its keys ``0..i`` (SDPA's ``is_causal`` on the prompt alone). Returns ``[tokens, heads,
     head_dim]``, contiguous, of ``q``'s dtype (tokens in no segment are 0). Raises RuntimeError where the kernels
     are not loaded or the arguments do not fit."""
-    module = load()
-    if module is None:
-        raise RuntimeError("native kernels are not available")
+    module = _require()
     with torch.profiler.record_function("dejavu::prefill_attention"):
         return module.prefill_attention(q, k, v, segments, scale)
 
@@ -280,6 +272,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _require() -> ModuleType:
+    """The loaded kernels; RuntimeError where there are none."""
     module = load()
     if module is None:
         raise RuntimeError("native kernels are not available")
