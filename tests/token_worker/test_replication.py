@@ -1,6 +1,7 @@
-"""The replica a token stage keeps of its predecessor (real Redis): it grows with the steps, a step that
-arrives after its microbatch was released does not bring the microbatch back, and a replica kept on
-disk (through DejaVuLib's disk transport, no host memory) restores the same cache as one in memory."""
+"""The replica a token stage keeps of its predecessor (real Redis): it takes host pool blocks as the steps
+come and returns a finished request's at once, a step that arrives after its microbatch was released does
+not bring the microbatch back, a full pool drops a replica rather than grow past its bound, and a replica
+kept on disk (through DejaVuLib's disk transport, no host memory) restores the same cache as one in memory."""
 
 from __future__ import annotations
 
@@ -38,27 +39,102 @@ def test_a_replica_grows_with_the_steps_and_a_late_step_after_release_is_ignored
     client = redis.Redis.from_url(redis_url)
     store = _store(client, tmp_path, mode)
     store.store(*_chunk(0, 3, 0))  # the prompt
-    assert store.replicas[5].layout.max_len == 67  # the prompt plus 64
-    for step in range(1, 70):  # decode steps write one position each; the replica doubles when full
+    if mode is Replication.DISK:
+        assert store.replicas[5].layout.max_len == 67  # the prompt plus 64, doubling as the steps come
+    else:  # one block of 16 positions taken so far, of a pool that knows nothing of the span
+        assert store.pool is not None and store.pool.used_blocks == 1 and store.replicas[5].cache.blocks_held == 1
+    for step in range(1, 70):  # decode steps write one position each
         store.store(*_chunk(2 + step, 3 + step, step))
-    assert store.replicas[5].layout.max_len == 134 and store.watermark(5) == 69
+    assert store.watermark(5) == 69
+    if mode is Replication.DISK:
+        assert store.replicas[5].layout.max_len == 134
+    else:
+        assert store.pool.used_blocks == 5  # positions [0, 72): blocks as the positions came, none for the span
     [(mb, cache, step)] = store.restorable([5, 6])  # 6 is not held here
-    assert (mb, step, cache.layout.max_len) == (5, 69, 134)
-    assert torch.equal(cache.k[0, 0, 0, 71], torch.full((8,), 69.0))
-    assert torch.equal(cache.v[1, 0, 1, 2], torch.full((8,), 0.0)) and torch.equal(cache.v[1, 0, 1, 3], torch.ones(8))
+    assert (mb, step) == (5, 69)
+    dense = cache.dense(72) if mode is not Replication.DISK else cache
+    assert torch.equal(dense.k[0, 0, 0, 71], torch.full((8,), 69.0))
+    assert torch.equal(dense.v[1, 0, 1, 2], torch.full((8,), 0.0)) and torch.equal(dense.v[1, 0, 1, 3], torch.ones(8))
     in_memory = sum(c.nbytes for c in store.memory_caches())
     assert (in_memory == 0) == (mode is Replication.DISK)
     files = list(store.disk.root.glob("*.kv")) if store.disk is not None else []
     assert len(files) == (70 if mode is not Replication.MEMORY else 0)  # one chunk per message, on disk
     assert client.hget(keys.watermark(1), 5) == b"69"
     store.drop(5, finished=True)
+    assert store.pool is None or store.pool.used_blocks == 0  # every block back in the pool
     store.store(*_chunk(72, 73, 70))  # in flight when the microbatch finished
     store.store(*_chunk(0, 3, 0))  # even its prompt's replica, overtaken by the release
     assert store.microbatches() == set() and store.watermark(5) == -1
     assert client.hget(keys.watermark(1), 5) is None
+    assert store.pool is None or store.pool.used_blocks == 0
     assert not list(tmp_path.rglob("*.kv"))  # no replica chunk stays or comes back either
     store.close()
     assert _folders(tmp_path) == []  # the process's folder (and its lease) is gone with its store
+    client.close()
+
+
+def _two_row_spec(client: redis.Redis, mb: int = 7) -> None:
+    rows = tuple(
+        RowSpec(request_id=f"r{i}", prompt_ids=(1, 2, 3), sampling=SamplingSpec(max_tokens=100, seed=0))
+        for i in range(2)
+    )
+    client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=rows, prompt_len=3, max_len=200).encode())
+
+
+def _rows_chunk(mb: int, p0: int, p1: int, step: int, rows: int = 2) -> tuple[Region, int, Message]:
+    k = torch.full((2, rows, 2, p1 - p0, 8), float(step + 1))
+    data = torch.stack((k, k)).reshape(-1).view(torch.uint8).numpy()
+    header = Header(Channel.KV_REPLICA, microbatch=mb, step=step, layers=(2, 4), rows=(0, rows), positions=(p0, p1),
+                    which=3, nbytes=data.nbytes)  # fmt: skip
+    return Region(mb, (2, 4), (0, rows), (p0, p1)), step, Message(header, data)
+
+
+def test_a_replica_returns_a_finished_rows_blocks_and_its_pool_bound_drops_what_does_not_fit(
+    redis_url, tmp_path
+) -> None:
+    """The replica pool holds blocks, not spans: a request that ends gives its row's blocks back at once
+    (the rows still running keep theirs and their data), and a replica that finds the pool full is
+    dropped with its watermark (a failure then re-runs that prompt) while the others keep replicating."""
+    client = redis.Redis.from_url(redis_url)
+    _two_row_spec(client, 7)
+    _two_row_spec(client, 8)
+    block = 2 * 2 * 2 * 16 * 8 * 4  # K and V, 2 layers, 2 heads, 16 positions of 8 float32
+    store = ReplicaStore(client, None, 1, (2, 4), (2, 8, "float32"), Replication.MEMORY, tmp_path, 1.0,  # type: ignore[arg-type]
+                         worker_id="t1", block_size=16, memory_bytes=6 * block)  # fmt: skip
+    assert store.pool is not None and store.pool.max_blocks == 6
+    store.store(*_rows_chunk(7, 0, 3, 0))
+    for step in range(1, 20):
+        store.store(*_rows_chunk(7, 2 + step, 3 + step, step))  # positions [0, 22): 2 blocks per row
+    assert store.pool.used_blocks == 4 and store.watermark(7) == 19
+    store.retire_rows(7, (1,))  # row 0's request ended
+    assert store.pool.used_blocks == 2
+    store.retire_rows(7, (1,))  # again: nothing more to return
+    assert store.pool.used_blocks == 2
+    for step in range(20, 30):  # row 1 goes on; chunks still carry both rows, row 0's part is skipped
+        store.store(*_rows_chunk(7, 2 + step, 3 + step, step))
+    assert store.pool.used_blocks == 2 and store.watermark(7) == 29
+    [(_, cache, _)] = store.restorable([7])
+    dense = cache.dense(32)
+    assert torch.equal(dense.k[0, 1, 0, 31], torch.full((8,), 30.0))  # row 1 holds its data
+    assert torch.equal(dense.k[0, 0, 0, 5], torch.zeros(8))  # row 0's blocks are gone
+
+    store.store(*_rows_chunk(8, 0, 3, 0))  # microbatch 8 takes 2 blocks (4 used of 6)
+    for step in range(1, 14):
+        store.store(*_rows_chunk(8, 2 + step, 3 + step, step))
+    assert store.watermark(8) == 13 and store.pool.used_blocks == 4
+    store.store(*_rows_chunk(8, 15, 16, 14))  # position 15 fits: still in the first blocks
+    store.store(*_rows_chunk(8, 16, 17, 15))  # position 16 needs 2 blocks: 2 left, fits
+    assert store.pool.used_blocks == 6 and store.watermark(8) == 15
+    store.store(*_rows_chunk(7, 31, 32, 29))  # a step re-sent (a resume) within its blocks: fine
+    store.store(*_rows_chunk(7, 32, 33, 30))  # row 1 needs a third block, none is left: 7's replica is dropped
+    assert store.microbatches() == {8} and store.watermark(7) == -1
+    assert client.hget(keys.watermark(1), 7) is None and store.pool.used_blocks == 4
+    store.store(*_rows_chunk(7, 33, 34, 31))  # its later steps are ignored, not a replica from mid-way
+    assert store.microbatches() == {8} and store.pool.used_blocks == 4
+    store.store(*_rows_chunk(8, 17, 18, 16))  # microbatch 8 replicates on
+    assert store.watermark(8) == 16
+    store.close()
+    assert store.pool.used_blocks == 0
     client.close()
 
 

@@ -278,6 +278,14 @@ class RecoverySettings(BaseModel):
         default_factory=lambda: default_cache_dir() / "replicas",
         description="Folder of on-disk replicas (created 0700; refused if other users could write it).",
     )
+    replica_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Bound on the host memory of a token stage's replicas (`memory`, `both`): a block pool of "
+        "`engine.kv_block_size` positions (16 when the pool is off), taken as chunks arrive and returned "
+        "as each request ends. None: 30% of the host memory available when the stage starts replicating. A "
+        "replica that finds the pool full is dropped: a failure of its stage re-runs that microbatch's prompt.",
+    )
     drain_timeout_s: float = Field(
         20.0,
         ge=0,

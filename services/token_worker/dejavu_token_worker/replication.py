@@ -3,10 +3,12 @@
 The sender side ships the prompt part once, then after every decode step the one position that
 step wrote (all of the stage's layers, rows and heads: one region, packed by DejaVuLib's streaming
 thread into one buffered transfer, its header naming the microbatch, positions and step). The receiver keeps
-the predecessor's caches in host memory and, once a chunk for microbatch j up to step t is
-written, records the watermark (x, j, t) in Redis, so the controller knows how far every replica
-reaches. With ``replication = disk`` the receiver keeps the replica on disk instead, through DejaVuLib's
-disk transport, and gathers it back when a restore needs it; ``both`` keeps both (see :class:`ReplicaStore`).
+the predecessor's caches in a host block pool (DejaVuLib's paged caches: blocks taken as chunks
+arrive, a finished request's returned at its microbatch's next step, the rest when the microbatch
+ends) and, once a chunk for microbatch j up to step t is written, records the watermark (x, j, t)
+in Redis, so the controller knows how far every replica reaches. With ``replication = disk`` the
+receiver keeps the replica on disk instead, through DejaVuLib's disk transport, and gathers it back
+when a restore needs it; ``both`` keeps both (see :class:`ReplicaStore`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dejavulib.errors import DejaVuLibError, IntegrityError
 from dejavulib.header import Header
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import KVLayout, Region
+from dejavulib.paged import BlockGeometry, BlockPool, PagedKVCache, PoolExhausted
 from dejavulib.streaming import region_of, stream_in
 from dejavulib.transport.base import KEY_LIMIT
 from dejavulib.transport.disk import DiskTransport, FolderLease, sweep_orphans
@@ -68,13 +71,14 @@ class ReplicaSender:
 
 @dataclass(eq=False)
 class Replica:
-    """What this stage keeps of one microbatch of its predecessor: where the KV is (a host cache, chunks
-    in the disk transport's slots, or both), how far it reaches, and the steps held past a hole."""
+    """What this stage keeps of one microbatch of its predecessor: where the KV is (a cache in the host
+    block pool, chunks in the disk transport's slots, or both), how far it reaches, and the steps held past
+    a hole."""
 
     mb_id: int
     layout: KVLayout  # the predecessor's layers and this microbatch's rows; ``max_len``: positions held so far
     span: int  # the microbatch's whole span (its spec's ``max_len``)
-    cache: KVCache | None  # in host memory (``memory``, ``both``)
+    cache: PagedKVCache | None  # in the host block pool (``memory``, ``both``)
     chunks: list[tuple[int, Region]] = field(default_factory=list)  # on disk (``disk``, ``both``): key, region
     step: int = -1  # the watermark: the last step up to which every step is held
     ahead: set[int] = field(default_factory=set)  # steps held past a hole (not yet contiguous)
@@ -101,7 +105,11 @@ class Replica:
 class ReplicaStore:
     """The predecessor's caches; a background thread receives into them.
 
-    ``memory`` keeps each replica as a host cache. ``disk`` keeps none in memory: every chunk goes
+    ``memory`` keeps each replica as a paged cache in a host :class:`BlockPool` of up to ``memory_bytes``:
+    blocks are taken as chunks arrive (nothing is reserved by the span), a row's go back when its request
+    ends (:meth:`retire_rows`), the rest when the microbatch ends. A replica that finds the pool full is
+    dropped (logged), so a failure of the predecessor re-runs that microbatch's prompt instead of
+    restoring it: replicas never take more than their bound. ``disk`` keeps none in memory: every chunk goes
     through DejaVuLib's disk transport (``flush`` to this process's own folder under ``replica_dir``, one
     file per chunk, written atomically) and a restore gathers the chunks back (``fetch``) into a cache
     built for it. ``both`` does both and restores from memory. A microbatch's chunks are discarded with
@@ -120,6 +128,8 @@ class ReplicaStore:
         deadline_s: float,
         abandon: Callable[[], bool] | None = None,
         worker_id: str = "replicas",
+        block_size: int = 16,
+        memory_bytes: int = 1 << 30,
     ) -> None:
         self.redis = client
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
@@ -129,6 +139,11 @@ class ReplicaStore:
         self.mode = mode
         self.deadline_s = deadline_s
         self.kv_heads, self.head_dim, self.dtype = head_geometry
+        self.pool: BlockPool | None = None
+        if self.in_memory:
+            a, b = source_layers
+            geometry = BlockGeometry(b - a, self.kv_heads, block_size, self.head_dim, self.dtype, a)
+            self.pool = BlockPool(geometry, max(1, memory_bytes // geometry.bytes_per_block), slab_blocks=32)
         self.replicas: dict[int, Replica] = {}
         # Microbatches released as finished: a replica of theirs still on its way must not revive them.
         self._finished: collections.deque[int] = collections.deque(maxlen=_FINISHED_REMEMBERED)
@@ -178,7 +193,7 @@ class ReplicaStore:
             return
         region.check_within(replica.layout)
         if replica.cache is not None:
-            stream_in(replica.cache, message, region)
+            stream_in(replica.cache, message, region)  # into the blocks _replica took for it
         elif region.nbytes(replica.layout) != message.payload.nbytes:
             raise IntegrityError(f"region {region} needs {region.nbytes(replica.layout)} bytes, "
                                  f"the message has {message.payload.nbytes}")  # fmt: skip
@@ -200,10 +215,12 @@ class ReplicaStore:
                 self.redis.hset(keys.watermark(self.source_stage), mb, held)
 
     def _replica(self, mb_id: int, chunk_positions: tuple[int, int]) -> Replica | None:
-        """The replica of ``mb_id``, holding at least the chunk's positions: like the primary, its cache
-        starts small and doubles up to the microbatch's span (a chunk past the span is refused). None
-        for a later step of a microbatch not held here: a replica starts with its prompt (FIFO per
-        sender), so that is one released meanwhile (it finished), and it must not come back."""
+        """The replica of ``mb_id``, holding at least the chunk's positions: in memory, its paged cache
+        takes the blocks up to them; on disk only, its layout doubles up to the microbatch's span (a
+        chunk past the span is refused). None for a later step of a microbatch not held here: a replica
+        starts with its prompt (FIFO per sender), so that is one released meanwhile (it finished, or the
+        pool was full), and it must not come back; and None when the pool has no block for the chunk
+        (the replica is dropped)."""
         positions = chunk_positions[1]
         with self.lock:
             replica = self.replicas.get(mb_id)
@@ -214,17 +231,29 @@ class ReplicaStore:
         if replica is None:
             spec = fetch_spec(self.redis, mb_id, self.deadline_s, self.abandon)  # may wait: not under the lock
             a, b = self.source_layers
-            size = min(spec.max_len, max(positions, spec.prompt_len + 64))
-            layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
-            cache = KVCache.allocate(layout, "cpu") if self.in_memory else None
+            cache = None
+            if self.pool is not None:  # the whole span's coordinates; blocks come as positions arrive
+                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, spec.max_len, self.head_dim, self.dtype, a)
+                cache = self.pool.cache(layout, spec.pad_lens)
+            else:
+                size = min(spec.max_len, max(positions, spec.prompt_len + 64))
+                layout = KVLayout(b - a, len(spec.rows), self.kv_heads, size, self.head_dim, self.dtype, a)
             with self.lock:
                 if self._closed or mb_id in self._finished:
                     return None
                 replica = self.replicas.setdefault(mb_id, Replica(mb_id, layout, spec.max_len, cache))
-        if replica.cache is not None:  # both raise past the span
-            grown = replica.cache.holding(positions, replica.span)  # a copy when it grows: readers keep the old one
-            with self.lock:
-                replica.cache, replica.layout = grown, grown.layout
+            if cache is not None and replica.cache is not cache:
+                cache.free()  # another thread made it first
+        if replica.cache is not None:  # raises past the span
+            try:
+                replica.cache.holding(positions, replica.span)
+            except PoolExhausted:
+                log.warning(
+                    "replica pool full (%d blocks): not replicating microbatch %d; a failure of stage %d re-runs "
+                    "its prompt", replica.cache.pool.max_blocks, mb_id, self.source_stage,
+                )  # fmt: skip
+                self.drop(mb_id)
+                return None
         else:
             layout = replica.layout.holding(positions, replica.span)
             with self.lock:
@@ -241,12 +270,23 @@ class ReplicaStore:
             replica = self.replicas.get(mb_id)
             return replica.step if replica is not None else -1
 
-    def memory_caches(self) -> list[KVCache]:
+    def retire_rows(self, mb_id: int, running: tuple[int, ...]) -> None:
+        """Return the blocks of ``mb_id``'s rows not in ``running``: their requests ended (this stage's pass
+        of the microbatch left them out, so no stage computes them again)."""
+        replica = self.replicas.get(mb_id)
+        cache = replica.cache if replica is not None else None
+        if cache is None:
+            return
+        done = [r for r, live in enumerate(cache.live) if live and r not in running]
+        if done:
+            cache.free_rows(done)
+
+    def memory_caches(self) -> list[PagedKVCache]:
         """The replicas held in host memory (none with ``disk``). Never waits for the lock: the heartbeat
         asks on its way to renewing the lease (a snapshot of the dict is atomic)."""
         return [r.cache for r in list(self.replicas.values()) if r.cache is not None]
 
-    def restorable(self, mb_ids: Iterable[int]) -> Iterator[tuple[int, KVCache, int]]:
+    def restorable(self, mb_ids: Iterable[int]) -> Iterator[tuple[int, KVCache | PagedKVCache, int]]:
         """(microbatch, cache, watermark) of each of ``mb_ids`` held here, for a replaced predecessor,
         one at a time: the host cache, or one gathered back from the disk transport's chunks in the
         order they came (so only one is in memory at once). A replica that cannot be read back is
@@ -282,6 +322,8 @@ class ReplicaStore:
             if finished:
                 self._finished.append(mb_id)
             replica = self.replicas.pop(mb_id, None)
+            if replica is not None and replica.cache is not None:
+                replica.cache.free()  # its blocks go back to the pool now
             if replica is not None and self.disk is not None:
                 for key, _ in replica.chunks:
                     self.disk.discard(self.disk.self_id, key)
@@ -292,6 +334,9 @@ class ReplicaStore:
         later process); a message still arriving is ignored."""
         with self.lock:
             self._closed = True
+            for replica in self.replicas.values():
+                if replica.cache is not None:
+                    replica.cache.free()
             self.replicas.clear()
             if self.disk is not None:
                 _empty(self.disk.root)

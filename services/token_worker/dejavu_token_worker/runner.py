@@ -25,7 +25,7 @@ from dejavu_common.messages import FinishReason, TokenStep
 from dejavu_engine.sampling import SamplingParams, sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
-from dejavu_token_worker.replication import ReplicaSender
+from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
@@ -108,6 +108,7 @@ class StageRunner:
         self.deadline_s = deadline_s
         self.states: dict[int, MicrobatchState] = {}
         self.replicas: ReplicaSender | None = None
+        self.held_replicas: ReplicaStore | None = None  # the predecessor's replicas kept here
         self._lock = threading.Lock()
         self._passes = 0  # passes run, for the least-recently-computed order of preemption
         self._in_pass: set[int] = set()  # the microbatches of the pass being set up
@@ -303,7 +304,10 @@ class StageRunner:
         """The cache to compute on: the device buffer holding ``state`` (swapping) or its own cache. A paged
         cache first returns the blocks of its rows that finished (every row not in ``rows``) to the pool,
         then takes the blocks the pass writes (moving its host copy back if it was preempted); when the pool
-        is full, microbatches not in this pass are preempted to host memory to make room."""
+        is full, microbatches not in this pass are preempted to host memory to make room. The replica of
+        the predecessor's cache kept here returns its finished rows' blocks too."""
+        if rows and self.held_replicas is not None:
+            self.held_replicas.retire_rows(state.mb_id, rows)
         if self.swap is None:
             cache = state.cache
             if isinstance(cache, PagedKVCache):

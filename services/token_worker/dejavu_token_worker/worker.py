@@ -124,6 +124,11 @@ class TokenWorker(WorkerProcess):
             budget = int(0.6 * available_memory_bytes())
         return max(1, budget // geometry.bytes_per_block)
 
+    def _replica_bytes(self) -> int:
+        """Bound on the replica pool: ``recovery.replica_memory_bytes``, or 30% of the memory available now."""
+        budget = self.settings.recovery.replica_memory_bytes
+        return budget if budget is not None else int(0.3 * available_memory_bytes())
+
     def serve(self, topology: Topology) -> None:
         assert self.endpoint is not None and self.runner is not None and self.redis is not None
         stages = topology.token_stages
@@ -158,7 +163,18 @@ class TokenWorker(WorkerProcess):
                 self.settings.transport.deadline_s,
                 self.epoch_changed,
                 self.worker_id,
+                block_size=self.settings.engine.kv_block_size or 16,
+                memory_bytes=self._replica_bytes(),
             )
+            if self.replica.pool is not None:
+                log.info(
+                    "replicas of stage %d: a host pool of up to %d blocks of %d positions (%.1f GB)",
+                    pred.stage,
+                    self.replica.pool.max_blocks,
+                    self.replica.pool.geometry.block_size,
+                    self.replica.pool.max_blocks * self.replica.pool.geometry.bytes_per_block / 1e9,
+                )
+        self.runner.held_replicas = self.replica
         stop = threading.Event()
         # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
         # first layers can arrive before the resume point is read, and releasing the re-run microbatch's
