@@ -181,3 +181,32 @@ def test_paged_pools_too_small_for_the_microbatches_in_flight_preempt_and_lose_n
         log_text = logs(launcher, tail=None)
         assert "moved to host memory" in log_text, log_text[-3000:]  # preempted, and lost nothing
         assert "PoolExhausted" not in log_text and "failing its requests" not in log_text
+
+
+@pytest.mark.parametrize(
+    "deployment",
+    [
+        pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2), id="1P+2T"),
+        pytest.param(dict(mode=Mode.COLOCATED, token_depth=1, token_microbatch=2), id="colocated"),
+    ],
+)
+def test_with_no_host_memory_for_preempted_caches_stage_0_recomputes_them_and_loses_nothing(
+    deployment, redis_url, model, reference
+) -> None:
+    """As above, but stage 0 may keep no preempted cache in host memory (``kv_host_bytes`` of 1 byte): it
+    discards the KV of the microbatches it preempts, and each comes back through one prefill pass of its
+    prompt and every token it generated, through every stage (the other stages drop and rewrite theirs).
+    Every answer is still transformers', token for token."""
+    settings = cluster_settings(redis_url, model, **deployment)
+    settings.engine.kv_block_size = 4
+    layers = 15 if deployment.get("token_depth") == 2 else 30
+    settings.engine.kv_pool_bytes = 40 * (2 * layers * 3 * 4 * 64 * 4)  # 40 blocks of 4 positions a stage
+    settings.engine.kv_host_bytes = 1
+    with running(settings) as launcher:
+        jobs = [(PROMPTS[i % len(PROMPTS)], 40) for i in range(6)]
+        got = _complete_all(_client(launcher), settings.model.name, jobs)
+        for (prompt, n), (text, _usage, _finish) in zip(jobs, got, strict=True):
+            assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
+        log_text = logs(launcher, tail=None)
+        assert "to be recomputed" in log_text and "recomputing microbatch" in log_text, log_text[-3000:]
+        assert "PoolExhausted" not in log_text and "failing its requests" not in log_text

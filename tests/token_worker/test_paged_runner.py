@@ -3,6 +3,7 @@ a finished row's at the next pass that leaves it out, the rest when the microbat
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from dejavu_common import keys
@@ -72,6 +73,57 @@ def test_a_full_pool_preempts_the_least_recently_computed_microbatch_to_host_mem
     runner._in_pass = {1}
     runner._acquire(one, 4, (0, 1))  # back: needs 4 blocks, so microbatch 2 goes to host memory in turn
     assert not one.cache.evicted and two.cache.evicted
+    client.close()
+
+
+def test_past_its_host_budget_stage_0_discards_instead_and_the_driver_recomputes_from_the_stream(
+    redis_url: str,
+) -> None:
+    """With no host memory left for preempted caches, making room forgets a microbatch's KV (its blocks back,
+    no host copy, progress -1 so a repair does not count on it); a decode pass refuses it, and the driver's
+    recompute pass feeds its prompt and every token its stream holds, one position per step."""
+    from dejavu_common.messages import TokenStep
+    from dejavu_token_worker.driver import Driver
+    from dejavu_token_worker.runner import PassMember, Position, StageRunner
+    from dejavu_worker.dataplane import Kind
+    from dejavu_worker.microbatch import KVStatus
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=6, slab_blocks=2)
+    rows = tuple(
+        RowSpec(request_id=f"r{i}", prompt_ids=(5,) * n, sampling=SamplingSpec(max_tokens=8, seed=0))
+        for i, n in enumerate((4, 2))
+    )
+    for mb in (1, 2):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=rows, prompt_len=4, max_len=12).encode())
+        client.delete(keys.tokens(mb))
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    runner.host_budget = 1  # stage 0 with no host memory to spare
+    one, two = runner.state(1), runner.state(2)
+    for state in (one, two):
+        state.mark_complete()
+        runner._passes += 1
+        state.last_pass = runner._passes
+        runner._acquire(state, 3, (0, 1))  # 2 blocks each
+    one.done_step = 2
+    runner._in_pass = {2}
+    runner._acquire(two, 7, (0, 1))
+    runner._acquire(two, 11, (0, 1))  # needs room: microbatch 1 is forgotten, not moved to host memory
+    assert one.status is KVStatus.DISCARDED and not one.cache.evicted and one.cache.blocks_held == 0
+    assert runner.host_held() == 0 and pool.used_blocks == 6
+    assert runner.progress() == {1: -1, 2: 0}
+    with pytest.raises(ValueError, match="recomputed"):
+        runner.run(Position(0, 1, None, "t0", True), [PassMember(one, 3, (0, 1))], Kind.DECODE, None)  # type: ignore[arg-type]
+
+    steps = ((0, (11, 21), (None, None)), (1, (12, 22), (None, "stop")), (2, (13, -1), (None, None)))
+    for step, tokens, finished in steps:
+        entry = TokenStep(mb_id=1, step=step, tokens=tokens, finished=finished)
+        client.xadd(keys.tokens(1), {"step": entry.encode()})
+    driver = Driver(runner, None, client, "t0", Position(0, 1, None, "t0", True), None, 1.0)  # type: ignore[arg-type]
+    ids = driver._recompute_ids(one, 3)
+    assert ids.tolist() == [[5, 5, 5, 5, 11, 12, 13], [0, 0, 5, 5, 21, 22, 0]]  # left-padded prompt, then steps 0-2
+    with pytest.raises(ValueError, match="lacks"):
+        driver._recompute_ids(one, 4)  # step 3's tokens are not on the stream
     client.close()
 
 

@@ -109,6 +109,11 @@ def test_the_kv_status_follows_arrival_preemption_and_release() -> None:
     assert state.status is KVStatus.READY and pool.used_blocks == 4
     back = state.cache.dense(6)
     assert torch.equal(back.k, k) and torch.equal(back.v, v)
+    assert state.preempt() == 4 and state.discard() == 0  # preempted: its blocks are back, its host copy goes
+    assert state.status is KVStatus.DISCARDED and not state.cache.evicted and state.preempt() == 0
+    state.ensure_capacity(7)  # a recompute pass takes blocks for every position and rewrites them
+    assert state.status is KVStatus.READY and pool.used_blocks == 4 and state.discard() == 4
+    state.ensure_capacity(7)
     state.release()
     assert state.status is KVStatus.RELEASED and pool.used_blocks == 0
     state.release()  # idempotent

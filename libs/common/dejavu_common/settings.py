@@ -138,6 +138,15 @@ class EngineSettings(BaseModel):
         "stage loads. Memory is taken as the pool fills, not up front.",
     )
 
+    kv_host_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Bound on the host memory of the caches token stage 0 preempts out of its paged pool. "
+        "Past it, stage 0 recomputes instead: it forgets a preempted microbatch's KV, and the microbatch's "
+        "next pass is one prefill of its prompt and every token it has generated, through every stage. "
+        "None: 10% of the host memory available when the stage loads.",
+    )
+
     def packs_gemms(self, decodes: bool) -> bool:
         """Whether a stage that decodes (token or colocated: ``decodes``) or only prefills packs its GEMMs."""
         return self.packed_gemm == "on" or (self.packed_gemm == "auto" and decodes)

@@ -207,6 +207,7 @@ class PagedKVCache:
         self.filled = 0  # positions [0, filled) have blocks in every live row
         self.closed = False
         self.evictions = 0  # times the cache was moved to host memory to make room (see evict)
+        self.discards = 0  # times its positions were forgotten to make room, to be recomputed (see discard)
         self._host: KVCache | None = None  # positions [0, filled) while evicted
         self._lock = threading.RLock()
         self._finalizer = weakref.finalize(self, _release, pool, self.table)
@@ -269,6 +270,20 @@ class PagedKVCache:
             held = self.table[self.table >= 0]
             self.table.fill_(-1)
             self.evictions += 1
+        self.pool.free(held.tolist())
+        return int(held.numel())
+
+    def discard(self) -> int:
+        """Make room by forgetting: return every block and drop any host copy, keeping the cache's rows and
+        coordinates (its owner recomputes positions ``[0, p)`` into it, taking blocks again through
+        :meth:`holding`). Returns the blocks returned."""
+        with self._lock:
+            if self.closed:
+                return 0
+            held = self.table[self.table >= 0]
+            self.table.fill_(-1)
+            self._host, self.filled = None, 0
+            self.discards += 1
         self.pool.free(held.tolist())
         return int(held.numel())
 

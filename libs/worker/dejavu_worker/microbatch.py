@@ -43,19 +43,22 @@ def fetch_spec(
 class KVStatus(enum.Enum):
     """Where a microbatch's KV is on a stage. Legal moves: RECEIVING -> READY (its prompt KV, a colocated
     prefill or a restore is complete), READY <-> PREEMPTED (paged: moved to host memory to make room, back
-    when next computed), and any -> RELEASED (finished, failed or dropped: its memory is back, and nothing
-    brings it back)."""
+    when next computed), READY or PREEMPTED -> DISCARDED (paged: forgotten to make room when host memory
+    is short too; a recompute pass takes blocks again and rewrites every position: DISCARDED -> READY), and
+    any -> RELEASED (finished, failed or dropped: its memory is back, and nothing brings it back)."""
 
     RECEIVING = "receiving"
     READY = "ready"
     PREEMPTED = "preempted"
+    DISCARDED = "discarded"
     RELEASED = "released"
 
 
 _LEGAL: dict[KVStatus, frozenset[KVStatus]] = {
     KVStatus.RECEIVING: frozenset({KVStatus.READY, KVStatus.RELEASED}),
-    KVStatus.READY: frozenset({KVStatus.PREEMPTED, KVStatus.RELEASED}),
-    KVStatus.PREEMPTED: frozenset({KVStatus.READY, KVStatus.RELEASED}),
+    KVStatus.READY: frozenset({KVStatus.PREEMPTED, KVStatus.DISCARDED, KVStatus.RELEASED}),
+    KVStatus.PREEMPTED: frozenset({KVStatus.READY, KVStatus.DISCARDED, KVStatus.RELEASED}),
+    KVStatus.DISCARDED: frozenset({KVStatus.READY, KVStatus.RELEASED}),
     KVStatus.RELEASED: frozenset(),
 }
 
@@ -110,6 +113,21 @@ class MicrobatchState:
                 self._move(KVStatus.PREEMPTED)
             return freed
 
+    def discard(self) -> int:
+        """Forget a READY or PREEMPTED microbatch's paged KV (its blocks back to the pool, no host copy): a
+        recompute pass rewrites every position before it decodes again. Returns the blocks returned."""
+        with self.lock:
+            if self.status not in (KVStatus.READY, KVStatus.PREEMPTED) or not isinstance(self.cache, PagedKVCache):
+                return 0
+            freed = self.cache.discard()
+            self._move(KVStatus.DISCARDED)
+            return freed
+
+    @property
+    def holds_kv(self) -> bool:
+        """Whether this stage holds the microbatch's KV up to ``done_step`` (complete, not discarded)."""
+        return self.complete.is_set() and self.status in (KVStatus.READY, KVStatus.PREEMPTED)
+
     @property
     def mb_id(self) -> int:
         return self.spec.mb_id
@@ -126,7 +144,7 @@ class MicrobatchState:
             if self.status is KVStatus.RELEASED:
                 raise ValueError(f"microbatch {self.mb_id} was released on this stage")
             self.cache = self.cache.holding(positions, self.spec.max_len)  # a preempted paged cache moves back
-            if self.status is KVStatus.PREEMPTED:
+            if self.status in (KVStatus.PREEMPTED, KVStatus.DISCARDED):
                 self._move(KVStatus.READY)
 
     def place(self, region: Region, message: Message) -> None:

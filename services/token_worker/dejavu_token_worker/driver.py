@@ -33,7 +33,7 @@ from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, PrefillRefused, StageRunner, history
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
-from dejavu_worker.microbatch import MicrobatchState
+from dejavu_worker.microbatch import KVStatus, MicrobatchState
 from dejavulib.paged import PagedKVCache
 
 log = logging.getLogger("dejavu.token_worker.driver")
@@ -303,6 +303,14 @@ class Driver:
                 self.runnable.append(cohort.index)
             return True
         self._fit_pool(cohort, states)
+        discarded = None  # only a paged pool's caches are ever discarded
+        if self.runner.pool is not None:
+            discarded = next((st for st in states.values() if st.status is KVStatus.DISCARDED), None)
+        if discarded is not None:  # forgotten to make room: it is recomputed before it decodes again
+            if task is not None:
+                self.held.insert(0, task)  # claimed for a mixed pass: the next pass takes it
+            self._recompute(cohort, discarded)
+            return True
         members = [PassMember(states[mb], cohort.members[mb].step, cohort.members[mb].live) for mb in states]
         ids = torch.tensor([[cohort.members[mb].feed[r]] for mb in states for r in cohort.members[mb].live])
         if task is not None and self._mixed(cohort, members, ids, task):
@@ -474,6 +482,40 @@ class Driver:
             return
         if ret is not None:
             self._returned(ret)
+
+    # -- recompute -------------------------------------------------------------------------------
+    def _recompute(self, cohort: Cohort, state: MicrobatchState) -> None:
+        """The cohort's next pass recomputes ``state``'s microbatch, whose KV this stage discarded to make
+        room (its other members skip this pass): one PREFILL pass, through every stage, of its prompt and
+        the tokens of every step before the one it is at, which produces that step's tokens."""
+        mb_id = state.mb_id
+        member = cohort.members[mb_id]
+        cohort.pass_members = (mb_id,)
+        try:
+            ids = self._recompute_ids(state, member.step)
+            log.info("recomputing microbatch %d: its prompt and %d steps in one pass", mb_id, member.step)
+            ret = self.runner.run(
+                self.pos, [PassMember(state, member.step, member.live)], Kind.PREFILL, StageIO(input_ids=ids),
+                cohort.index,
+            )  # fmt: skip
+        except STEP_FAILURES as exc:
+            cohort.pass_members = None
+            self._fail(cohort, mb_id, exc)
+            self.runnable.append(cohort.index)
+            return
+        if ret is not None:
+            self._returned(ret)
+
+    def _recompute_ids(self, state: MicrobatchState, step: int) -> torch.Tensor:
+        """Positions ``[0, prompt_len + step)`` of every row: the left-padded prompt, then the token each
+        step before ``step`` emitted (from its token stream; a finished row's later positions are 0: it is
+        not sampled, and its blocks are gone). Raises ValueError when the stream lacks a step."""
+        entries = history(self.redis, state.mb_id, before_step=step)
+        if [e.step for e in entries] != list(range(step)):
+            raise ValueError(f"microbatch {state.mb_id}: its stream lacks tokens before step {step}: cannot recompute")
+        prompt = self._prompt_ids(state)
+        generated = torch.tensor([[max(t, 0) for t in e.tokens] for e in entries], dtype=torch.long).T
+        return torch.cat((prompt, generated.reshape(prompt.shape[0], step)), dim=1)
 
     # -- returns ---------------------------------------------------------------------------------
     def _returned(self, ret: TokenReturn) -> None:

@@ -109,6 +109,9 @@ class StageRunner:
         self.states: dict[int, MicrobatchState] = {}
         self.replicas: ReplicaSender | None = None
         self.held_replicas: ReplicaStore | None = None  # the predecessor's replicas kept here
+        # Stage 0 of a paged pool: the host memory its preempted caches may take; past it, preemption forgets
+        # a microbatch's KV instead, and the driver recomputes it (None: preemption always moves to host memory).
+        self.host_budget: int | None = None
         self._lock = threading.Lock()
         self._passes = 0  # passes run, for the least-recently-computed order of preemption
         self._in_pass: set[int] = set()  # the microbatches of the pass being set up
@@ -176,9 +179,9 @@ class StageRunner:
         self.redis.xadd(keys.tokens(mb_id), {"step": entry.encode()})
 
     def progress(self) -> dict[int, int]:
-        """Per microbatch, the last step whose KV this stage holds (-1: prompt KV incomplete)."""
+        """Per microbatch, the last step whose KV this stage holds (-1: prompt KV incomplete, or discarded)."""
         with self._lock:
-            return {mb: st.done_step if st.complete.is_set() else -1 for mb, st in self.states.items()}
+            return {mb: st.done_step if st.holds_kv else -1 for mb, st in self.states.items()}
 
     # -- one pass -----------------------------------------------------------------------------
     def run(
@@ -195,16 +198,30 @@ class StageRunner:
 
         A DECODE pass batches every member (iteration-level batching: each attends over its own cache
         and length) and computes only each member's unfinished rows; a PREFILL pass has one member and
-        computes all its rows. ``next_mb`` is the microbatch stage 0 expects to run next: with
-        swapping, its cache is prefetched while this pass computes. Returns the pass's
+        computes all its rows, positions ``[0, cur_len)`` of its step: step 0 is its prompt, a later step
+        *recomputes* a microbatch whose KV was discarded (its prompt and the tokens of every step before, so
+        each stage forgets what it holds of it and rewrites it all; only the member's ``rows`` are sampled).
+        ``next_mb`` is the microbatch stage 0 expects to run next: with swapping, its cache is prefetched
+        while this pass computes. Returns the pass's
         :class:`TokenReturn` on the last stage (also sent to stage 0 when this is not stage 0).
         """
-        if kind is Kind.PREFILL and len(members) != 1:
-            raise ValueError("a prefill pass runs one microbatch")
-        geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
+        if kind is Kind.PREFILL:
+            if len(members) != 1:
+                raise ValueError("a prefill pass runs one microbatch")
+            geometries = [members[0].state.geometry(members[0].step)]  # every row: the tokens come for all
+            if members[0].step > 0:  # a recompute: whatever this stage holds of it is rewritten
+                members[0].state.discard()
+        else:
+            geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
+            for m in members:
+                if m.state.status is KVStatus.DISCARDED:
+                    raise ValueError(f"microbatch {m.state.mb_id} was discarded here: it must be recomputed first")
         self._begin_pass(members)
+        # Blocks for every position the pass writes (a paged prefill's too, so a short pool preempts first);
+        # a swapped prefill reads nothing back in.
+        prefill_from = 0 if self.swap is not None else 1
         caches = [
-            self._acquire(m.state, g.cur_len - (g.cur_len if kind is Kind.PREFILL else 1), m.rows)
+            self._acquire(m.state, g.cur_len - (prefill_from if kind is Kind.PREFILL else 1), m.rows)
             for m, g in zip(members, geometries, strict=True)
         ]
         if next_mb is not None:
@@ -227,7 +244,10 @@ class StageRunner:
             self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
-        return self._publish(pos, members, out.logits, cohort)
+        logits = out.logits
+        if kind is Kind.PREFILL and len(members[0].rows) != geometries[0].batch:
+            logits = logits[list(members[0].rows)]  # a recompute samples the rows still running only
+        return self._publish(pos, members, logits, cohort)
 
     def run_mixed(
         self, pos: Position, members: list[PassMember], io: StageIO, prefill: PassMember, prompts: StageIO, cohort: int
@@ -350,9 +370,16 @@ class StageRunner:
             return 0
         return state.cache.blocks_needed(state.geometry(step).cur_len)
 
+    def host_held(self) -> int:
+        """Bytes of the host copies of the caches preempted out of the pool."""
+        with self._lock:
+            states = [st for st in self.states.values() if st.status is KVStatus.PREEMPTED]
+        return sum(st.cache.nbytes for st in states)
+
     def _make_room(self, blocks: int, keep: int) -> None:
         """Preempt: move the caches of microbatches not in the pass being set up to host memory, least
-        recently computed first, until ``blocks`` blocks are free (they come back when next computed)."""
+        recently computed first, until ``blocks`` blocks are free (they come back when next computed). Past
+        :attr:`host_budget` (stage 0), forget them instead: the driver recomputes each before its next step."""
         assert self.pool is not None
         with self._lock:
             candidates = [
@@ -363,6 +390,12 @@ class StageRunner:
         for st in sorted(candidates, key=lambda st: st.last_pass):
             if self.pool.free_blocks >= blocks:
                 break
+            if self.host_budget is not None and self.host_held() + st.cache.nbytes > self.host_budget:
+                freed = st.discard()
+                if freed:
+                    log.info("KV pool full and host memory short: microbatch %d discarded (%d blocks), to be "
+                             "recomputed", st.mb_id, freed)  # fmt: skip
+                continue
             freed = st.preempt()
             if freed:
                 log.info("KV pool full: microbatch %d moved to host memory (%d blocks)", st.mb_id, freed)

@@ -124,6 +124,11 @@ class TokenWorker(WorkerProcess):
             budget = int(0.6 * available_memory_bytes())
         return max(1, budget // geometry.bytes_per_block)
 
+    def _host_bytes(self) -> int:
+        """Bound on stage 0's preempted host copies: ``engine.kv_host_bytes``, or 10% of the memory available now."""
+        budget = self.settings.engine.kv_host_bytes
+        return budget if budget is not None else int(0.1 * available_memory_bytes())
+
     def _replica_bytes(self) -> int:
         """Bound on the replica pool: ``recovery.replica_memory_bytes``, or 30% of the memory available now."""
         budget = self.settings.recovery.replica_memory_bytes
@@ -175,6 +180,8 @@ class TokenWorker(WorkerProcess):
                     self.replica.pool.max_blocks * self.replica.pool.geometry.bytes_per_block / 1e9,
                 )
         self.runner.held_replicas = self.replica
+        # Stage 0 decides what a short pool preempts and runs the recompute passes: it alone may discard.
+        self.runner.host_budget = self._host_bytes() if pos.is_first and self.runner.pool is not None else None
         stop = threading.Event()
         # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
         # first layers can arrive before the resume point is read, and releasing the re-run microbatch's
@@ -318,7 +325,7 @@ class TokenWorker(WorkerProcess):
                 caches = [
                     (mb, st.cache, st.done_step)
                     for mb, st in list(self.runner.states.items())
-                    if mb in order.microbatches and st.complete.is_set()
+                    if mb in order.microbatches and st.holds_kv
                 ]
                 sent = recovery.send_caches(self.endpoint, new_worker, caches, "replica")
                 log.info("sent %s the replica of microbatches %s", new_worker, sent)
