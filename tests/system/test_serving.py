@@ -193,9 +193,10 @@ def test_paged_pools_too_small_for_the_microbatches_in_flight_preempt_and_lose_n
 def test_with_no_host_memory_for_preempted_caches_stage_0_recomputes_them_and_loses_nothing(
     deployment, redis_url, model, reference
 ) -> None:
-    """As above, but stage 0 may keep no preempted cache in host memory (``kv_host_bytes`` of 1 byte): it
-    discards the KV of the microbatches it preempts, and each comes back through one prefill pass of its
-    prompt and every token it generated, through every stage (the other stages drop and rewrite theirs).
+    """As above, but no stage may keep a preempted cache in host memory (``kv_host_bytes`` of 1 byte): each
+    discards the KV of the microbatches it preempts. Stage 0 brings each back through one prefill pass of its
+    prompt and every token it generated, through every stage (the others drop and rewrite theirs); a later
+    stage that discarded one leaves it out of the next step and hands it back to stage 0 to recompute.
     Every answer is still transformers', token for token."""
     settings = cluster_settings(redis_url, model, **deployment)
     settings.engine.kv_block_size = 4
@@ -209,4 +210,5 @@ def test_with_no_host_memory_for_preempted_caches_stage_0_recomputes_them_and_lo
             assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
         log_text = logs(launcher, tail=None)
         assert "to be recomputed" in log_text and "recomputing microbatch" in log_text, log_text[-3000:]
+        assert "moved to host memory" not in log_text  # stage 1 discards too
         assert "PoolExhausted" not in log_text and "failing its requests" not in log_text

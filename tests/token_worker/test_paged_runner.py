@@ -127,6 +127,85 @@ def test_past_its_host_budget_stage_0_discards_instead_and_the_driver_recomputes
     client.close()
 
 
+def test_a_later_stage_defers_a_member_it_discarded_and_runs_the_others(redis_url: str) -> None:
+    """A stage after stage 0 that discarded a member's KV takes it out of the pass (its rows of the hidden
+    states too) and hands it on as deferred; with no member left, the pass ends at once with its return."""
+    import torch
+
+    from dejavu_token_worker.runner import Position, StageRunner
+    from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=12, slab_blocks=4)
+    row = RowSpec(request_id="r", prompt_ids=(1,) * 4, sampling=SamplingSpec(max_tokens=8, seed=0))
+    sent: list[TokenReturn] = []
+
+    class Endpoint:
+        def send(self, peer, channel, payload) -> None:
+            sent.append(TokenReturn.decode(payload))
+
+    runner = StageRunner(Stage(), client, Endpoint(), 1.0, pool=pool)  # type: ignore[arg-type]
+    for mb in (1, 2, 3):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=(row, row), prompt_len=4, max_len=12).encode())
+        runner.state(mb).mark_complete()
+        runner._acquire(runner.state(mb), 5, (0, 1))
+    runner.state(2).discard()
+    ran = []
+    runner.run = lambda pos, members, kind, io, cohort, next_mb=None, deferred=(): ran.append(  # type: ignore[method-assign]
+        ([m.state.mb_id for m in members], io.hidden.tolist(), deferred)
+    )
+    pos = Position(1, 3, "t2", "t0", False)
+    hidden = torch.arange(6.0).reshape(6, 1, 1)  # rows of microbatches 1, 2 and 3, two each
+    members = ((1, 3, (0, 1)), (2, 3, (0, 1)), (3, 3, (0, 1)))
+    runner.follow(pos, StageMessage(Kind.DECODE, 0, 0, hidden, members=members, deferred=((7, 2),)))
+    assert ran == [([1, 3], [[[0.0]], [[1.0]], [[4.0]], [[5.0]]], ((7, 2), (2, 3)))] and sent == []
+    runner.follow(pos, StageMessage(Kind.DECODE, 1, 0, hidden[2:4], members=((2, 4, (0, 1)),)))
+    assert len(ran) == 1 and [(r.mb_id, r.step, r.recompute, r.done) for r in sent[0].members] == [(2, 4, True, False)]
+    assert sent[0].cohort == 1  # the pass's own return: stage 0 may start the cohort's next pass
+    client.close()
+
+
+def test_a_step_a_later_stage_deferred_is_recomputed_at_that_step_and_a_failed_one_leaves(redis_url: str) -> None:
+    """A later stage that discarded a member's KV leaves it out of the step and the last stage returns it
+    as ``recompute``: stage 0 forgets its own KV of it, keeps it at that step, and its next pass is the
+    recompute; the other members of the return advance as usual."""
+    from dejavu_token_worker.driver import Driver, Member
+    from dejavu_token_worker.runner import Position, StageRunner
+    from dejavu_worker.dataplane import Returned, StageMessage, TokenReturn
+    from dejavu_worker.microbatch import KVStatus
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=12, slab_blocks=4)
+    row = RowSpec(request_id="r", prompt_ids=(1,) * 4, sampling=SamplingSpec(max_tokens=8, seed=0))
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    for mb in (1, 2):
+        client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=(row, row), prompt_len=4, max_len=12).encode())
+        runner.state(mb).mark_complete()
+        runner._acquire(runner.state(mb), 5, (0, 1))
+    released: list[int] = []
+
+    class Endpoint:
+        def send(self, peer, channel, payload) -> None:
+            released.append(StageMessage.decode(payload).mb_id)
+
+    driver = Driver(runner, Endpoint(), client, "t0", Position(0, 2, "t1", "t0", False), None, 1.0, 64, runner.release)  # type: ignore[arg-type]
+    cohort = driver.cohorts[0]
+    cohort.members.update({mb: Member(2, (7, 7), (0, 1)) for mb in (1, 2)})
+    cohort.pass_members = (1, 2)
+    driver.runnable.clear()
+    ret = TokenReturn(0, (Returned(1, 2, (8, 9), False), Returned(2, 2, (), False, None, recompute=True)))
+    driver._returned(ret)
+    assert cohort.members[1].step == 3 and cohort.members[2].step == 2  # 2 stays at the step it missed
+    assert runner.states[2].status is KVStatus.DISCARDED and runner.states[2].cache.blocks_held == 0
+    assert runner.states[1].status is KVStatus.READY and list(driver.runnable) == [0]
+    # A member stage 0 cannot recompute (its state is gone) fails instead of looping.
+    runner.release(1, finished=False)
+    cohort.pass_members = (1,)
+    driver._returned(TokenReturn(0, (Returned(1, 3, (), False, None, recompute=True),)))
+    assert 1 not in cohort.members and released == [1]
+    client.close()
+
+
 def test_a_pass_that_cannot_fit_the_pool_sets_its_latest_members_aside_first_in_line(redis_url: str) -> None:
     from dejavu_token_worker.driver import Driver, Member
     from dejavu_token_worker.runner import Position, StageRunner

@@ -23,6 +23,12 @@ def test_token_return_round_trip() -> None:
     x = torch.randn(3, 1, 8)
     cohort = StageMessage(Kind.DECODE, mb_id=0, step=0, tensor=x, members=((3, 4, (0, 2)), (9, 1, (0,))))
     assert StageMessage.decode(cohort.encode()).members == ((3, 4, (0, 2)), (9, 1, (0,)))
+    # Members a stage set aside to be recomputed ride the pass to the last stage, then back to stage 0.
+    deferred = StageMessage(Kind.DECODE, mb_id=0, step=0, tensor=x, members=((3, 4, (0, 2)),), deferred=((9, 1),))
+    assert StageMessage.decode(deferred.encode()).deferred == ((9, 1),)
+    assert StageMessage.decode(cohort.encode()).deferred == ()
+    back = TokenReturn(cohort=0, members=(Returned(3, 4, (5, 7), False), Returned(9, 1, (), False, None, True)))
+    assert TokenReturn.decode(back.encode()) == back and TokenReturn.decode(back.encode()).members[1].recompute
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,9 @@ class StageMessage:
     """One pass down a pipeline. In the token pipeline ``members`` lists (microbatch, step, rows) of
     each group of rows of ``tensor``, in row order — ``rows`` being the microbatch's rows the pass
     computes (its unfinished ones) — and ``mb_id`` is stage 0's cohort slot; a prompt pipeline's pass
-    and RELEASE name one microbatch (or prompt task) in ``mb_id``."""
+    and RELEASE name one microbatch (or prompt task) in ``mb_id``. ``deferred`` lists (microbatch, step)
+    of members an earlier stage of the pass took out because it had discarded their KV to make room: no
+    later stage computes them, and the last stage hands them back to stage 0 to recompute."""
 
     kind: Kind
     mb_id: int
@@ -90,31 +92,39 @@ class StageMessage:
     tensor: torch.Tensor | None = None
     meta: dict[str, Any] | None = None
     members: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    deferred: tuple[tuple[int, int], ...] = ()
 
     def encode(self) -> bytes:
         meta = {"kind": self.kind.value, "mb": self.mb_id, "step": self.step, "x": self.meta or {}}
         if self.members:
             meta["members"] = [[mb, step, list(rows)] for mb, step, rows in self.members]
+        if self.deferred:
+            meta["deferred"] = [[mb, step] for mb, step in self.deferred]
         return frame(meta, self.tensor)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> StageMessage:
         meta, tensor = unframe(payload)
         members = tuple((int(mb), int(step), tuple(int(r) for r in rows)) for mb, step, rows in meta.get("members", ()))
-        return cls(Kind(meta["kind"]), int(meta["mb"]), int(meta["step"]), tensor, meta.get("x") or {}, members)
+        deferred = tuple((int(mb), int(step)) for mb, step in meta.get("deferred", ()))
+        return cls(
+            Kind(meta["kind"]), int(meta["mb"]), int(meta["step"]), tensor, meta.get("x") or {}, members, deferred
+        )
 
 
 @dataclass(frozen=True)
 class Returned:
     """One microbatch's part of a token return: its step, the tokens to feed at its next step (one per
     row), whether it is done (every row finished, or the microbatch failed), and the rows still running
-    (``live``: what its next step computes; None: unchanged)."""
+    (``live``: what its next step computes; None: unchanged). ``recompute``: the step did not run, because
+    a stage had discarded the microbatch's KV to make room; stage 0 recomputes it at that step."""
 
     mb_id: int
     step: int
     tokens: tuple[int, ...]
     done: bool
     live: tuple[int, ...] | None = None
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,9 @@ class TokenReturn:
 
     def encode(self) -> bytes:
         members = [
-            [m.mb_id, m.step, list(m.tokens), m.done, None if m.live is None else list(m.live)] for m in self.members
+            [m.mb_id, m.step, list(m.tokens), m.done, None if m.live is None else list(m.live)]
+            + ([True] if m.recompute else [])
+            for m in self.members
         ]
         return frame({"cohort": self.cohort, "members": members}, None)
 
@@ -141,7 +153,8 @@ class TokenReturn:
                 tuple(int(t) for t in tokens),
                 bool(done),
                 None if live is None else tuple(int(r) for r in live),
+                bool(rest[0]) if rest else False,
             )
-            for mb, step, tokens, done, live in meta["members"]
+            for mb, step, tokens, done, live, *rest in meta["members"]
         )
         return cls(int(meta["cohort"]), members)

@@ -506,6 +506,17 @@ class Driver:
         if ret is not None:
             self._returned(ret)
 
+    def _recompute_later(self, cohort: Cohort, mb_id: int) -> None:
+        """A later stage discarded ``mb_id``'s KV to make room and left it out of the step: this stage
+        forgets its own too, so the member's next pass recomputes it at the same step (:meth:`_recompute`)."""
+        state = self.runner.states.get(mb_id)
+        if state is not None:
+            state.discard()
+        if state is None or state.status is not KVStatus.DISCARDED:  # nothing here can recompute it
+            self._fail(cohort, mb_id, RuntimeError(f"microbatch {mb_id} was discarded by a later stage"))
+            return
+        log.info("microbatch %d was discarded by a later stage: recomputing it", mb_id)
+
     def _recompute_ids(self, state: MicrobatchState, step: int) -> torch.Tensor:
         """Positions ``[0, prompt_len + step)`` of every row: the left-padded prompt, then the token each
         step before ``step`` emitted (from its token stream; a finished row's later positions are 0: it is
@@ -522,7 +533,11 @@ class Driver:
         if ret.cohort < 0:  # members a later stage failed on their own
             for r in ret.members:
                 for cohort in self.cohorts:
-                    if r.mb_id in cohort.members and cohort.members[r.mb_id].step == r.step:
+                    if r.mb_id not in cohort.members or cohort.members[r.mb_id].step != r.step:
+                        continue
+                    if r.recompute:
+                        self._recompute_later(cohort, r.mb_id)
+                    else:
                         self._leave(cohort, r.mb_id)
             return
         if not 0 <= ret.cohort < len(self.cohorts):
@@ -536,7 +551,9 @@ class Driver:
             member = cohort.members.get(r.mb_id)
             if member is None or member.step != r.step:
                 continue
-            if r.done:
+            if r.recompute:  # a later stage had discarded its KV: the step did not run
+                self._recompute_later(cohort, r.mb_id)
+            elif r.done:
                 self._leave(cohort, r.mb_id)
             else:
                 member.step, member.feed = r.step + 1, r.tokens

@@ -192,6 +192,7 @@ class StageRunner:
         io: StageIO,
         cohort: int = -1,
         next_mb: int | None = None,
+        deferred: tuple[tuple[int, int], ...] = (),
     ) -> TokenReturn | None:
         """Run this stage's layers for one pass of ``members`` (each microbatch at its own step; rows of
         ``io`` are the members' computed rows in order) and hand the result on.
@@ -202,7 +203,8 @@ class StageRunner:
         *recomputes* a microbatch whose KV was discarded (its prompt and the tokens of every step before, so
         each stage forgets what it holds of it and rewrites it all; only the member's ``rows`` are sampled).
         ``next_mb`` is the microbatch stage 0 expects to run next: with swapping, its cache is prefetched
-        while this pass computes. Returns the pass's
+        while this pass computes. ``deferred``: (microbatch, step) of members an earlier stage took out of
+        the pass to be recomputed, handed on to the last stage, which returns them to stage 0. Returns the pass's
         :class:`TokenReturn` on the last stage (also sent to stage 0 when this is not stage 0).
         """
         if kind is Kind.PREFILL:
@@ -240,14 +242,58 @@ class StageRunner:
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
             hint = {"next": next_mb} if next_mb is not None else None
-            msg = StageMessage(kind, cohort, 0, out.hidden, hint, members=steps)
+            msg = StageMessage(kind, cohort, 0, out.hidden, hint, members=steps, deferred=deferred)
             self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
         logits = out.logits
         if kind is Kind.PREFILL and len(members[0].rows) != geometries[0].batch:
             logits = logits[list(members[0].rows)]  # a recompute samples the rows still running only
-        return self._publish(pos, members, logits, cohort)
+        return self._publish(pos, members, logits, cohort, deferred)
+
+    def follow(self, pos: Position, msg: StageMessage) -> None:
+        """Run one pass of a cohort that arrived from the previous stage. A member whose prompt KV never
+        completes (or whose spec is gone) is failed on its own and leaves the pass; one whose KV this stage
+        discarded to make room leaves it too, *deferred* (the last stage hands it back to stage 0, which
+        recomputes it); the others run."""
+        assert msg.tensor is not None
+        members, failed, kept, row = [], [], [], 0
+        deferred = list(msg.deferred)
+        for mb, step, rows in msg.members:
+            first, row = row, row + len(rows)
+            try:
+                state = self.state(mb)
+                if msg.kind is Kind.PREFILL:
+                    state.mark_complete(0)
+                else:
+                    state.wait_complete(self.deadline_s)
+                    if state.status is KVStatus.DISCARDED:
+                        deferred.append((mb, step))
+                        continue
+                    self.replicate_prompt(state)
+                members.append(PassMember(state, step, rows))
+                # A prefill's one member may come packed (a ragged prefill: one row of every prompt's tokens).
+                kept.append(msg.tensor if msg.kind is Kind.PREFILL else msg.tensor[first:row])
+            except STEP_FAILURES as exc:
+                self.fail(mb, step, exc)
+                failed.append(Returned(mb, step, (), True))
+        if not members:  # this ends the pass
+            back = failed + [Returned(mb, step, (), False, None, recompute=True) for mb, step in deferred]
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, tuple(back)).encode())
+            return
+        if failed:  # stage 0 learns of these apart (cohort -1)
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(-1, tuple(failed)).encode())
+        hint = (msg.meta or {}).get("next")
+        hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
+        self.run(
+            pos,
+            members,
+            msg.kind,
+            StageIO(hidden=hidden),
+            msg.mb_id,
+            next_mb=int(hint) if hint is not None else None,
+            deferred=tuple(deferred),
+        )
 
     def run_mixed(
         self, pos: Position, members: list[PassMember], io: StageIO, prefill: PassMember, prompts: StageIO, cohort: int
@@ -293,9 +339,17 @@ class StageRunner:
         if self.replicas is not None:
             self.replicas.send_pass(written)
 
-    def _publish(self, pos: Position, members: list[PassMember], logits: torch.Tensor, cohort: int) -> TokenReturn:
+    def _publish(
+        self,
+        pos: Position,
+        members: list[PassMember],
+        logits: torch.Tensor,
+        cohort: int,
+        deferred: tuple[tuple[int, int], ...] = (),
+    ) -> TokenReturn:
         """The last stage's end of a pass: sample each member's rows from ``logits`` (its rows in order), publish
-        the tokens on the members' token streams, and return them (to stage 0, when this is not stage 0)."""
+        the tokens on the members' token streams, and return them (to stage 0, when this is not stage 0), with
+        the ``deferred`` members to recompute."""
         # Two Redis round trips per pass, whatever the number of members: cancellations, then tokens.
         pipe = self.redis.pipeline(transaction=False)
         for m in members:
@@ -315,6 +369,7 @@ class StageRunner:
         for entry in entries:
             pipe.xadd(keys.tokens(entry.mb_id), {"step": entry.encode()})
         pipe.execute()
+        returned += [Returned(mb, step, (), False, None, recompute=True) for mb, step in deferred]
         ret = TokenReturn(cohort, tuple(returned))
         if not pos.is_first:
             self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())

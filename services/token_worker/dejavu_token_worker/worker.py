@@ -14,7 +14,6 @@ import threading
 from pathlib import Path
 
 import redis
-import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
@@ -22,13 +21,12 @@ from dejavu_common.fatal import guarded
 from dejavu_common.messages import PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
 from dejavu_common.settings import Mode, Replication, Settings
 from dejavu_engine.stage import Stage
-from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
 from dejavu_token_worker.driver import Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
-from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, PassMember, Position, StageRunner
+from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
 from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import WorkerProcess
@@ -125,7 +123,7 @@ class TokenWorker(WorkerProcess):
         return max(1, budget // geometry.bytes_per_block)
 
     def _host_bytes(self) -> int:
-        """Bound on stage 0's preempted host copies: ``engine.kv_host_bytes``, or 10% of the memory available now."""
+        """Bound on the preempted host copies: ``engine.kv_host_bytes``, or 10% of the memory available now."""
         budget = self.settings.engine.kv_host_bytes
         return budget if budget is not None else int(0.1 * available_memory_bytes())
 
@@ -180,8 +178,8 @@ class TokenWorker(WorkerProcess):
                     self.replica.pool.max_blocks * self.replica.pool.geometry.bytes_per_block / 1e9,
                 )
         self.runner.held_replicas = self.replica
-        # Stage 0 decides what a short pool preempts and runs the recompute passes: it alone may discard.
-        self.runner.host_budget = self._host_bytes() if pos.is_first and self.runner.pool is not None else None
+        # Past it, a stage short of blocks discards instead of copying to host memory; stage 0 recomputes.
+        self.runner.host_budget = self._host_bytes() if self.runner.pool is not None else None
         stop = threading.Event()
         # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
         # first layers can arrive before the resume point is read, and releasing the re-run microbatch's
@@ -386,36 +384,8 @@ class TokenWorker(WorkerProcess):
                 self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
 
     def _follow_pass(self, pos: Position, msg: StageMessage) -> None:
-        """Run one pass of a cohort here. A member whose prompt KV never completes (or whose spec is
-        gone) is failed on its own and leaves the pass; the others run."""
-        assert self.runner is not None and self.endpoint is not None and msg.tensor is not None
-        members, failed, kept, row = [], [], [], 0
-        for mb, step, rows in msg.members:
-            try:
-                state = self.runner.state(mb)
-                if msg.kind is Kind.PREFILL:
-                    state.mark_complete(0)
-                else:
-                    state.wait_complete(self.settings.transport.deadline_s)
-                    self.runner.replicate_prompt(state)
-                members.append(PassMember(state, step, rows))
-                # A prefill's one member may come packed (a ragged prefill: one row of every prompt's tokens).
-                kept.append(msg.tensor if msg.kind is Kind.PREFILL else msg.tensor[row : row + len(rows)])
-            except STEP_FAILURES as exc:
-                self.runner.fail(mb, step, exc)
-                failed.append(Returned(mb, step, (), True))
-            row += len(rows)
-        if failed:
-            # With members left, stage 0 learns of these apart (cohort -1); else this ends the pass.
-            ret = TokenReturn(-1 if members else msg.mb_id, tuple(failed))
-            self.endpoint.send(pos.first_peer, Channel.TOKENS, ret.encode())
-        if not members:
-            return
-        hint = (msg.meta or {}).get("next")
-        hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
-        self.runner.run(
-            pos, members, msg.kind, StageIO(hidden=hidden), msg.mb_id, next_mb=int(hint) if hint is not None else None
-        )
+        assert self.runner is not None
+        self.runner.follow(pos, msg)
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
     def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
