@@ -168,19 +168,26 @@ def test_paged_pools_too_small_for_the_microbatches_in_flight_preempt_and_lose_n
     microbatches outside a pass to host memory when the pass needs room (and stage 0 sets the
     latest-joined member of a cohort aside when its own members cannot fit); preempted microbatches come
     back when computed again: every answer is transformers', and none fails."""
-    settings = cluster_settings(
-        redis_url, model, prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2
-    )
+    deployment = dict(prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2)
+    log_text = _answers_from_small_pools(cluster_settings(redis_url, model, **deployment), reference)
+    assert "moved to host memory" in log_text, log_text[-3000:]  # preempted, and lost nothing
+
+
+def _answers_from_small_pools(settings, reference: Reference, host_bytes: int | None = None) -> str:
+    """Six 40-token answers from token stages whose paged pools hold 40 blocks of 4 positions each: every
+    answer is transformers' and none fails. Returns the deployment's logs."""
     settings.engine.kv_block_size = 4
-    settings.engine.kv_pool_bytes = 40 * (2 * 15 * 3 * 4 * 64 * 4)  # blocks: K and V, 15 layers, 3 heads of 64
+    layers = 30 // settings.controller.token_depth
+    settings.engine.kv_pool_bytes = 40 * (2 * layers * 3 * 4 * 64 * 4)  # blocks: K and V, 3 heads of 64 a layer
+    settings.engine.kv_host_bytes = host_bytes
     with running(settings) as launcher:
         jobs = [(PROMPTS[i % len(PROMPTS)], 40) for i in range(6)]
         got = _complete_all(_client(launcher), settings.model.name, jobs)
         for (prompt, n), (text, _usage, _finish) in zip(jobs, got, strict=True):
             assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
         log_text = logs(launcher, tail=None)
-        assert "moved to host memory" in log_text, log_text[-3000:]  # preempted, and lost nothing
-        assert "PoolExhausted" not in log_text and "failing its requests" not in log_text
+    assert "PoolExhausted" not in log_text and "failing its requests" not in log_text
+    return log_text
 
 
 @pytest.mark.parametrize(
@@ -198,17 +205,6 @@ def test_with_no_host_memory_for_preempted_caches_stage_0_recomputes_them_and_lo
     prompt and every token it generated, through every stage (the others drop and rewrite theirs); a later
     stage that discarded one leaves it out of the next step and hands it back to stage 0 to recompute.
     Every answer is still transformers', token for token."""
-    settings = cluster_settings(redis_url, model, **deployment)
-    settings.engine.kv_block_size = 4
-    layers = 15 if deployment.get("token_depth") == 2 else 30
-    settings.engine.kv_pool_bytes = 40 * (2 * layers * 3 * 4 * 64 * 4)  # 40 blocks of 4 positions a stage
-    settings.engine.kv_host_bytes = 1
-    with running(settings) as launcher:
-        jobs = [(PROMPTS[i % len(PROMPTS)], 40) for i in range(6)]
-        got = _complete_all(_client(launcher), settings.model.name, jobs)
-        for (prompt, n), (text, _usage, _finish) in zip(jobs, got, strict=True):
-            assert text == reference.text(prompt, n), f"{prompt!r}\n{logs(launcher)}"
-        log_text = logs(launcher, tail=None)
-        assert "to be recomputed" in log_text and "recomputing microbatch" in log_text, log_text[-3000:]
-        assert "moved to host memory" not in log_text  # stage 1 discards too
-        assert "PoolExhausted" not in log_text and "failing its requests" not in log_text
+    log_text = _answers_from_small_pools(cluster_settings(redis_url, model, **deployment), reference, host_bytes=1)
+    assert "to be recomputed" in log_text and "recomputing microbatch" in log_text, log_text[-3000:]
+    assert "moved to host memory" not in log_text  # stage 1 discards too

@@ -50,6 +50,17 @@ def test_blocks_follow_the_rows_and_microbatches_that_use_them(redis_url: str) -
     client.close()
 
 
+def _two_prompts_in(runner) -> tuple:
+    """Microbatches 1 and 2 with their prompts' KV in the pool (2 blocks each), 2 computed last."""
+    one, two = runner.state(1), runner.state(2)
+    for state in (one, two):
+        state.mark_complete()
+        runner._passes += 1
+        state.last_pass = runner._passes
+        runner._acquire(state, 3, (0, 1))
+    return one, two
+
+
 def test_a_full_pool_preempts_the_least_recently_computed_microbatch_to_host_memory(redis_url: str) -> None:
     from dejavu_token_worker.runner import StageRunner
 
@@ -59,12 +70,7 @@ def test_a_full_pool_preempts_the_least_recently_computed_microbatch_to_host_mem
     for mb in (1, 2):
         client.set(keys.microbatch(mb), MicrobatchSpec(mb_id=mb, rows=(row, row), prompt_len=4, max_len=12).encode())
     runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
-    one, two = runner.state(1), runner.state(2)
-    for state in (one, two):
-        state.mark_complete()
-        runner._passes += 1
-        state.last_pass = runner._passes
-        runner._acquire(state, 3, (0, 1))  # 2 blocks each
+    one, two = _two_prompts_in(runner)
     assert pool.used_blocks == 4
     runner._in_pass = {2}
     runner._acquire(two, 7, (0, 1))  # 2 more blocks: 6 of 6 used
@@ -99,12 +105,7 @@ def test_past_its_host_budget_stage_0_discards_instead_and_the_driver_recomputes
         client.delete(keys.tokens(mb))
     runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
     runner.host_budget = 1  # stage 0 with no host memory to spare
-    one, two = runner.state(1), runner.state(2)
-    for state in (one, two):
-        state.mark_complete()
-        runner._passes += 1
-        state.last_pass = runner._passes
-        runner._acquire(state, 3, (0, 1))  # 2 blocks each
+    one, two = _two_prompts_in(runner)
     one.done_step = 2
     runner._in_pass = {2}
     runner._acquire(two, 7, (0, 1))

@@ -463,18 +463,17 @@ class Driver:
         if state is None:
             self.runnable.append(cohort.index)
             return
-        mb_id = state.mb_id
         every_row = tuple(range(len(state.spec.rows)))
-        cohort.members[mb_id] = Member(0, (), every_row)
+        cohort.members[state.mb_id] = Member(0, (), every_row)
+        self._prefill_pass(cohort, PassMember(state, 0, every_row), lambda: self._prompt_ids(state))
+
+    def _prefill_pass(self, cohort: Cohort, member: PassMember, ids: Callable[[], torch.Tensor]) -> None:
+        """Run ``member`` alone in a PREFILL pass of ``cohort`` over the tokens ``ids()`` gives; a failure
+        (there, or in the pass) fails that microbatch only."""
+        mb_id = member.state.mb_id
         cohort.pass_members = (mb_id,)
         try:
-            ret = self.runner.run(
-                self.pos,
-                [PassMember(state, 0, every_row)],
-                Kind.PREFILL,
-                StageIO(input_ids=self._prompt_ids(state)),
-                cohort.index,
-            )
+            ret = self.runner.run(self.pos, [member], Kind.PREFILL, StageIO(input_ids=ids()), cohort.index)
         except STEP_FAILURES as exc:
             cohort.pass_members = None
             self._fail(cohort, mb_id, exc)
@@ -488,23 +487,11 @@ class Driver:
         """The cohort's next pass recomputes ``state``'s microbatch, whose KV this stage discarded to make
         room (its other members skip this pass): one PREFILL pass, through every stage, of its prompt and
         the tokens of every step before the one it is at, which produces that step's tokens."""
-        mb_id = state.mb_id
-        member = cohort.members[mb_id]
-        cohort.pass_members = (mb_id,)
-        try:
-            ids = self._recompute_ids(state, member.step)
-            log.info("recomputing microbatch %d: its prompt and %d steps in one pass", mb_id, member.step)
-            ret = self.runner.run(
-                self.pos, [PassMember(state, member.step, member.live)], Kind.PREFILL, StageIO(input_ids=ids),
-                cohort.index,
-            )  # fmt: skip
-        except STEP_FAILURES as exc:
-            cohort.pass_members = None
-            self._fail(cohort, mb_id, exc)
-            self.runnable.append(cohort.index)
-            return
-        if ret is not None:
-            self._returned(ret)
+        member = cohort.members[state.mb_id]
+        log.info("recomputing microbatch %d: its prompt and %d steps in one pass", state.mb_id, member.step)
+        self._prefill_pass(
+            cohort, PassMember(state, member.step, member.live), lambda: self._recompute_ids(state, member.step)
+        )
 
     def _recompute_later(self, cohort: Cohort, mb_id: int) -> None:
         """A later stage discarded ``mb_id``'s KV to make room and left it out of the step: this stage
