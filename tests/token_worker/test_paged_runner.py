@@ -207,6 +207,41 @@ def test_a_step_a_later_stage_deferred_is_recomputed_at_that_step_and_a_failed_o
     client.close()
 
 
+def test_colocated_a_prompt_waits_for_blocks_and_one_larger_than_the_pool_fails_alone(redis_url: str) -> None:
+    """Admission by free blocks where stage 0 prefills (colocated): a prompt whose blocks the pool cannot give
+    after the running members' next step is held and claimed again later (the running requests are never
+    preempted for it); one that could not fit even with nothing else running fails on its own."""
+    from dejavu_common.messages import PromptPiece, PromptTask, TokenStep
+    from dejavu_token_worker.driver import Driver, Member
+    from dejavu_token_worker.runner import Position, StageRunner
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=12, slab_blocks=4)
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    for mb, prompt in ((1, 8), (2, 16), (3, 52)):
+        row = RowSpec(request_id=f"r{mb}", prompt_ids=(1,) * prompt, sampling=SamplingSpec(max_tokens=8, seed=0))
+        spec = MicrobatchSpec(mb_id=mb, rows=(row, row), prompt_len=prompt, max_len=prompt + 8)
+        client.set(keys.microbatch(mb), spec.encode())
+        client.delete(keys.tokens(mb))
+    running = runner.state(1)
+    running.mark_complete()
+    runner._acquire(running, 7, (0, 1))  # the running microbatch: 2 blocks a row
+    driver = Driver(runner, None, client, "t0", Position(0, 1, None, "t0", True), None, 1.0, 64, runner.release)  # type: ignore[arg-type]
+    driver.cohorts[0].members[1] = Member(1, (7, 7), (0, 1))  # its next step writes position 8: 1 block a row
+    task = PromptTask(task_id=2, pieces=(PromptPiece(mb_id=2, dst_rows=(0, 2)),))
+    assert not driver._room_for_prompt(task)  # 8 blocks for the prompt + 2 for the step > 8 free
+    assert driver.held == [task] and pool.used_blocks == 4  # held, and nothing was preempted for it
+    driver.held.clear()
+    runner.release(1)
+    driver.cohorts[0].members.clear()
+    assert driver._room_for_prompt(task)  # the running request ended: it fits now
+    huge = PromptTask(task_id=3, pieces=(PromptPiece(mb_id=3, dst_rows=(0, 2)),))
+    assert not driver._room_for_prompt(huge) and driver.held == []  # 26 blocks > 12: it never could
+    [(_, fields)] = client.xrange(keys.tokens(3))
+    assert TokenStep.decode(fields[b"step"]).finished == ("error", "error")
+    client.close()
+
+
 def test_a_pass_that_cannot_fit_the_pool_sets_its_latest_members_aside_first_in_line(redis_url: str) -> None:
     from dejavu_token_worker.driver import Driver, Member
     from dejavu_token_worker.runner import Position, StageRunner

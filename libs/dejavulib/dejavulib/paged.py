@@ -89,7 +89,8 @@ class BlockGeometry:
 
 
 class BlockPool:
-    """Up to ``max_blocks`` blocks of ``geometry`` on ``device``, in slabs of ``slab_blocks`` added as needed.
+    """Up to ``max_blocks`` blocks of ``geometry`` on ``device`` (rounded down to whole slabs), in slabs of
+    ``slab_blocks`` added as needed.
     Thread-safe: prompt KV is placed on a receiver thread while the compute thread takes blocks."""
 
     def __init__(
@@ -98,8 +99,10 @@ class BlockPool:
         if max_blocks <= 0 or slab_blocks <= 0:
             raise ValueError(f"a pool needs blocks: max_blocks={max_blocks}, slab_blocks={slab_blocks}")
         self.geometry = geometry
-        self.max_blocks = max_blocks
         self.slab_blocks = min(slab_blocks, max_blocks)
+        # Whole slabs only: a remainder could never be made, and counting it as free would admit work the
+        # pool cannot hold.
+        self.max_blocks = max_blocks - max_blocks % self.slab_blocks
         self.device = torch.device(device)
         self.k_slabs: list[torch.Tensor] = []
         self.v_slabs: list[torch.Tensor] = []

@@ -33,8 +33,8 @@ from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, PrefillRefused, StageRunner, history
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
-from dejavu_worker.microbatch import KVStatus, MicrobatchState
-from dejavulib.paged import PagedKVCache
+from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
+from dejavulib.paged import PagedKVCache, PoolExhausted
 
 log = logging.getLogger("dejavu.token_worker.driver")
 
@@ -288,6 +288,8 @@ class Driver:
             and (self.mixes or not (cohort.prefilled and cohort.streaming))
         ):
             task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
+            if task is not None and not self._room_for_prompt(task):
+                task = None  # held until running requests return blocks (or failed: it can never fit)
             if task is not None and not (self.mixes and cohort.members):
                 cohort.prefilled = True
                 self._prefill(cohort, task)
@@ -406,6 +408,38 @@ class Driver:
             return None
         state.mark_complete(0)
         return state
+
+    def _room_for_prompt(self, task: PromptTask) -> bool:
+        """Admission by free blocks, colocated: whether the pool can take ``task``'s prompt now, after the
+        next step of every running member (a prompt waits for blocks; it never preempts a running request).
+        One that does not fit is held, and claimed again at a later pass; one that cannot fit even with
+        nothing else running (every other cache moved out) fails, since nothing would ever make room."""
+        pool = self.runner.pool
+        if pool is None or len(task.pieces) != 1:
+            return True  # no blocks to count; a task that is not one whole microbatch is refused later
+        mb_id = task.pieces[0].mb_id
+        try:
+            spec = fetch_spec(self.redis, mb_id, 0.0)
+        except DeadlineExceeded:
+            return True  # gone: dropped when it is prefilled
+        g = pool.geometry
+        need = sum(max(0, g.blocks(spec.prompt_len) - g.first_block(pad)) for pad in spec.pad_lens)
+        running = {mb: member for c in self.cohorts for mb, member in c.members.items()}
+        for mb, member in running.items():
+            state = self.runner.states.get(mb)
+            if state is not None and state.complete.is_set():
+                need += self.runner.blocks_to_run(state, member.step)
+        if need <= pool.free_blocks + self.runner.evictable_blocks(set(running)):
+            return True
+        if running:
+            self.held.insert(0, task)
+            return False
+        error = PoolExhausted(
+            f"the prompt of microbatch {mb_id} needs {need} KV blocks; the pool holds {pool.max_blocks}"
+        )
+        self.runner.fail(mb_id, 0, error)
+        self._release_everywhere(mb_id)
+        return False
 
     def _refuse(self, task: PromptTask) -> None:
         """Fail the microbatches of a colocated task that is not one whole token microbatch: none of them

@@ -109,8 +109,8 @@ class StageRunner:
         self.states: dict[int, MicrobatchState] = {}
         self.replicas: ReplicaSender | None = None
         self.held_replicas: ReplicaStore | None = None  # the predecessor's replicas kept here
-        # Stage 0 of a paged pool: the host memory its preempted caches may take; past it, preemption forgets
-        # a microbatch's KV instead, and the driver recomputes it (None: preemption always moves to host memory).
+        # With a paged pool: the host memory preempted caches may take; past it, preemption forgets a
+        # microbatch's KV instead, and stage 0's driver recomputes it (None: preemption always moves to host memory).
         self.host_budget: int | None = None
         self._lock = threading.Lock()
         self._passes = 0  # passes run, for the least-recently-computed order of preemption
