@@ -239,6 +239,9 @@ def test_colocated_a_prompt_waits_for_blocks_and_one_larger_than_the_pool_fails_
     assert not driver._room_for_prompt(huge) and driver.held == []  # 26 blocks > 12: it never could
     [(_, fields)] = client.xrange(keys.tokens(3))
     assert TokenStep.decode(fields[b"step"]).finished == ("error", "error")
+    client.delete(keys.microbatch(9))
+    gone = PromptTask(task_id=9, pieces=(PromptPiece(mb_id=9, dst_rows=(0, 2)),))
+    assert not driver._room_for_prompt(gone) and driver.held == []  # its microbatch ended: dropped at once
     client.close()
 
 

@@ -420,8 +420,9 @@ class Driver:
         mb_id = task.pieces[0].mb_id
         try:
             spec = fetch_spec(self.redis, mb_id, 0.0)
-        except DeadlineExceeded:
-            return True  # gone: dropped when it is prefilled
+        except DeadlineExceeded:  # the spec is written before the task is queued: the microbatch ended
+            log.info("dropped colocated task %d: microbatch %d is gone", task.task_id, mb_id)
+            return False
         g = pool.geometry
         need = sum(max(0, g.blocks(spec.prompt_len) - g.first_block(pad)) for pad in spec.pad_lens)
         running = {mb: member for c in self.cohorts for mb, member in c.members.items()}
