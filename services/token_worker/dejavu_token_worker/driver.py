@@ -206,13 +206,19 @@ class Driver:
         state = self.runner.states.get(mb)
         if pool is None or state is None or not state.complete.is_set():
             return True
-        running = {m: other for c in self.cohorts for m, other in c.members.items()}
-        need = self.runner.blocks_to_run(state, member.step)
-        for m, other in running.items():  # what the running members' next steps take first
-            st = self.runner.states.get(m)
-            if st is not None and st.complete.is_set():
-                need += self.runner.blocks_to_run(st, other.step)
+        running, need = self._running_need()
+        need += self.runner.blocks_to_run(state, member.step)
         return need <= pool.free_blocks + self.runner.evictable_blocks(set(running) | {mb})
+
+    def _running_need(self) -> tuple[dict[int, Member], int]:
+        """The members of every cohort, and the blocks their next steps take (they come first)."""
+        running = {mb: member for c in self.cohorts for mb, member in c.members.items()}
+        need = 0
+        for mb, member in running.items():
+            state = self.runner.states.get(mb)
+            if state is not None and state.complete.is_set():
+                need += self.runner.blocks_to_run(state, member.step)
+        return running, need
 
     def _fit_pool(self, cohort: Cohort, states: dict[int, MicrobatchState]) -> None:
         """Preemption at stage 0 of a paged pool: when the pass's members cannot all take the blocks their
@@ -424,12 +430,8 @@ class Driver:
             log.info("dropped colocated task %d: microbatch %d is gone", task.task_id, mb_id)
             return False
         g = pool.geometry
-        need = sum(max(0, g.blocks(spec.prompt_len) - g.first_block(pad)) for pad in spec.pad_lens)
-        running = {mb: member for c in self.cohorts for mb, member in c.members.items()}
-        for mb, member in running.items():
-            state = self.runner.states.get(mb)
-            if state is not None and state.complete.is_set():
-                need += self.runner.blocks_to_run(state, member.step)
+        running, need = self._running_need()
+        need += sum(max(0, g.blocks(spec.prompt_len) - g.first_block(pad)) for pad in spec.pad_lens)
         if need <= pool.free_blocks + self.runner.evictable_blocks(set(running)):
             return True
         if running:
@@ -555,11 +557,7 @@ class Driver:
         if ret.cohort < 0:  # members a later stage failed on their own
             for r in ret.members:
                 for cohort in self.cohorts:
-                    if r.mb_id not in cohort.members or cohort.members[r.mb_id].step != r.step:
-                        continue
-                    if r.recompute:
-                        self._recompute_later(cohort, r.mb_id)
-                    else:
+                    if r.mb_id in cohort.members and cohort.members[r.mb_id].step == r.step:
                         self._leave(cohort, r.mb_id)
             return
         if not 0 <= ret.cohort < len(self.cohorts):

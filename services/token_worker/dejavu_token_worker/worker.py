@@ -374,7 +374,7 @@ class TokenWorker(WorkerProcess):
                     self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
                 continue
             try:
-                self._follow_pass(pos, msg)
+                self.runner.follow(pos, msg)
             except STEP_FAILURES as exc:
                 # The pass's values broke the computation here: its members' clients get errors, stage 0
                 # frees them along the pipeline, and this stage keeps serving the others.
@@ -382,10 +382,6 @@ class TokenWorker(WorkerProcess):
                     self.runner.fail(mb, step, exc)
                 failed = tuple(Returned(mb, step, (), True) for mb, step, _rows in msg.members)
                 self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
-
-    def _follow_pass(self, pos: Position, msg: StageMessage) -> None:
-        assert self.runner is not None
-        self.runner.follow(pos, msg)
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
     def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
