@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import tracemalloc
@@ -91,7 +92,11 @@ def test_an_unauthenticated_peer_cannot_make_the_receiver_allocate() -> None:
         tracemalloc.start()
         rogue._submit(  # a 1 MiB message posing as a header
             lambda: rogue._post_send(
-                rogue._ep("victim"), big[: 1 << 20], make_tag(KIND_HEADER, peer_hash("rogue"), 7), lambda e: None
+                rogue._ep("victim"),
+                big[: 1 << 20],
+                make_tag(KIND_HEADER, peer_hash("rogue"), 7),
+                lambda e: None,
+                "victim",
             ),
             Handle(),
         )
@@ -126,9 +131,10 @@ def test_a_refused_header_without_payload_is_forgotten(monkeypatch: pytest.Monke
         rogue.connect("victim", victim.address)
         wrong = secret_key("not-the-secret")
         head = np.frombuffer(Header(Channel.TOKENS).pack(wrong), np.uint8)
+        post = rogue._post_send
         for seq in range(3):
             tag = make_tag(KIND_HEADER, peer_hash("rogue"), seq)
-            rogue._submit(lambda t=tag: rogue._post_send(rogue._ep("victim"), head, t, lambda e: None), Handle())
+            rogue._submit(lambda t=tag: post(rogue._ep("victim"), head, t, lambda e: None, "victim"), Handle())
         deadline = time.monotonic() + 10
         while victim.stats["rejected_auth"] < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -282,3 +288,83 @@ def test_a_peer_killed_with_sends_outstanding_holds_up_no_send_to_another_peer()
         victim.stop()
         spare.stop()
         endpoint.close()
+
+
+def test_forgetting_a_peer_fails_its_outstanding_sends_at_once_and_a_new_one_of_its_name_connects() -> None:
+    """A peer leaves the topology (here: stopped, then killed) with sends outstanding: forgetting it fails
+    them now, not at their deadline, and nothing of it stays pending on the I/O thread; a worker that
+    later registers under the same name is connected afresh and served."""
+    import os
+    import signal
+
+    from dejavulib.transport.ucx import UcxTransport
+
+    from .conftest import SECRET
+
+    transport = UcxTransport("driver", progress="thread")
+    endpoint = Endpoint(transport, SECRET)
+    victim = UcxPeer(endpoint=endpoint, name="victim")
+    successor = None
+    try:
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        outstanding = [
+            endpoint.send("victim", Header(Channel.KV_REPLICA, microbatch=i), np.ones(800 << 10, np.uint8), 30.0)
+            for i in range(3)
+        ]
+        time.sleep(0.2)
+        assert not any(h.done() for h in outstanding)
+        start = time.monotonic()
+        endpoint.forget("victim")
+        for handle in outstanding:
+            with pytest.raises(PeerError):
+                handle.wait(5)
+        assert time.monotonic() - start < 2.0
+        assert not transport._call(lambda: [p for p in transport._pending if p.peer == "victim"], 5)
+        with pytest.raises(PeerError):
+            endpoint.send("victim", Header(Channel.KV_REPLICA), np.ones(8, np.uint8), 5.0).wait(5)
+        victim.kill()
+        successor = UcxPeer(endpoint=endpoint, name="victim")  # connects under the forgotten name
+        data = np.arange(1 << 18, dtype=np.int32)
+        successor.command(op="echo_messages", channel=int(Channel.ACTIVATION), count=1)
+        endpoint.send("victim", Header(Channel.ACTIVATION), data).wait(10)
+        assert np.array_equal(endpoint.recv(Channel.ACTIVATION, 10).array(), data)
+    finally:
+        victim.stop()
+        if successor is not None:
+            successor.stop()
+        endpoint.close()
+
+
+def test_a_message_that_never_completes_stops_holding_up_its_senders_later_ones(monkeypatch) -> None:
+    """Messages from one sender are delivered in order, so one whose transfer never completes (its sender
+    died mid-message, or the transfer broke) would hold every later message of that sender (a worker
+    restarted under the same name is the same sender) for ever: past ``_INBOUND_GIVE_UP_S`` it is given
+    up and those behind it are delivered."""
+    from dejavulib.transport import ucx
+
+    monkeypatch.setattr(ucx, "_INBOUND_GIVE_UP_S", 0.5)
+    monkeypatch.setattr(ucx, "_HOUSEKEEPING_S", 0.1)
+    delivered: list[bytes] = []
+
+    class Admitted:
+        nbytes = 3
+
+    transport = ucx.UcxTransport("receiver", progress="thread")
+    transport.set_message_sink(lambda raw: Admitted(), lambda admitted, payload: delivered.append(payload.tobytes()))
+    try:
+        stuck, behind = ucx._Inbound(), ucx._Inbound()
+
+        def arrive() -> None:  # what the I/O thread holds after two headers of one sender, the first never whole
+            behind.admitted, behind.payload = Admitted(), np.frombuffer(b"abc", np.uint8)
+            transport._inbox[7] = collections.deque([stuck, behind])
+            transport._settle(7, behind, dropped=False)
+
+        transport._call(arrive, 5)
+        assert delivered == []  # held behind the incomplete one, in order
+        deadline = time.monotonic() + 5
+        while not delivered and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert delivered == [b"abc"]
+        assert transport._call(lambda: dict(transport._inbox), 5) == {}
+    finally:
+        transport.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -112,11 +113,23 @@ def assert_kv_released(redis_url: str, timeout_s: float = 20.0) -> None:
         time.sleep(0.25)
 
 
-def logs(launcher: Launcher, tail: int | None = 3000) -> str:
+_UCX_LINE = re.compile(r"\[\d+\.\d+\] \[[^\]]*\]")  # UCX's log prefix: [time] [host:pid:thread]
+
+
+def _ucx_table(line: str) -> bool:
+    return bool(_UCX_LINE.match(line)) and " ERROR " not in line and " WARN " not in line
+
+
+def logs(launcher: Launcher, tail: int | None = 4000) -> str:
     """Every process log: the last ``tail`` characters of each for assertion messages, whole with ``tail=None``.
 
-    Search the whole text (``tail=None``): UCX's protocol tables alone can fill a worker log's tail.
+    The tails leave out UCX's protocol tables (printed at each connection, they would otherwise fill
+    them), not its errors and warnings; the whole text keeps everything.
     """
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-tail if tail else 0 :]}" for p in sorted(launcher.log_dir.glob("*.log"))
-    )
+    parts = []
+    for p in sorted(launcher.log_dir.glob("*.log")):
+        text = p.read_text()
+        if tail:
+            text = "".join(line for line in text.splitlines(keepends=True) if not _ucx_table(line))[-tail:]
+        parts.append(f"--- {p.name}\n{text}")
+    return "\n".join(parts)

@@ -117,6 +117,10 @@ class Endpoint:
     def connect(self, peer_id: str, address: bytes) -> None:
         self.transport.connect(peer_id, address)
 
+    def forget(self, peer_id: str) -> None:
+        """Stop sending to ``peer_id`` (see :meth:`Transport.forget`); messages from it still arrive."""
+        self.transport.forget(peer_id)
+
     def set_epoch(self, epoch: int) -> None:
         """Reject, from now on, messages whose sender epoch is older than ``epoch``; drops queued ones too."""
         with self._cond:

@@ -102,7 +102,14 @@ class DataEndpoint:
         fails (``PeerError``, ``TransportUnavailable``: e.g. UCX failing to map shared memory with a
         peer that just started) is retried with exponential backoff for up to ``deadline_s``, each
         failure logged; the last error is raised after that.
+
+        Peers connected before and not in ``peer_ids`` (they left the topology: failed, drained or moved
+        elsewhere) are forgotten first: what is still in flight to them fails now, and a dead peer's
+        outstanding transfers stop counting as this worker's traffic.
         """
+        for peer in sorted(set(self._addresses) - set(peer_ids)):
+            del self._addresses[peer]
+            self._ep.forget(peer)
         for peer in peer_ids:
             deadline = time.monotonic() + self.settings.deadline_s
             delay = 0.05

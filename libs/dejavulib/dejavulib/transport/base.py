@@ -82,6 +82,11 @@ class Transport(abc.ABC):
         until then (a later ``fetch`` waits as for a chunk never flushed). Stream transports hold
         nothing once fetched: no-op."""
 
+    def forget(self, peer_id: str) -> None:  # noqa: B027 - transports without per-peer state keep nothing
+        """Stop sending to ``peer_id`` (it left the deployment, perhaps dead): what is still in flight to it
+        fails at once instead of at its deadline, and nothing of it stays pending. A later ``connect``
+        starts afresh. No-op where nothing is kept per peer."""
+
     def close(self) -> None:  # noqa: B027 - transports without resources need no cleanup
         """Release resources; the transport is unusable afterwards. Idempotent."""
 

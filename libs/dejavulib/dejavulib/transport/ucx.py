@@ -9,9 +9,13 @@ blocking call has a deadline and raises ``TransferTimeout`` when it passes.
 Progress modes: ``polling`` spins on ``worker.progress()`` while there is traffic (microsecond
 latency) and backs off to short sleeps when idle; ``thread`` sleeps in ``epoll`` on the worker's event
 fd between events (less CPU, higher latency). In ``thread`` mode an eventfd of ours sits in the same
-epoll set, so an operation enqueued by another thread wakes the I/O thread at once: the idle wait can
-then be long, and an idle transport costs next to no CPU — which matters where workers share cores
-with the model's compute.
+epoll set, so an operation enqueued by another thread wakes the I/O thread at once, and an idle
+transport costs next to no CPU — which matters where workers share cores with the model's compute. The
+waits are still capped (20 ms idle, 2 ms with requests outstanding), so a UCX event that never comes
+delays a transfer by milliseconds, never stalls it.
+
+Every request outstanding for over 5 s is logged once, with its peer and size. ``forget`` drops a peer
+that left (a dead one): its outstanding sends fail at once and stop counting as traffic.
 
 Tags (64 bits): kind (4) | sender id hash (28) | key or sequence number (32).
 
@@ -59,7 +63,17 @@ _IDLE_SLEEP_MIN_S = 0.00005
 _IDLE_SLEEP_MAX_S = 0.0005  # bounds the extra latency of the first message after a quiet spell
 _FRESH_S = 0.5  # requests younger than this keep the loop spinning; older ones (a dead peer's) do not
 _MAX_LOOP_FAILURES = 20  # I/O passes failing in a row before the transport declares itself dead
-_EVENT_WAIT_MS = 100  # thread mode: longest epoll sleep (incoming traffic and our own ops wake it earlier)
+# Thread mode: the longest epoll sleep, idle (incoming traffic and our own ops wake it earlier) and with
+# requests outstanding. UCX's events should wake the thread whenever there is progress to make; these caps
+# bound what a missed one costs (a rendezvous takes several round trips), at 50 wake-ups a second idle.
+_EVENT_WAIT_MS = 20
+_PENDING_EVENT_WAIT_MS = 2
+_HOUSEKEEPING_S = 1.0  # how often outstanding requests and inboxes are checked for stalls
+_STALL_REPORT_S = 5.0  # a request outstanding this long is logged (once), with its peer and size
+# A message whose header arrived this long ago and whose payload is still incomplete is given up (its
+# sender died mid-message, or the transfer broke): the sender's later messages are delivered again,
+# instead of waiting behind it for ever (a restarted worker of the same id is the same sender here).
+_INBOUND_GIVE_UP_S = 30.0
 SHARED_MEMORY_TLS = frozenset({"sysv", "posix", "cma", "xpmem", "knem"})
 _TL_PATTERN = re.compile(r"\|\s*([a-z][a-z0-9_]*)/[a-z0-9_.:-]+\s*\|")
 # Refused headers whose payloads are still to be discarded: at most this many, each for this long (a
@@ -109,6 +123,9 @@ class _Pending:
     on_done: Callable[[BaseException | None], None]
     keepalive: tuple[Any, ...] = field(default_factory=tuple)
     posted: float = field(default_factory=time.monotonic)
+    peer: str = ""  # a send's destination ("" for receives)
+    nbytes: int = 0
+    reported: bool = False  # logged as stalled
 
 
 #: UCX transports a worker uses (``UCX_TLS``; the environment's wins). Cross-memory attach (``cma``) is
@@ -164,6 +181,10 @@ class UcxTransport(MessageTransport):
         self._endpoints: dict[str, Any] = {}
         self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
         self._pending: list[_Pending] = []
+        # What a forgotten peer's endpoint and outstanding requests hold: kept, never freed, since UCX may
+        # still touch them (destroying the endpoint would close it, which waits on the dead peer).
+        self._abandoned: list[Any] = []
+        self._housekept = time.monotonic()
         self._awaiting_payload: list[tuple[int, int, _Inbound]] = []
         self._inbox: dict[int, collections.deque[_Inbound]] = {}  # per sender, in the order sent
         self._refused: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_REFUSED_MEMORY)
@@ -202,9 +223,11 @@ class UcxTransport(MessageTransport):
             except Exception as exc:
                 done.set_done(PeerError(f"cannot create a UCX endpoint to {peer_id!r}: {exc}"))
                 return
+            if peer_id in self._endpoints:
+                self._forget(peer_id, PeerError(f"reconnected to {peer_id!r}"))
             self._endpoints[peer_id] = ep
             hello = np.zeros(1, np.uint8)
-            self._post_send(ep, hello, make_tag(KIND_HELLO, self._hash, 0), done.set_done)
+            self._post_send(ep, hello, make_tag(KIND_HELLO, self._hash, 0), done.set_done, peer_id)
 
         self._submit(op, done)
         try:
@@ -225,7 +248,7 @@ class UcxTransport(MessageTransport):
         data = as_bytes(src)
         done = Handle(data.nbytes)
         tag = make_tag(KIND_CHUNK, self._hash, key)
-        self._submit(lambda: self._post_send(self._ep(peer_id), data, tag, done.set_done), done)
+        self._submit(lambda: self._post_send(self._ep(peer_id), data, tag, done.set_done, peer_id), done)
         done.wait(deadline_s)
 
     def fetch(self, peer_id: str, key: int, dst: Buffer, deadline_s: float) -> None:
@@ -251,7 +274,7 @@ class UcxTransport(MessageTransport):
         def op() -> None:
             ep = self._ep(peer_id)
             if payload.nbytes == 0:  # a header declaring no payload: nothing follows it
-                self._post_send(ep, head, make_tag(KIND_HEADER, self._hash, seq), done.set_done)
+                self._post_send(ep, head, make_tag(KIND_HEADER, self._hash, seq), done.set_done, peer_id)
                 return
             remaining = [2]
 
@@ -260,8 +283,8 @@ class UcxTransport(MessageTransport):
                 if error is not None or remaining[0] == 0:
                     done.set_done(error)
 
-            self._post_send(ep, head, make_tag(KIND_HEADER, self._hash, seq), one_done)
-            self._post_send(ep, payload, make_tag(KIND_PAYLOAD, self._hash, seq), one_done)
+            self._post_send(ep, head, make_tag(KIND_HEADER, self._hash, seq), one_done, peer_id)
+            self._post_send(ep, payload, make_tag(KIND_PAYLOAD, self._hash, seq), one_done, peer_id)
 
         try:
             self._submit(op, done)
@@ -271,6 +294,11 @@ class UcxTransport(MessageTransport):
 
     def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
         self._admit, self._sink = admit, sink
+
+    def forget(self, peer_id: str, deadline_s: float = 10.0) -> None:
+        """See :meth:`Transport.forget`: sends still outstanding to ``peer_id`` fail with ``PeerError``."""
+        if self._running:
+            self._call(lambda: self._forget(peer_id, PeerError(f"peer {peer_id!r} was forgotten")), deadline_s)
 
     def close(self) -> None:
         """Stop the I/O thread and cancel outstanding requests. Idempotent; never waits on a peer."""
@@ -296,9 +324,25 @@ class UcxTransport(MessageTransport):
             raise PeerError(f"peer {peer_id!r} is not connected")
         return ep
 
-    def _post_send(self, ep: Any, data: np.ndarray, tag: int, on_done: Callable[[BaseException | None], None]) -> None:
+    def _post_send(self, ep: Any, data: np.ndarray, tag: int, on_done: Callable[[BaseException | None], None],
+                   peer: str) -> None:  # fmt: skip
         request = ep.tag_send(self._Array(data), self._api.UCXXTag(tag))
-        self._pending.append(_Pending(request, on_done, (data,)))
+        self._pending.append(_Pending(request, on_done, (data,), peer=peer, nbytes=data.nbytes))
+
+    def _forget(self, peer_id: str, error: BaseException) -> None:
+        """Drop ``peer_id``'s endpoint and fail its outstanding sends (their buffers kept: UCX may still
+        read them). On the I/O thread."""
+        ep = self._endpoints.pop(peer_id, None)
+        gone = [p for p in self._pending if p.peer == peer_id]
+        if ep is None and not gone:
+            return
+        self._pending = [p for p in self._pending if p.peer != peer_id]
+        self._abandoned.append((ep, [(p.request, p.keepalive) for p in gone]))
+        for p in gone:
+            p.on_done(error)
+        if gone:
+            log.info("forgot peer %s with %d sends outstanding (%d bytes)", peer_id, len(gone),
+                     sum(p.nbytes for p in gone))  # fmt: skip
 
     def _submit(self, op: Callable[[], None], handle: Handle) -> None:
         """Run ``op`` on the I/O thread; if it raises, ``handle`` fails with ``PeerError``."""
@@ -360,12 +404,16 @@ class UcxTransport(MessageTransport):
         busy |= self._reap()
         busy |= self._probe()
         now = time.monotonic()
+        if now - self._housekept >= _HOUSEKEEPING_S:
+            self._housekept = now
+            self._report_stalls(now)
+            self._give_up_inbound(now)
         if busy or any(now - p.posted < _FRESH_S for p in self._pending):  # transfers in flight: full speed
             self._last_activity, self._idle_sleep = now, _IDLE_SLEEP_MIN_S
             time.sleep(0)
         elif now - self._last_activity > _IDLE_SPIN_S and not self._ops:
             if self._wake_fd is not None:
-                self._worker.progress_worker_event(_EVENT_WAIT_MS)
+                self._worker.progress_worker_event(_PENDING_EVENT_WAIT_MS if self._pending else _EVENT_WAIT_MS)
                 with contextlib.suppress(BlockingIOError):
                     os.eventfd_read(self._wake_fd)  # level-triggered: drain it, or epoll returns at once
             else:  # idle: back off so a quiet transport costs little CPU on a busy host
@@ -375,6 +423,36 @@ class UcxTransport(MessageTransport):
             # Hand the GIL over: otherwise a thread woken by a completion waits for the interpreter's
             # switch interval (5 ms) while this loop spins.
             time.sleep(0)
+
+    def _report_stalls(self, now: float) -> None:
+        """Log requests outstanding past ``_STALL_REPORT_S``, once each, by peer (sends) or as receives."""
+        stalled = [p for p in self._pending if not p.reported and now - p.posted > _STALL_REPORT_S]
+        if not stalled:
+            return
+        by_peer: dict[str, list[_Pending]] = collections.defaultdict(list)
+        for p in stalled:
+            p.reported = True
+            by_peer[p.peer or "(receives)"].append(p)
+        groups = [
+            f"{peer}: {len(ps)} ({sum(p.nbytes for p in ps)} bytes, oldest {now - min(p.posted for p in ps):.1f} s)"
+            for peer, ps in sorted(by_peer.items())
+        ]
+        log.warning(
+            "UCX requests outstanding for over %.0f s: %s (%d outstanding in all)",
+            _STALL_REPORT_S,
+            ", ".join(groups),
+            len(self._pending),
+        )
+
+    def _give_up_inbound(self, now: float) -> None:
+        """Drop the head of a sender's inbox still incomplete ``_INBOUND_GIVE_UP_S`` after its header was
+        admitted, so that sender's later messages are delivered (see ``_INBOUND_GIVE_UP_S``)."""
+        for sender, inbox in list(self._inbox.items()):
+            head = inbox[0]
+            if not (head.ready or head.dropped) and now - head.since > _INBOUND_GIVE_UP_S:
+                log.warning("gave up a message from sender %07x incomplete after %.0f s; %d behind it flow again",
+                            sender, now - head.since, len(inbox) - 1)  # fmt: skip
+                self._settle(sender, head, dropped=True)
 
     def _run_ops(self) -> bool:
         ran = False
@@ -431,7 +509,9 @@ class UcxTransport(MessageTransport):
                 continue
             payload = np.empty(slot.admitted.nbytes, np.uint8)
             request = self._worker.tag_recv_with_handle(self._Array(payload), probe)
-            self._pending.append(_Pending(request, self._payload_done(sender, slot, payload), (payload,)))
+            self._pending.append(
+                _Pending(request, self._payload_done(sender, slot, payload), (payload,), nbytes=payload.nbytes)
+            )
         self._awaiting_payload = still
         found |= self._discard_refused_payloads()
         return found
