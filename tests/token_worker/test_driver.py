@@ -68,7 +68,10 @@ class Pipeline:
     passes: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
     returns: deque[bytes] = field(default_factory=deque)
+    lose: set[tuple[int, int]] = field(default_factory=set)  # (mb, step) whose pass never comes back...
+    lost: list[bytes] = field(default_factory=list)  # ...until its microbatch failed: then it does, late
 
     # runner
     def state(self, mb: int) -> State:
@@ -91,7 +94,7 @@ class Pipeline:
         ret = TokenReturn(cohort, tuple(returned))
         if pos.depth == 1:
             return ret
-        self.returns.append(ret.encode())
+        (self.lost if set(steps) & self.lose else self.returns).append(ret.encode())
         return None
 
     def release(self, mb: int) -> None:
@@ -100,13 +103,19 @@ class Pipeline:
 
     def fail(self, mb: int, step: int, error: Exception) -> None:
         self.failed.append(mb)
+        self.errors.append(error)
+        self.returns.extend(self.lost)
+        self.lost.clear()
 
     # endpoint
     def send(self, peer: str, channel: Channel, payload: bytes) -> None:
         assert channel is Channel.ACTIVATION and StageMessage.decode(payload).kind is Kind.RELEASE
 
     def recv(self, channel: Channel, timeout_s: float) -> bytes | None:
-        return self.returns.popleft() if self.returns else None
+        if not self.returns:
+            time.sleep(timeout_s)  # as a real endpoint waits for a message that does not come
+            return None
+        return self.returns.popleft()
 
 
 class Ready:
@@ -133,6 +142,7 @@ def _drive(depth: int, rows: dict[int, int], finish: dict[int, int], ready_at: d
     pipeline = Pipeline(
         depth, finish, {mb: _spec(mb, n) for mb, n in rows.items()}, kw.pop("broken", set()), kw.pop("row_finish", {})
     )
+    pipeline.lose = kw.pop("lose", set())
     pos = Position(0, depth, "t1" if depth > 1 else None, "t0", colocated=False)
     ready = Ready(pipeline, list(ready_at.items()))
     deadline_s = kw.pop("deadline_s", 1.0)
@@ -176,6 +186,24 @@ def test_a_member_whose_prompt_kv_never_completes_is_failed_alone_without_holdin
     assert all(dict(steps).keys() == {1} for _, steps in p.passes)
     assert [dict(steps)[1] for _, steps in p.passes] == [1, 2, 3]
     assert time.monotonic() - started >= deadline_s  # failed at its deadline, not before
+
+
+def test_a_pass_that_never_comes_back_fails_its_microbatches_at_its_deadline_and_the_others_go_on() -> None:
+    """Every stage is alive but the pass of microbatch 2 at step 2 is lost on the way: past the pass deadline
+    its requests get an error instead of waiting for ever, its cohort serves again, microbatch 1 finishes,
+    and the lost return, when it does come, changes nothing."""
+    started = time.monotonic()
+    rows = {1: 1, 2: 1, 3: 1}
+    p = _drive(
+        depth=2, rows=rows, finish=dict.fromkeys(rows, 4), ready_at={1: 0, 2: 0, 3: 6}, lose={(2, 2)},
+        pass_deadline_s=0.3,
+    )  # fmt: skip
+    assert p.failed == [2] and isinstance(p.errors[0], DeadlineExceeded)
+    assert time.monotonic() - started >= 0.3
+    steps = [dict(s) for _, s in p.passes]
+    assert [s[1] for s in steps if 1 in s] == [1, 2, 3, 4]  # microbatch 1 went on meanwhile
+    assert [s[2] for s in steps if 2 in s] == [1, 2]  # 2 ran no step after the lost one
+    assert [s[3] for s in steps if 3 in s] == [1, 2, 3, 4]  # and its cohort served 3 after it
 
 
 def test_a_member_whose_prompt_kv_completes_late_joins_then() -> None:

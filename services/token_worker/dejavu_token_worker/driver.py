@@ -62,7 +62,17 @@ class Cohort:
     index: int
     members: dict[int, Member] = field(default_factory=dict)
     pass_members: tuple[int, ...] | None = None
+    pass_since: float = 0.0  # when the pass in flight started
+    pass_cost: float = 0.0  # how long this stage took to compute and hand it on
     prefilled: bool = False  # its last pass was a colocated prefill
+
+    def begin(self, members: tuple[int, ...]) -> None:
+        """A pass of ``members`` starts."""
+        self.pass_members, self.pass_since, self.pass_cost = members, time.monotonic(), 0.0
+
+    def handed_on(self) -> None:
+        """This stage's part of the pass is done (the later stages' parts take about as long each)."""
+        self.pass_cost = time.monotonic() - self.pass_since
 
     @property
     def streaming(self) -> bool:
@@ -94,6 +104,7 @@ class Driver:
         release: Callable[[int], None] | None = None,
         epoch: int = 0,
         held: list[PromptTask] | None = None,
+        pass_deadline_s: float | None = None,
     ) -> None:
         self.runner = runner
         self.epoch = epoch  # the topology epoch this driver serves
@@ -107,6 +118,9 @@ class Driver:
         self.pos = pos
         self.ready = ready
         self.deadline_s = deadline_s
+        # A pass not back this long after it started was lost on the way (see :meth:`_expire_passes`).
+        self.pass_deadline_s = pass_deadline_s if pass_deadline_s is not None else 6 * deadline_s
+        self._expiry_checked = time.monotonic()
         self.cohorts = [Cohort(i) for i in range(pos.depth)]
         self.cohort_rows = max(1, math.ceil(max_running / pos.depth))
         # With swapping only one microbatch's cache is resident per computing cohort.
@@ -269,6 +283,30 @@ class Driver:
             payload = self.endpoint.recv(Channel.TOKENS, timeout_s=0.0 if started else 0.005)
             if payload is not None:
                 self._returned(TokenReturn.decode(payload))
+            if time.monotonic() - self._expiry_checked > 1.0:
+                self._expiry_checked = time.monotonic()
+                self._expire_passes()
+
+    def _expire_passes(self) -> None:
+        """Fail the microbatches of a pass still not back long after it started: ``pass_deadline_s``, or
+        4 times what the whole pipeline should take at this stage's pace, whichever is longer (a large
+        model's long prefill is not lost). Every stage is alive (a dead one changes the epoch, and the
+        repair takes over), so the data plane lost the pass on the way: its requests get an error instead
+        of waiting for ever, and the cohort serves others again. A return that still comes is ignored
+        (its microbatches left the cohort)."""
+        now = time.monotonic()
+        for cohort in self.cohorts:
+            limit = max(self.pass_deadline_s, 4 * self.pos.depth * cohort.pass_cost)
+            if cohort.pass_members is None or now - cohort.pass_since <= limit:
+                continue
+            passed, cohort.pass_members = cohort.pass_members, None
+            log.error("the pass of cohort %d (microbatches %s) is not back after %.0f s: failing its microbatches",
+                      cohort.index, list(passed), now - cohort.pass_since)  # fmt: skip
+            error = DeadlineExceeded(f"no tokens back from the token pipeline within {limit:.0f} s")
+            for mb in passed:
+                if mb in cohort.members:  # not one a later stage failed already
+                    self._fail(cohort, mb, error)
+            self.runnable.append(cohort.index)
 
     @property
     def mixes(self) -> bool:
@@ -323,7 +361,7 @@ class Driver:
         ids = torch.tensor([[cohort.members[mb].feed[r]] for mb in states for r in cohort.members[mb].live])
         if task is not None and self._mixed(cohort, members, ids, task):
             return True
-        cohort.pass_members = tuple(states)
+        cohort.begin(tuple(states))
         try:
             ret = self.runner.run(
                 self.pos, members, Kind.DECODE, StageIO(input_ids=ids), cohort.index, self._guess_next(cohort)
@@ -334,6 +372,7 @@ class Driver:
                 self._fail(cohort, mb, exc)
             self.runnable.append(cohort.index)
             return True
+        cohort.handed_on()
         if ret is not None:  # a one-stage pipeline: the tokens are here already
             self._returned(ret)
         return True
@@ -471,7 +510,7 @@ class Driver:
             return False
         every_row = tuple(range(len(state.spec.rows)))
         cohort.members[state.mb_id] = Member(0, (), every_row)
-        cohort.pass_members = (*(m.state.mb_id for m in members), state.mb_id)
+        cohort.begin((*(m.state.mb_id for m in members), state.mb_id))
         try:
             ret = self.runner.run_mixed(
                 self.pos,
@@ -491,6 +530,7 @@ class Driver:
                 self._fail(cohort, mb, exc)
             self.runnable.append(cohort.index)
             return True
+        cohort.handed_on()
         self._returned(ret)
         return True
 
@@ -508,7 +548,7 @@ class Driver:
         """Run ``member`` alone in a PREFILL pass of ``cohort`` over the tokens ``ids()`` gives; a failure
         (there, or in the pass) fails that microbatch only."""
         mb_id = member.state.mb_id
-        cohort.pass_members = (mb_id,)
+        cohort.begin((mb_id,))
         try:
             ret = self.runner.run(self.pos, [member], Kind.PREFILL, StageIO(input_ids=ids()), cohort.index)
         except STEP_FAILURES as exc:
@@ -516,6 +556,7 @@ class Driver:
             self._fail(cohort, mb_id, exc)
             self.runnable.append(cohort.index)
             return
+        cohort.handed_on()
         if ret is not None:
             self._returned(ret)
 
