@@ -249,7 +249,9 @@ class Streamer:
     def _on_sent(self, job: _Job, error: BaseException | None) -> None:
         if error is not None:
             log.warning("streaming %d bytes to %s failed: %s", job.nbytes, job.peer_id, error)
-        self._settle(job, error, reuse=True)
+        # A failed send's buffer is not reused: the failure may be the transport giving up on a transfer
+        # it still runs (a forgotten peer's), which may still read it.
+        self._settle(job, error, reuse=error is None)
 
 
 def region_header(header: Header, cache: KVCache, region: Region) -> Header:
