@@ -260,6 +260,25 @@ def test_a_colocated_task_of_a_newer_epoch_is_held_until_that_epoch_and_runs_fir
     assert [at4._claim_colocated(block=False).task_id for _ in range(2)] == [2, 3]
 
 
+def test_a_colocated_task_of_an_older_epoch_is_dropped_held_or_queued() -> None:
+    """Every epoch change re-queues the prompts still to run under the new epoch: a task of the old one,
+    held for room across the change or still in the queue, would prefill its microbatch a second time."""
+    from dejavu_common.messages import PromptPiece, PromptTask
+
+    def task(task_id: int, epoch: int) -> PromptTask:
+        return PromptTask(task_id=task_id, pieces=(PromptPiece(mb_id=task_id, dst_rows=(0, 1)),), epoch=epoch)
+
+    held = [task(1, 3)]  # held for room at epoch 3
+    queue = [task(2, 3), task(1, 4), task(2, 4)]  # an old entry left unclaimed, then the repair's re-runs
+    runner = Pipeline(1, {}, {}, set(), {})
+    pos = Position(0, 1, None, "t0", colocated=True)
+    d = Driver(runner, runner, None, "t0", pos, None, 1.0, epoch=4, held=held)  # type: ignore[arg-type]
+    d._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+    claimed = [d._claim_colocated(block=False) for _ in range(4)]
+    assert [(t.task_id, t.epoch) for t in claimed if t is not None] == [(1, 4), (2, 4)]
+    assert held == [] and queue == []
+
+
 def test_a_microbatch_that_cannot_resume_is_freed_and_failed_only_if_still_awaited(redis_url) -> None:
     """The resume point of a repair can name a microbatch whose tokens are not all on its stream. One whose
     newest tokens were lost with the failed last stage (it had replicated their step's KV: a multi-host CI

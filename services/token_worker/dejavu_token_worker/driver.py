@@ -405,7 +405,10 @@ class Driver:
     def _claim_colocated(self, block: bool) -> PromptTask | None:
         """The next colocated task to prefill at this epoch: a held one first; one claimed now unless it
         was queued under a newer epoch (then it is held: its prefill pass would carry this epoch and be
-        dropped by stages already serving the newer one, and its requests would wait for nothing)."""
+        dropped by stages already serving the newer one, and its requests would wait for nothing). One
+        queued under an older epoch is dropped (:meth:`_stale`)."""
+        while self.held and self._stale(self.held[0]):
+            self.held.pop(0)
         if self.held:
             if self.held[0].epoch <= self.epoch:
                 return self.held.pop(0)
@@ -413,12 +416,25 @@ class Driver:
                 time.sleep(0.005)  # idle until the newer topology ends this epoch (the claim would have blocked)
             return None
         task = self._claim_queued(block)
+        if task is not None and self._stale(task):
+            return None
         if task is not None and task.epoch > self.epoch:
             log.info("colocated task %d was queued at epoch %d: holding it (serving %d)", task.task_id, task.epoch,
                      self.epoch)  # fmt: skip
             self.held.append(task)
             return None
         return task
+
+    def _stale(self, task: PromptTask) -> bool:
+        """Whether ``task`` was queued under an older epoch than this driver's: every epoch after the first
+        comes with a repair that re-queues, under the new epoch, each microbatch still in its prompt phase
+        (or fails it), so this one's prefill would be a second one (held for room, or left in the queue,
+        across the change). Dropped, and logged."""
+        if task.epoch >= self.epoch:
+            return False
+        log.info("dropped colocated task %d of epoch %d: the repair at epoch %d queued its prompts again",
+                 task.task_id, task.epoch, self.epoch)  # fmt: skip
+        return True
 
     def _claim_queued(self, block: bool) -> PromptTask | None:
         resp = self.redis.xreadgroup(
