@@ -368,3 +368,40 @@ def test_a_message_that_never_completes_stops_holding_up_its_senders_later_ones(
         assert transport._call(lambda: dict(transport._inbox), 5) == {}
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize("progress", ["thread", "polling"])
+def test_the_receive_path_probe_sees_its_message_arrive(progress: str) -> None:
+    """A second UCX worker of the process sends to this one over the host's transports: it arrives."""
+    from dejavulib.transport.ucx import UcxTransport
+
+    transport = UcxTransport("probed", progress=progress)
+    try:
+        assert all(transport.receive_path_ok(5.0) for _ in range(3))
+        assert not transport._call(lambda: [p for p in transport._pending if not p.request.completed], 5)
+    finally:
+        transport.close()
+
+
+def test_the_receive_path_probe_says_so_when_its_message_does_not_arrive(monkeypatch) -> None:
+    """What a wedged receive FIFO looks like from here: the probe is sent and never read (sent under a tag
+    nothing reads, as a message stuck behind a dead writer's unfinished element never is)."""
+    from dejavulib.transport import ucx
+
+    transport = ucx.UcxTransport("wedged", progress="thread")
+    send_probe = transport._send_probe
+
+    def send_unread(seq: int) -> None:  # the probe leaves under kind 6; the I/O thread reads kind 5
+        monkeypatch.setattr(ucx, "KIND_PROBE", 6)
+        try:
+            send_probe(seq)
+        finally:
+            monkeypatch.setattr(ucx, "KIND_PROBE", 5)
+
+    monkeypatch.setattr(transport, "_send_probe", send_unread)
+    try:
+        started = time.monotonic()
+        assert transport.receive_path_ok(0.5) is False
+        assert time.monotonic() - started < 2.0
+    finally:
+        transport.close()

@@ -105,11 +105,13 @@ class DataEndpoint:
 
         Peers connected before and not in ``peer_ids`` (they left the topology: failed, drained or moved
         elsewhere) are forgotten first: what is still in flight to them fails now, and a dead peer's
-        outstanding transfers stop counting as this worker's traffic.
+        outstanding transfers stop counting as this worker's traffic. Then this worker's own receive
+        path is checked (:meth:`check_receive_path`).
         """
         for peer in sorted(set(self._addresses) - set(peer_ids)):
             del self._addresses[peer]
             self._ep.forget(peer)
+        self.check_receive_path()
         for peer in peer_ids:
             deadline = time.monotonic() + self.settings.deadline_s
             delay = 0.05
@@ -123,6 +125,14 @@ class DataEndpoint:
                     log.warning("connecting to %s failed (%s): retrying in %.2f s", peer, exc, delay)
                     time.sleep(delay)
                     delay = min(2 * delay, 1.0)
+
+    def check_receive_path(self) -> None:
+        """End the process if messages sent to it no longer arrive (``Transport.receive_path_ok``: a peer
+        killed while writing into this worker's shared-memory receive FIFO blocks it for good, and nothing
+        short of a new process mends it). Its lease then expires and the controller replaces it; a
+        supervisor restarts it. Checked at each epoch, since any peer's death changes the epoch."""
+        if not self._ep.transport.receive_path_ok(self.settings.deadline_s / 2):
+            die(f"the data plane of {self.worker_id}", RuntimeError("messages sent to this worker no longer arrive"))
 
     def _connect(self, client: redis.Redis, peer: str) -> None:
         raw = client.hget(keys.worker(peer), "info")

@@ -82,6 +82,11 @@ class Transport(abc.ABC):
         until then (a later ``fetch`` waits as for a chunk never flushed). Stream transports hold
         nothing once fetched: no-op."""
 
+    def receive_path_ok(self, deadline_s: float = 2.0) -> bool:
+        """Whether messages sent to this transport still arrive (a dead peer can break a shared-memory
+        receive path for good: see the UCX transport). Transports that cannot break so: True."""
+        return True
+
     def forget(self, peer_id: str) -> None:  # noqa: B027 - transports without per-peer state keep nothing
         """Stop sending to ``peer_id`` (it left the deployment, perhaps dead): what is still in flight to it
         fails at once instead of at its deadline, and nothing of it stays pending. A later ``connect``

@@ -16,6 +16,8 @@ delays a transfer by milliseconds, never stalls it.
 
 Every request outstanding for over 5 s is logged once, with its peer and size. ``forget`` drops a peer
 that left (a dead one): its outstanding sends fail at once and stop counting as traffic.
+``receive_path_ok`` checks that messages sent to this worker still arrive: a peer killed while writing
+into this worker's shared-memory FIFO blocks it for good (see there).
 
 Tags (64 bits): kind (4) | sender id hash (28) | key or sequence number (32).
 
@@ -56,7 +58,7 @@ from dejavulib.transport.interfaces import interface_of
 
 log = logging.getLogger(__name__)
 
-KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO = 1, 2, 3, 4
+KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO, KIND_PROBE = 1, 2, 3, 4, 5
 _KIND_MASK = 0xF << 60
 _IDLE_SPIN_S = 0.0002  # keep spinning this long after the last event: replies usually follow quickly
 _IDLE_SLEEP_MIN_S = 0.00005
@@ -185,6 +187,11 @@ class UcxTransport(MessageTransport):
         # still touch them (destroying the endpoint would close it, which waits on the dead peer).
         self._abandoned: list[Any] = []
         self._housekept = time.monotonic()
+        # Receive-path probes (``receive_path_ok``): a second UCX worker of this process sends to this one.
+        self._prober: tuple[Any, Any] | None = None
+        self._probes_sent = 0
+        self._probes_seen = 0
+        self._probe_lock = threading.Lock()
         self._awaiting_payload: list[tuple[int, int, _Inbound]] = []
         self._inbox: dict[int, collections.deque[_Inbound]] = {}  # per sender, in the order sent
         self._refused: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_REFUSED_MEMORY)
@@ -295,6 +302,29 @@ class UcxTransport(MessageTransport):
     def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
         self._admit, self._sink = admit, sink
 
+    def receive_path_ok(self, deadline_s: float = 2.0) -> bool:
+        """Whether a message sent to this worker over the host's transports still arrives.
+
+        UCX's shared-memory transports deliver through a FIFO in the receiver's memory that senders write
+        into: a sender killed in the middle of writing an element leaves it unfinished for ever, and the
+        receiver reads nothing past it again, from any sender (seen as a stage whose every rendezvous send
+        stalled after a peer was SIGKILLed: the replies never got through). Nothing in UCX reports it.
+        The probe: a second UCX worker of this process, connected like a peer on this host, sends one
+        small message; False if it does not arrive within ``deadline_s``."""
+        with self._probe_lock:
+            self._probes_sent += 1
+            seq = self._probes_sent
+            try:
+                self._call(lambda: self._send_probe(seq), deadline_s)
+            except TransferTimeout:
+                return False  # the I/O thread itself is stuck
+            end = time.monotonic() + deadline_s
+            while self._probes_seen < seq:
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.002)
+            return True
+
     def forget(self, peer_id: str, deadline_s: float = 10.0) -> None:
         """See :meth:`Transport.forget`: sends still outstanding to ``peer_id`` fail with ``PeerError``."""
         if self._running:
@@ -328,6 +358,22 @@ class UcxTransport(MessageTransport):
                    peer: str) -> None:  # fmt: skip
         request = ep.tag_send(self._Array(data), self._api.UCXXTag(tag))
         self._pending.append(_Pending(request, on_done, (data,), peer=peer, nbytes=data.nbytes))
+
+    def _send_probe(self, seq: int) -> None:
+        """Post probe ``seq`` from the prober worker (made at the first probe). On the I/O thread."""
+        if self._prober is None:
+            prober = self._api.UCXWorker(self._context)
+            address = self._api.UCXAddress.create_from_buffer(self._address)
+            self._prober = (prober, self._api.UCXEndpoint.create_from_worker_address(prober, address, False))
+        prober, ep = self._prober
+        buf = np.zeros(1, np.uint8)
+        request = ep.tag_send(self._Array(buf), self._api.UCXXTag(make_tag(KIND_PROBE, self._hash, seq)))
+        for _ in range(10_000):  # one byte: UCX sends it eagerly, completing at once
+            if request.completed:
+                break
+            prober.progress()
+        if not request.completed:  # kept: UCX may still read it
+            self._abandoned.append((request, buf))
 
     def _forget(self, peer_id: str, error: BaseException) -> None:
         """Drop ``peer_id``'s endpoint and fail its outstanding sends (their buffers kept: UCX may still
@@ -486,6 +532,12 @@ class UcxTransport(MessageTransport):
             if probe.matched:
                 found = True
                 self._receive_probed(kind, probe)
+        if self._probes_seen < self._probes_sent:
+            probe = self._worker.tag_probe(self._api.UCXXTag(KIND_PROBE << 60), mask, remove=True)
+            if probe.matched:
+                found = True
+                self._probes_seen = max(self._probes_seen, probe.sender_tag.value & 0xFFFFFFFF)
+                self._discard(probe)
         still: list[tuple[int, int, _Inbound]] = []
         now = time.monotonic()
         for sender, seq, slot in self._awaiting_payload:
