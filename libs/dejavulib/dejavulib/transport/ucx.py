@@ -189,6 +189,7 @@ class UcxTransport(MessageTransport):
         self._housekept = time.monotonic()
         # Receive-path probes (``receive_path_ok``): a second UCX worker of this process sends to this one.
         self._prober: tuple[Any, Any] | None = None
+        self._probe_sends: list[tuple[Any, np.ndarray]] = []  # kept while UCX may still read them
         self._probes_sent = 0
         self._probes_seen = 0
         self._probe_lock = threading.Lock()
@@ -368,12 +369,8 @@ class UcxTransport(MessageTransport):
         prober, ep = self._prober
         buf = np.zeros(1, np.uint8)
         request = ep.tag_send(self._Array(buf), self._api.UCXXTag(make_tag(KIND_PROBE, self._hash, seq)))
-        for _ in range(10_000):  # one byte: UCX sends it eagerly, completing at once
-            if request.completed:
-                break
-            prober.progress()
-        if not request.completed:  # kept: UCX may still read it
-            self._abandoned.append((request, buf))
+        prober.progress()  # one byte: shared memory sends it at once; TCP once connected (see ``_probe``)
+        self._probe_sends = [(r, b) for r, b in self._probe_sends if not r.completed] + [(request, buf)]
 
     def _forget(self, peer_id: str, error: BaseException) -> None:
         """Drop ``peer_id``'s endpoint and fail its outstanding sends (their buffers kept: UCX may still
@@ -533,6 +530,8 @@ class UcxTransport(MessageTransport):
                 found = True
                 self._receive_probed(kind, probe)
         if self._probes_seen < self._probes_sent:
+            if self._prober is not None:  # a transport with connections to set up (TCP) needs the prober's progress
+                self._prober[0].progress()
             probe = self._worker.tag_probe(self._api.UCXXTag(KIND_PROBE << 60), mask, remove=True)
             if probe.matched:
                 found = True
