@@ -299,14 +299,9 @@ class Driver:
             limit = max(self.pass_deadline_s, 4 * self.pos.depth * cohort.pass_cost)
             if cohort.pass_members is None or now - cohort.pass_since <= limit:
                 continue
-            passed, cohort.pass_members = cohort.pass_members, None
             log.error("the pass of cohort %d (microbatches %s) is not back after %.0f s: failing its microbatches",
-                      cohort.index, list(passed), now - cohort.pass_since)  # fmt: skip
-            error = DeadlineExceeded(f"no tokens back from the token pipeline within {limit:.0f} s")
-            for mb in passed:
-                if mb in cohort.members:  # not one a later stage failed already
-                    self._fail(cohort, mb, error)
-            self.runnable.append(cohort.index)
+                      cohort.index, list(cohort.pass_members), now - cohort.pass_since)  # fmt: skip
+            self._fail_pass(cohort, DeadlineExceeded(f"no tokens back from the token pipeline within {limit:.0f} s"))
 
     @property
     def mixes(self) -> bool:
@@ -367,10 +362,7 @@ class Driver:
                 self.pos, members, Kind.DECODE, StageIO(input_ids=ids), cohort.index, self._guess_next(cohort)
             )
         except STEP_FAILURES as exc:
-            cohort.pass_members = None
-            for mb in states:
-                self._fail(cohort, mb, exc)
-            self.runnable.append(cohort.index)
+            self._fail_pass(cohort, exc)
             return True
         cohort.handed_on()
         if ret is not None:  # a one-stage pipeline: the tokens are here already
@@ -541,10 +533,7 @@ class Driver:
             self._fail(cohort, exc.mb_id, exc.error)
             return False
         except STEP_FAILURES as exc:
-            passed, cohort.pass_members = cohort.pass_members, None
-            for mb in passed:
-                self._fail(cohort, mb, exc)
-            self.runnable.append(cohort.index)
+            self._fail_pass(cohort, exc)
             return True
         cohort.handed_on()
         self._returned(ret)
@@ -563,14 +552,11 @@ class Driver:
     def _prefill_pass(self, cohort: Cohort, member: PassMember, ids: Callable[[], torch.Tensor]) -> None:
         """Run ``member`` alone in a PREFILL pass of ``cohort`` over the tokens ``ids()`` gives; a failure
         (there, or in the pass) fails that microbatch only."""
-        mb_id = member.state.mb_id
-        cohort.begin((mb_id,))
+        cohort.begin((member.state.mb_id,))
         try:
             ret = self.runner.run(self.pos, [member], Kind.PREFILL, StageIO(input_ids=ids()), cohort.index)
         except STEP_FAILURES as exc:
-            cohort.pass_members = None
-            self._fail(cohort, mb_id, exc)
-            self.runnable.append(cohort.index)
+            self._fail_pass(cohort, exc)
             return
         cohort.handed_on()
         if ret is not None:
@@ -637,6 +623,15 @@ class Driver:
                 if r.live:  # finished rows are no longer computed
                     member.live = r.live
         cohort.pass_members = None
+        self.runnable.append(cohort.index)
+
+    def _fail_pass(self, cohort: Cohort, error: Exception) -> None:
+        """``cohort``'s pass failed as a whole: each of its microbatches still in the cohort fails (one a
+        later stage failed meanwhile is gone already), and the cohort is at its boundary again."""
+        passed, cohort.pass_members = cohort.pass_members or (), None
+        for mb in passed:
+            if mb in cohort.members:
+                self._fail(cohort, mb, error)
         self.runnable.append(cohort.index)
 
     def _fail(self, cohort: Cohort, mb_id: int, error: Exception) -> None:
