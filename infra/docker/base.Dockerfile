@@ -72,9 +72,9 @@ RUN python /src/third_party.py /src/libs/dejavulib /src/libs/engine /src/libs/wo
 ENV DEJAVU_MODEL__CACHE_DIR=/opt/dejavu/models
 RUN mkdir -p /opt/dejavu/models
 
-# The native CPU kernels (dejavu_engine.native), built ahead for each CPU level (x86-64-v4: AVX-512, x86-64-v3:
-# AVX2): the images carry no compiler, and a worker loads the best build its CPU can run (without them,
-# no paged KV pool and torch's attention per microbatch). Only the kernels' source and build script are
+# The native CPU kernels (dejavu_engine.native), built ahead for each CPU level (x86-64-v4-bf16: AVX-512 with
+# bfloat16 dot products, x86-64-v4: AVX-512, x86-64-v3: AVX2): the images carry no compiler, and a worker loads
+# the best build its CPU can run (without them, no paged KV pool and torch's attention per microbatch). Only the kernels' source and build script are
 # copied in, so no other change rebuilds them. Not pinned (DL3008), as above.
 FROM engine-deps AS kernels
 # hadolint ignore=DL3008

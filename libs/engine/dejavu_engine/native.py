@@ -43,16 +43,26 @@ SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call has one of them
 
 
+# Levels that are an -march level plus features: x86-64-v4 with AVX512-BF16 (Cooper Lake, Sapphire Rapids,
+# Zen 4 on), whose bfloat16 dot products the bfloat16 decode kernel uses.
+_LEVEL_FEATURES = {"x86-64-v4-bf16": ("x86-64-v4", ("-mavx512bf16",))}
+
+
 def compile_flags(march: str = "native") -> tuple[str, ...]:
-    return ("-O3", f"-march={march}", "-fopenmp", "-fno-math-errno")
+    """The compiler's flags for a build for ``march``: ``native`` (this host's CPU) or a level of
+    :data:`PORTABLE`."""
+    arch, features = _LEVEL_FEATURES.get(march, (march, ()))
+    return ("-O3", f"-march={arch}", *features, "-fopenmp", "-fno-math-errno")
 
 
 # CPU levels a build can be made for ahead of time, on another machine (a container image), best first,
 # with the /proc/cpuinfo flags each needs: where no compiler is at hand, a host loads the best one it can run.
 _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "sse4_1", "sse4_2", "ssse3", "popcnt"})
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # (x86-64 hosts older than AVX2, about 2013, build for themselves or run without the kernels.)
 PORTABLE: tuple[tuple[str, frozenset[str]], ...] = (
-    ("x86-64-v4", _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v4-bf16", _V4 | {"avx512_bf16"}),
+    ("x86-64-v4", _V4),
     ("x86-64-v3", _V3),
 )
 

@@ -239,10 +239,12 @@ class Stage:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's head (final norm and LM head) on ``hidden`` ``[batch, n, hidden]``: what a last
-        stage does after its layers. Raises ValueError on a stage that is not the last."""
+        stage does after its layers. The logits are float32 whatever the stage's dtype, as transformers'
+        ``generate()`` takes them (exact: every bfloat16 is a float32), and torch's argmax over bfloat16
+        rows is several times slower than the conversion. Raises ValueError on a stage that is not the last."""
         if not self.is_last:
             raise ValueError(f"stage {self.layers} is not the last stage: it holds no head")
-        return self.family.head(self._head_w, hidden)
+        return self.family.head(self._head_w, hidden).float()
 
     def prefill(
         self,

@@ -324,6 +324,203 @@ torch::ScalarType call_dtype(const torch::Tensor& q) {
   return dtype;
 }
 
+// Keys and values of one kv head of one row, for attend_bf16: `n` positions in order at `k` and `v` (head_dim
+// apart). A paged row is one chunk per block, a contiguous cache one chunk.
+struct Chunk {
+  const BF16* k;
+  const BF16* v;
+  int64_t n;
+};
+
+// Whether bfloat16 decode attention runs through attend_bf16 (below): on a CPU with AVX512-BF16, for heads of
+// a multiple of 32 dims up to 128 and at most 8 q heads per kv head.
+inline bool bf16_dot_products(int64_t d, int64_t g) {
+#if defined(__AVX512BF16__)
+  return g <= 8 && d % 32 == 0 && d <= 128;
+#else
+  (void)d, (void)g;
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// ---- bfloat16 decode over the paged pool with the CPU's bfloat16 dot products (AVX512-BF16) ----
+//
+// The same attention as paged_rows<BF16>, in fewer instructions: widening every key and value to float32
+// made the bfloat16 kernel compute-bound, as slow per step as the float32 one over twice the bytes.
+// vdpbf16ps multiplies bfloat16 pairs exactly and adds them into float32 lanes, so:
+// - q . k runs on the stored bfloat16 values directly, C = head_dim / 32 instructions per key and head; a
+//   run of 16 keys is summed across lanes in one shuffle tree (about 3 instructions per key and head,
+//   instead of a horizontal sum of about 8 each);
+// - each e^(s - max) is rounded to bfloat16 (the sum is of the unrounded ones), as torch's CPU flash
+//   attention rounds before it multiplies the values; the values of two keys are interleaved in pairs
+//   (one unpack per 32 dims), so p_j v_j + p_j+1 v_j+1 is one instruction per 16 dims, and the sum is
+//   divided out at the end.
+// Scores, sums and the output accumulate in float32 and the output is rounded once. (vdpbf16ps treats
+// denormal inputs as zero: a probability below 2^-126 of the largest weighs nothing.)
+constexpr int64_t kKeys = 16;
+
+// dot[j] = q . k[j] over 16 keys (C zmm of 32 bfloat16 each), summed across lanes by a transpose tree.
+template <int C>
+inline __m512 dot16_bf16(const __m512bh* qh, const BF16* k) {
+  constexpr int64_t d = 32 * C;
+  __m512 acc[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      a = _mm512_dpbf16_ps(a, qh[c], (__m512bh)_mm512_loadu_si512(k + j * d + 32 * c));
+    }
+    acc[j] = a;
+  }
+  // 16 vectors of 16 partial sums -> 8 of 2 x 8 -> 4 of 4 x 4 -> 2 of 8 x 2 -> 1 of 16 x 1.
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  }
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  // Lane 4m + t of z holds key m + 4t.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// q . k of one key, summed across lanes.
+template <int C>
+inline float dot1_bf16(const __m512bh* qh, const BF16* k) {
+  __m512 a = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qh[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  return _mm512_reduce_add_ps(a);
+}
+
+// The g q heads at `q` attend over the `n_chunks` chunks (`n` positions in all) into `out` (g * d).
+template <int C>
+void attend_bf16(const BF16* q, int64_t g, const Chunk* chunks, int64_t n_chunks, int64_t n, float scale,
+                 std::vector<float>& scores, std::vector<uint16_t>& probs, BF16* out) {
+  constexpr int64_t d = 32 * C;
+  constexpr int64_t row_bytes = d * static_cast<int64_t>(sizeof(BF16));
+  scores.resize(g * n);
+  probs.resize(g * n);  // e^(s - max) as bfloat16 bits, per head
+  __m512bh qv[8][C];    // g <= 8
+  for (int64_t h = 0; h < g; ++h) {
+    for (int c = 0; c < C; ++c) qv[h][c] = (__m512bh)_mm512_loadu_si512(q + h * d + 32 * c);
+  }
+  // 16 keys at a time, each read once from memory for the g heads, their values asked for into L2 for the
+  // value pass, and the keys 32 positions ahead into L1 (so memory and arithmetic overlap: without it a
+  // contiguous cache's 16 x 1000 positions took the time of both added up). A paged row's chunks are blocks
+  // that lie anywhere, which the hardware prefetcher cannot guess: the keys two chunks ahead are asked for
+  // into L1, the keys and values five ahead into the outer caches (as paged_rows does).
+  if (n_chunks > 1) prefetch_lines(chunks[1].k, chunks[1].n * row_bytes);
+  float* s0 = scores.data();
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const Chunk& ch = chunks[i];
+    if (i + 2 < n_chunks) prefetch_lines(chunks[i + 2].k, chunks[i + 2].n * row_bytes);
+    if (i + 5 < n_chunks) {
+      prefetch_lines<1>(chunks[i + 5].k, chunks[i + 5].n * row_bytes);
+      prefetch_lines<1>(chunks[i + 5].v, chunks[i + 5].n * row_bytes);
+    }
+    int64_t j = 0;
+    for (; j + kKeys <= ch.n; j += kKeys) {
+      if (j + 3 * kKeys <= ch.n) prefetch_lines(ch.k + (j + 2 * kKeys) * d, kKeys * row_bytes);  // a long chunk
+      prefetch_lines<2>(ch.v + j * d, kKeys * row_bytes);
+      for (int64_t h = 0; h < g; ++h) {
+        _mm512_storeu_ps(s0 + h * n + j,
+                         _mm512_mul_ps(dot16_bf16<C>(qv[h], ch.k + j * d), _mm512_set1_ps(scale)));
+      }
+    }
+    prefetch_lines<2>(ch.v + j * d, (ch.n - j) * row_bytes);
+    for (; j < ch.n; ++j) {
+      for (int64_t h = 0; h < g; ++h) s0[h * n + j] = dot1_bf16<C>(qv[h], ch.k + j * d) * scale;
+    }
+    s0 += ch.n;
+  }
+  // Softmax numerators, rounded to bfloat16; each total is of the unrounded ones.
+  float totals[8];
+  const int64_t whole = n - n % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  for (int64_t h = 0; h < g; ++h) {
+    const float* s = scores.data() + h * n;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < whole; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
+    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + whole));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 total = _mm512_setzero_ps();
+    uint16_t* p = probs.data() + h * n;
+    for (int64_t i = 0; i < whole; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
+      total = _mm512_add_ps(total, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (tail) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), top));
+      total = _mm512_mask_add_ps(total, tail, total, e);
+      _mm256_mask_storeu_epi16(p + whole, tail, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    totals[h] = _mm512_reduce_add_ps(total);
+  }
+  // sum_j p_j v_j, two keys per instruction: v_j and v_j+1 interleaved by 16-bit unpacks, so lane 4L + i of
+  // the lo accumulator of 32 dims holds dim 8L + i and the hi one dim 8L + 4 + i.
+  __m512 lo[8][C], hi[8][C];
+  for (int64_t h = 0; h < g; ++h) {
+    for (int c = 0; c < C; ++c) lo[h][c] = hi[h][c] = _mm512_setzero_ps();
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t at = 0;  // position of the chunk's first key among the n
+  for (int64_t i = 0; i < n_chunks; ++i) {
+    const Chunk& ch = chunks[i];
+    if (i + 2 < n_chunks) prefetch_lines(chunks[i + 2].v, chunks[i + 2].n * row_bytes);
+    for (int64_t j = 0; j < ch.n; j += 2) {
+      if (j % kKeys == 0 && j + 3 * kKeys <= ch.n) prefetch_lines(ch.v + (j + 2 * kKeys) * d, kKeys * row_bytes);
+      const bool pair = j + 1 < ch.n;  // an odd last key pairs with zeros
+      __m512i va[C], vb[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i x = _mm512_loadu_si512(ch.v + j * d + 32 * c);
+        const __m512i y = pair ? _mm512_loadu_si512(ch.v + (j + 1) * d + 32 * c) : zero;
+        va[c] = _mm512_unpacklo_epi16(x, y);
+        vb[c] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        const uint16_t* ph = probs.data() + h * n + at + j;
+        const uint32_t two = ph[0] | (pair ? static_cast<uint32_t>(ph[1]) << 16 : 0u);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(two));
+        for (int c = 0; c < C; ++c) {
+          lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, (__m512bh)va[c]);
+          hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, (__m512bh)vb[c]);
+        }
+      }
+    }
+    at += ch.n;
+  }
+  const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < g; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.0f / totals[h]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][c], first16, hi[h][c]), inv);
+      const __m512 z = _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][c], second16, hi[h][c]), inv);
+      _mm512_storeu_si512(out + h * d + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(z, a));
+    }
+  }
+}
+
+void attend_bf16(int64_t d, const BF16* q, int64_t g, const Chunk* chunks, int64_t n_chunks, int64_t n,
+                 float scale, std::vector<float>& scores, std::vector<uint16_t>& probs, BF16* out) {
+  switch (d / 32) {
+    case 1: return attend_bf16<1>(q, g, chunks, n_chunks, n, scale, scores, probs, out);
+    case 2: return attend_bf16<2>(q, g, chunks, n_chunks, n, scale, scores, probs, out);
+    case 3: return attend_bf16<3>(q, g, chunks, n_chunks, n, scale, scores, probs, out);
+    default: return attend_bf16<4>(q, g, chunks, n_chunks, n, scale, scores, probs, out);
+  }
+}
+#endif
+
 template <typename T>
 void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
                  const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
@@ -341,8 +538,10 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch
   const T* vnp = v_new.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
+  const bool bf16_dots = std::is_same_v<T, BF16> && bf16_dot_products(d, g);
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> scores, qf, vf;
+    std::vector<uint16_t> probs;
     std::vector<float> acc(g * d);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t r = item / kv_heads, kh = item % kv_heads;
@@ -353,6 +552,15 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch
       T* v = vp[grp] + offset;
       std::memcpy(k + (n - 1) * d, knp + (r * kv_heads + kh) * d, sizeof(T) * d);  // this step's K/V
       std::memcpy(v + (n - 1) * d, vnp + (r * kv_heads + kh) * d, sizeof(T) * d);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, BF16>) {
+        if (bf16_dots) {
+          const Chunk all{k, v, n};
+          attend_bf16(d, qp + (r * heads + kh * g) * d, g, &all, 1, n, sc, scores, probs, op + (r * heads + kh * g) * d);
+          continue;
+        }
+      }
+#endif
       const float* qh = widen(qp + (r * heads + kh * g) * d, g * d, qf);
       scores.resize(g * n);
       dot_keys_heads(qh, g, k, v, n, d, sc, scores.data(), n);
@@ -386,8 +594,11 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
     return (((b % slab_blocks) * kv_heads + kh) * block_size + o) * d;
   };
   const int64_t block_bytes = block_size * d * static_cast<int64_t>(sizeof(T));  // of one kv head
+  const bool bf16_dots = std::is_same_v<T, BF16> && bf16_dot_products(d, g);
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> scores, qf, vf;
+    std::vector<uint16_t> probs;
+    std::vector<Chunk> chunks;
     std::vector<float> acc(g * d);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t r = item / kv_heads, kh = item % kv_heads;
@@ -398,10 +609,25 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
       const int64_t last_at = at(last, kh, (end - 1) % block_size);
       std::memcpy(kp[last / slab_blocks] + last_at, knp + (r * kv_heads + kh) * d, sizeof(T) * d);
       std::memcpy(vp[last / slab_blocks] + last_at, vnp + (r * kv_heads + kh) * d, sizeof(T) * d);
+      const int64_t first = start / block_size, past = (end - 1) / block_size + 1;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, BF16>) {
+        if (bf16_dots) {
+          chunks.clear();
+          for (int64_t lb = first; lb < past; ++lb) {
+            const int64_t lo = std::max(start, lb * block_size), hi = std::min(end, (lb + 1) * block_size);
+            const int64_t b = row_table[lb], off = at(b, kh, lo - lb * block_size);
+            chunks.push_back({kp[b / slab_blocks] + off, vp[b / slab_blocks] + off, hi - lo});
+          }
+          attend_bf16(d, qp + (r * heads + kh * g) * d, g, chunks.data(), static_cast<int64_t>(chunks.size()), n, sc,
+                      scores, probs, op + (r * heads + kh * g) * d);
+          continue;
+        }
+      }
+#endif
       const float* qh = widen(qp + (r * heads + kh * g) * d, g * d, qf);
       scores.resize(g * n);
       // Chunk of logical block lb: positions [lo, hi) of the span, at offset lo - start of each head's scores.
-      const int64_t first = start / block_size, past = (end - 1) / block_size + 1;
       if (first + 1 < past) {
         const int64_t nb = row_table[first + 1];
         prefetch_lines(kp[nb / slab_blocks] + at(nb, kh, 0), block_bytes);
