@@ -12,7 +12,9 @@
 //
 // Tensors are float32 or bfloat16, all of one dtype. bfloat16 keys and values are widened to float32 as
 // they are loaded (a shift), every score, softmax and sum is float32, and the output is rounded once to
-// bfloat16 (nearest even), as torch's CPU attention does for bfloat16 inputs.
+// bfloat16 (nearest even), as torch's CPU attention does for bfloat16 inputs. Where the CPU has AVX512-BF16,
+// bfloat16 decode runs on its bfloat16 dot products instead (attend_bf16, below: scores and sums still
+// float32, each probability rounded to bfloat16 before it weighs the values, as torch does).
 //
 // The build is for the host's CPU (-march=native): 16-lane AVX-512 loops where it has AVX-512, 8-lane AVX2
 // ones where it has AVX2, plain loops the compiler vectorizes elsewhere. On the 2-core AVX-512 host of
@@ -352,9 +354,9 @@ inline bool bf16_dot_products(int64_t d, int64_t g) {
 }
 
 #if defined(__AVX512BF16__)
-// ---- bfloat16 decode over the paged pool with the CPU's bfloat16 dot products (AVX512-BF16) ----
+// ---- bfloat16 decode, paged or contiguous, on the CPU's bfloat16 dot products (AVX512-BF16) ----
 //
-// The same attention as paged_rows<BF16>, in fewer instructions: widening every key and value to float32
+// The attention of paged_rows<BF16> and decode_rows<BF16>, in fewer instructions: widening every key and value to float32
 // made the bfloat16 kernel compute-bound, as slow per step as the float32 one over twice the bytes.
 // vdpbf16ps multiplies bfloat16 pairs exactly and adds them into float32 lanes, so:
 // - q . k runs on the stored bfloat16 values directly, C = head_dim / 32 instructions per key and head; a
