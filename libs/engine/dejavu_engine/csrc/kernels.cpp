@@ -266,11 +266,10 @@ inline __m512 round_bf16_16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
 
-// Softmax of n scores in place, 16 at a time (the last n % 16 through a mask). With round_exps, each e^(s - max)
-// is rounded to bfloat16 before it is normalised (the sum is of the unrounded ones), as torch's CPU flash
-// attention does for bfloat16 inputs before it multiplies the values.
-template <bool round_exps = false>
-void softmax_row16(float* s, int64_t n) {
+// The numerators of a softmax of n scores, e^(s_j - max s), 16 at a time (the last n % 16 through a mask): each
+// group is handed to put(j, e, lanes) (e's lanes for positions j.., `lanes` the valid ones). Returns their sum.
+template <class Put>
+inline float softmax_numerators16(const float* s, int64_t n, Put put) {
   const int64_t whole = n - n % 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -280,15 +279,28 @@ void softmax_row16(float* s, int64_t n) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < whole; j += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), top));
-    _mm512_storeu_ps(s + j, round_exps ? round_bf16_16(e) : e);
+    put(j, e, static_cast<__mmask16>(0xFFFF));
     total = _mm512_add_ps(total, e);
   }
   if (tail) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), top));
-    _mm512_mask_storeu_ps(s + whole, tail, round_exps ? round_bf16_16(e) : e);
+    put(whole, e, tail);
     total = _mm512_mask_add_ps(total, tail, total, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  return _mm512_reduce_add_ps(total);
+}
+
+// Softmax of n scores in place, 16 at a time (the last n % 16 through a mask). With round_exps, each e^(s - max)
+// is rounded to bfloat16 before it is normalised (the sum is of the unrounded ones), as torch's CPU flash
+// attention does for bfloat16 inputs before it multiplies the values.
+template <bool round_exps = false>
+void softmax_row16(float* s, int64_t n) {
+  const float total = softmax_numerators16(s, n, [&](int64_t j, __m512 e, __mmask16 lanes) {
+    _mm512_mask_storeu_ps(s + j, lanes, round_exps ? round_bf16_16(e) : e);
+  });
+  const int64_t whole = n - n % 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
   for (int64_t j = 0; j < whole; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
   if (tail) _mm512_mask_storeu_ps(s + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), inv));
 }
@@ -453,27 +465,11 @@ void attend_bf16(const BF16* q, int64_t g, const Chunk* chunks, int64_t n_chunks
   }
   // Softmax numerators, rounded to bfloat16; each total is of the unrounded ones.
   float totals[8];
-  const int64_t whole = n - n % 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
   for (int64_t h = 0; h < g; ++h) {
-    const float* s = scores.data() + h * n;
-    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < whole; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + i));
-    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + whole));
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    __m512 total = _mm512_setzero_ps();
     uint16_t* p = probs.data() + h * n;
-    for (int64_t i = 0; i < whole; i += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
-      total = _mm512_add_ps(total, e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    if (tail) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + whole), top));
-      total = _mm512_mask_add_ps(total, tail, total, e);
-      _mm256_mask_storeu_epi16(p + whole, tail, (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    totals[h] = _mm512_reduce_add_ps(total);
+    totals[h] = softmax_numerators16(scores.data() + h * n, n, [&](int64_t j, __m512 e, __mmask16 lanes) {
+      _mm256_mask_storeu_epi16(p + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+    });
   }
   // sum_j p_j v_j, two keys per instruction: v_j and v_j+1 interleaved by 16-bit unpacks, so lane 4L + i of
   // the lo accumulator of 32 dims holds dim 8L + i and the hi one dim 8L + 4 + i.
