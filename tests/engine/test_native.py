@@ -516,6 +516,110 @@ def test_pointwise_ops_keep_nan_and_refuse_what_does_not_fit(kernels: None) -> N
         native.silu_mul(torch.ones(2, 32, dtype=torch.float64))
 
 
+def _hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, cos and sin as HF builds them (the sign of rotate_half
+    in the function, not the table)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+# head_dim 64 and 128 are whole vectors; 80 leaves half of 40 (a tail of 8 to the scalar loop), 8 is all tail.
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_in_place_is_transformers_arithmetic(kernels: None, head_dim: int, dtype: torch.dtype) -> None:
+    """The in-place kernel rounds each product before the sum, as transformers does: equal to its arithmetic bit
+    for bit in both dtypes, on the first ``heads`` heads of a fused projection, the others (v) untouched."""
+    from dejavu_engine.families.llama import Llama
+
+    seeded = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, batch, n = 9, 3, 2, 37
+    qkv = torch.randn(batch, n, heads + 2 * kv_heads, head_dim, generator=seeded).to(dtype) * 3
+    angles = torch.rand(batch, n, 1, head_dim // 2, generator=seeded) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    signed_sin = torch.cat((-sin[..., : head_dim // 2], sin[..., head_dim // 2 :]), -1)  # the engine's table
+    want = _hf_rotary(qkv[:, :, : heads + kv_heads], cos, sin)
+    got = qkv.clone()
+    assert native.rope_(got, cos, signed_sin, heads + kv_heads) is got
+    assert torch.equal(got[:, :, : heads + kv_heads], want)
+    assert torch.equal(got[:, :, heads + kv_heads :], qkv[:, :, heads + kv_heads :])
+    # The family takes it where the stage has the kernels; the fallback fuses one product (a last-bit difference).
+    family = Llama({"num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": heads * head_dim,
+                    "num_hidden_layers": 1, "vocab_size": 8})  # fmt: skip
+    family.kernels = native.load()
+    assert torch.equal(family.rotary(qkv.clone(), cos, signed_sin, heads + kv_heads), want)
+    family.kernels = None
+    fallback = family.rotary(qkv.clone(), cos, signed_sin, heads + kv_heads)
+    torch.testing.assert_close(fallback, want, rtol=0, atol=1e-5 if dtype == torch.float32 else 0)
+
+
+def test_rotary_embedding_refuses_what_does_not_fit(kernels: None) -> None:
+    qkv, table = torch.zeros(2, 5, 4, 8), torch.zeros(2, 5, 1, 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.rope_(qkv.transpose(1, 2), table, table, 2)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        native.rope_(qkv, table[:, :4], table[:, :4], 2)
+    with pytest.raises(RuntimeError, match="rotates 5 heads of 4"):
+        native.rope_(qkv, table, table, 5)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.rope_(qkv, table.bfloat16(), table.bfloat16(), 2)
+    with pytest.raises(RuntimeError, match="even"):
+        native.rope_(torch.zeros(2, 5, 4, 7), torch.zeros(10, 7), torch.zeros(10, 7), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("kernels")
+def test_paged_write_puts_each_token_in_its_block_and_nothing_else(dtype: torch.dtype) -> None:
+    """A prefill's K/V (strided views of a fused projection, prompts back to back) land where the pool's own
+    scatter (``PagedKVCache.unpack``) puts them, left padding and blocks split across two slabs included."""
+    from dejavulib.layout import KVLayout
+    from dejavulib.paged import BlockGeometry, BlockPool
+
+    kv_heads, head_dim, block_size, heads = 2, 16, 4, 6
+    lengths, max_len = [9, 4, 1, 12], 12
+    pads = [max_len - n for n in lengths]
+    name = "float32" if dtype == torch.float32 else "bfloat16"
+    layout = KVLayout(layers=1, batch=len(lengths), kv_heads=kv_heads, max_len=max_len, head_dim=head_dim, dtype=name)
+    pools = [BlockPool(BlockGeometry.of(layout, block_size), max_blocks=16, slab_blocks=4) for _ in range(2)]
+    caches = [pool.cache(layout, pads).holding(max_len) for pool in pools]
+    assert len(pools[0].k_slabs) > 1  # the prompts' blocks span slabs
+    seeded = torch.Generator().manual_seed(5)
+    qkv = torch.randn(sum(lengths), heads + 2 * kv_heads, head_dim, generator=seeded).to(dtype)
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    offsets = [sum(lengths[:r]) for r in range(len(lengths))]
+    places = torch.tensor([(o, p, max_len) for o, p in zip(offsets, pads, strict=True)])
+    k_slabs, v_slabs = pools[0].layer(0)
+    native.paged_write(k, v, k_slabs, v_slabs, caches[0].table, places)
+    # The reference: the same positions, left padded into a contiguous [layers, rows, heads, positions, dim] pair.
+    dense = torch.zeros(2, 1, len(lengths), kv_heads, max_len, head_dim, dtype=dtype)
+    for r, (o, p) in enumerate(zip(offsets, pads, strict=True)):
+        dense[0, 0, r, :, p:] = k[o : o + lengths[r]].transpose(0, 1)
+        dense[1, 0, r, :, p:] = v[o : o + lengths[r]].transpose(0, 1)
+    caches[1].unpack(layout.region(), dense.flatten().view(torch.uint8))
+    for mine, theirs in zip(pools[0].k_slabs + pools[0].v_slabs, pools[1].k_slabs + pools[1].v_slabs, strict=True):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize(
+    ("places", "table", "message"),
+    [
+        ([[0, 0, 8]], [[0, -1]], "logical block 1 is block -1"),
+        ([[0, 0, 8]], [[0, 9]], "logical block 1 is block 9"),
+        ([[0, 0, 9]], [[0, 1]], "bad positions"),
+        ([[0, 3, 3]], [[0, 1]], "bad positions"),
+        ([[4, 0, 8]], [[0, 1]], "not within the call's 8"),
+        ([[0, 0, 8, 0]], [[0, 1]], "places"),
+        ([[0, 0, 8], [0, 0, 4]], [[0, 1]], "a row per row of tables"),
+    ],
+)
+@pytest.mark.usefixtures("kernels")
+def test_paged_write_refuses_what_does_not_fit_before_writing(places: list, table: list, message: str) -> None:
+    k_slabs, v_slabs = [torch.zeros(8, 2, 4, 16)], [torch.zeros(8, 2, 4, 16)]
+    kv = torch.ones(8, 2, 16)
+    with pytest.raises(RuntimeError, match=message):
+        native.paged_write(kv, kv, k_slabs, v_slabs, torch.tensor(table), torch.tensor(places))
+    assert not any(slab.any() for slab in k_slabs + v_slabs)
+
+
 def test_a_host_without_a_compiler_loads_the_best_build_made_ahead_that_it_can_run(
     kernels: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

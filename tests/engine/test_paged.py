@@ -14,7 +14,7 @@ from dejavu_engine.stage_io import StageIO
 from engine.tiny_models import FAMILIES, LAYERS
 
 STEPS = 5
-GROUPS = [[9, 4], [3], [6, 6, 2]]  # prompt lengths per microbatch
+GROUPS = [[9, 4], [3], [6, 6, 2], [5, 5]]  # prompt lengths per microbatch: padded, alone, padded, unpadded
 
 
 def _prefill(stages: list[Stage], caches: list, geometry: BatchGeometry, ids: torch.Tensor) -> torch.Tensor:
@@ -59,6 +59,13 @@ def test_paged_caches_compute_what_contiguous_caches_compute(
         torch.testing.assert_close(
             _prefill(paged, blocks, geometry, ids), _prefill(plain, contiguous, geometry, ids), atol=atol, rtol=0
         )
+        for cache, reference in zip(blocks, contiguous, strict=True):  # the blocks hold what the rows hold
+            dense = cache.dense(geometry.cur_len)
+            for row, pad in enumerate(geometry.pad_lens):
+                for got, want in ((dense.k, reference.k), (dense.v, reference.v)):
+                    torch.testing.assert_close(
+                        got[:, row, :, pad:], want[:, row, :, pad : geometry.cur_len], atol=atol, rtol=0
+                    )
         state.append([geometry, contiguous, blocks])
     assert all(pool.used_blocks > 0 for pool in pools)
     tokens = torch.randint(3, 300, (sum(len(g) for g in GROUPS), STEPS), generator=generator)

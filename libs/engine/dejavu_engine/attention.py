@@ -69,7 +69,6 @@ def attend(
     if ctx.spans is not None:
         return _attend_native(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.segments is not None:
-        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
         return _attend_ragged(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.groups is not None:
         assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
@@ -139,18 +138,27 @@ def _attend_ragged(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Sequence[torch.Tensor],
+    v_cache: torch.Tensor | Sequence[torch.Tensor],
     ctx: ForwardContext,
     scale: float | None,
 ) -> torch.Tensor:
     """:func:`attend` of a ragged prefill (``ctx.segments``): ``q``/``k``/``v`` hold every prompt's tokens
     back to back in one row; each prompt writes its K/V into its own cache row (right-aligned, as left
-    padding places it) and attends causally over its own tokens only. No padding is computed."""
+    padding places it; with ``ctx.places``, into its row's blocks of the pool whose slabs ``k_cache``/``v_cache``
+    are) and attends causally over its own tokens only. No padding is computed."""
     assert ctx.segments is not None
-    for offset, length, row, start, _ in ctx.segments:
-        k_cache[row, :, start : start + length].copy_(k[0, :, offset : offset + length])
-        v_cache[row, :, start : start + length].copy_(v[0, :, offset : offset + length])
+    if ctx.places is not None:
+        assert ctx.tables is not None
+        assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
+        native.paged_write(
+            k[0].transpose(0, 1), v[0].transpose(0, 1), list(k_cache), list(v_cache), ctx.tables, ctx.places
+        )
+    else:
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+        for offset, length, row, start, _ in ctx.segments:
+            k_cache[row, :, start : start + length].copy_(k[0, :, offset : offset + length])
+            v_cache[row, :, start : start + length].copy_(v[0, :, offset : offset + length])
     if ctx.native_prefill:
         segments = [(offset, length) for offset, length, *_ in ctx.segments]
         return _prefill_native(q, k, v, segments, scale).view(1, q.shape[2], -1)

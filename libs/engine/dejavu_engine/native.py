@@ -281,6 +281,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _require().silu_mul(gate_up)
 
 
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rotary embedding ``x * cos + swap_halves(x) * sin`` of the first ``heads`` heads of ``x`` (``[...,
+    all heads, head_dim]``, contiguous, float32 or bfloat16: a fused QKV projection), in place, in one pass;
+    ``cos`` and ``sin`` hold a ``[head_dim]`` row per row of ``x`` (contiguous, of ``x``'s dtype, the sign of
+    rotate_half in ``sin``). Each product is rounded before the sum, as transformers' ``q * cos + rotate_half(q) *
+    sin`` rounds, so the results are its results bit for bit in both dtypes (the float32 fallback,
+    :func:`dejavu_engine.families.llama.rotate`, fuses one product into the sum: a last-bit difference). Returns
+    ``x``."""
+    _require().rope_(x, cos, sin, heads)
+    return x
+
+
+def paged_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_slabs: list[torch.Tensor],
+    v_slabs: list[torch.Tensor],
+    tables: torch.Tensor,
+    places: torch.Tensor,
+) -> None:
+    """Write a prefill's keys and values into their blocks of a paged cache (slabs as in
+    :func:`paged_decode_attention`). ``k`` and ``v`` (``[tokens, kv_heads, head_dim]``, strided views whose last
+    dimension is contiguous) hold the prompts' tokens back to back; ``places[s] = (offset, start, end)`` (int64
+    ``[segments, 3]``): tokens ``[offset, offset + end - start)`` go to logical positions ``[start, end)`` of the
+    row whose blocks ``tables[s]`` (int64 ``[segments, max_blocks]``) lists. Raises RuntimeError where the kernels
+    are not loaded or the arguments do not fit (a block it would write that is -1 or not in the slabs)."""
+    module = _require()
+    with torch.profiler.record_function("dejavu::paged_write"):
+        module.paged_write(k, v, k_slabs, v_slabs, tables, places)
+
+
 def _require() -> ModuleType:
     """The loaded kernels; RuntimeError where there are none."""
     module = load()

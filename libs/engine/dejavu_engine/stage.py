@@ -166,7 +166,10 @@ class Stage:
             out = self._decode_paged(x, [(cache, geometry)]) if x.shape[1] == 1 and not all_logits else None
             if out is not None:
                 return out
-            # Prefill (or no paged kernel): compute on a contiguous copy, then write the new positions back.
+            if self.prefills_into_blocks and _whole_prompts(x, geometry, all_logits):
+                return self._prefill_blocks(x, cache, geometry, on_layer_done)
+            # Elsewhere (no paged kernels, a part of the prompts, all logits): compute on a contiguous copy, then
+            # write the new positions back.
             n = geometry.cur_len if self._ragged(x, geometry, all_logits) else x.shape[1]
             cache.holding(geometry.cur_len)
             if n == geometry.cur_len:  # a whole prefill reads nothing it does not write: no copy in
@@ -348,13 +351,53 @@ class Stage:
         return replace(ctx, spans=torch.tensor(spans, dtype=torch.long), tables=table)
 
     @functools.cached_property
-    def mixes(self) -> bool:
-        """Whether this stage runs mixed passes (:meth:`mixed`): it is the whole model (first and last), and
-        both its decode (paged) and its prefill attention run in the native kernels."""
-        if not (self.is_first and self.is_last and self.paged_attention):
+    def prefills_into_blocks(self) -> bool:
+        """Whether a prefill of whole prompts over a paged cache writes each layer's K/V straight into the
+        pool's blocks (:meth:`_prefill_blocks`): the paged kernels apply, and the family's prompts are plainly
+        causal (no mask, no biases), so the native prefill kernel computes their attention."""
+        if not (self.paged_attention and hasattr(native.load(), "paged_write")):
             return False
         probe = self.family.context(BatchGeometry((0,), 2), 2, self.device, torch_dtype(self.dtype))
         return probe.mask is None and probe.causal
+
+    def _prefill_blocks(
+        self, x: torch.Tensor, cache: PagedKVCache, geometry: BatchGeometry, on_layer_done: LayerHook | None
+    ) -> StageIO:
+        """:meth:`forward` of whole prompts over a paged cache: a ragged prefill (every prompt's tokens back to
+        back, the padding never computed) whose layers write their K/V straight into the cache's blocks, so no
+        contiguous copy of the positions is made or written back. Returns what :meth:`_forward_ragged` returns
+        (unpadded prompts' hidden states as ``[batch, cur_len, hidden]``, as the padded path gives them)."""
+        self._check(cache, geometry, geometry.batch, geometry.cur_len)
+        if x.shape[0] == geometry.batch and x.shape[1] == geometry.cur_len:
+            x = _packed(x, geometry).unsqueeze(0)
+        ctx = self._blocks_context(cache, geometry)
+        pool = cache.pool
+        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        for index, w in enumerate(self._layer_w):
+            k_slabs, v_slabs = pool.layer(index)
+            hidden = self.family.layer(w, hidden, k_slabs, v_slabs, ctx)  # type: ignore[arg-type]
+            if on_layer_done is not None:
+                on_layer_done(self.layers[0] + index)
+        if not self.is_last:
+            return StageIO(hidden=hidden if geometry.padded else hidden.view(geometry.batch, geometry.cur_len, -1))
+        return StageIO(logits=self.logits(hidden[0, _prompt_ends(geometry, hidden.device)].unsqueeze(1)))
+
+    def _blocks_context(self, cache: PagedKVCache, geometry: BatchGeometry) -> ForwardContext:
+        """The context of a ragged prefill of ``geometry``'s whole prompts into ``cache``'s blocks (each segment's
+        row's block table and where its tokens go); takes the blocks of every prompt's positions."""
+        cache.holding(geometry.cur_len)
+        ctx = self._ragged_context(geometry)
+        assert ctx.segments is not None and ctx.native_prefill  # prefills_into_blocks: plainly causal prompts
+        places = [(offset, start, start + length) for offset, length, _row, start, _ in ctx.segments]
+        rows = [row for _offset, _length, row, _start, _ in ctx.segments]
+        return replace(ctx, tables=cache.table[rows], places=torch.tensor(places, dtype=torch.long))
+
+    @functools.cached_property
+    def mixes(self) -> bool:
+        """Whether this stage runs mixed passes (:meth:`mixed`): it is the whole model (first and last), and
+        both its decode (paged) and its prefill attention run in the native kernels, the prefill straight into
+        the pool's blocks."""
+        return self.is_first and self.is_last and self.prefills_into_blocks
 
     @torch.inference_mode()
     def mixed(
@@ -384,16 +427,13 @@ class Stage:
         if prompts.shape != (geometry.batch, geometry.cur_len):
             raise ValueError(f"prefill feeds all cur_len positions of the microbatch, not {tuple(prompts.shape)}")
         self._check(prefill_cache, geometry, geometry.batch, geometry.cur_len)
-        ctx = ForwardContext.combined(self._paged_context(groups), self._ragged_context(geometry))
-        prefill_cache.holding(geometry.cur_len)
-        dense = KVCache.allocate(self.kv_layout(geometry.batch, geometry.cur_len), self.device)
+        ctx = ForwardContext.combined(self._paged_context(groups), self._blocks_context(prefill_cache, geometry))
         ids = torch.cat([x.view(-1), _packed(prompts, geometry)]).unsqueeze(0)
         hidden = self.family.embed(self._embed_w, ids, ctx)
         for index, w in enumerate(self._layer_w):
-            k_slabs, v_slabs = pool.layer(index)
-            k_layer, v_layer = (k_slabs, dense.k[index]), (v_slabs, dense.v[index])
+            k_slabs, v_slabs = pool.layer(index)  # the decoding rows' and the prompts' caches alike
+            k_layer, v_layer = (k_slabs, k_slabs), (v_slabs, v_slabs)
             hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)  # type: ignore[arg-type]
-        prefill_cache.write_back(dense, (0, geometry.cur_len))
         rows = x.shape[0]
         last = torch.cat([torch.arange(rows, device=hidden.device), rows + _prompt_ends(geometry, hidden.device)])
         return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
@@ -434,6 +474,17 @@ def _packed(prompts: torch.Tensor, geometry: BatchGeometry) -> torch.Tensor:
     """Left-padded rows ``[batch, cur_len, ...]`` as their tokens back to back (row r's last ``cur_len - pad_r``
     positions), the padding left out."""
     return torch.cat([prompts[r, pad:] for r, pad in enumerate(geometry.pad_lens)])
+
+
+def _whole_prompts(x: torch.Tensor, geometry: BatchGeometry, all_logits: bool) -> bool:
+    """Whether ``x`` feeds every position of every row of ``geometry`` (left-padded ``[batch, cur_len, ...]``, or
+    the prompts' tokens packed back to back by an earlier stage: ``[1, tokens, ...]``) for their last positions'
+    logits: a prefill of whole prompts."""
+    if all_logits or geometry.rows is not None:
+        return False
+    if x.shape[0] == geometry.batch and x.shape[1] == geometry.cur_len:
+        return True
+    return x.shape[0] == 1 and x.shape[1] == geometry.batch * geometry.cur_len - sum(geometry.pad_lens)
 
 
 def _prompt_ends(geometry: BatchGeometry, device: torch.device) -> torch.Tensor:

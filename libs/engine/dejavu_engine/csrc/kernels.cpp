@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1081,7 +1082,9 @@ torch::Tensor prefill_attention(
       for (int64_t t0 = 0; t0 < length; t0 += kTile) items.push_back({offset, length, kh, t0, std::min(kTile, length - t0)});
     }
   }
-  auto out = torch::zeros({n_tokens, heads, d}, q.options());  // tokens in no segment stay 0
+  const bool all_covered = std::all_of(covered.begin(), covered.end(), [](char c) { return c != 0; });
+  // Tokens in no segment read 0; where every token is in one, nothing is left to clear.
+  auto out = all_covered ? torch::empty({n_tokens, heads, d}, q.options()) : torch::zeros({n_tokens, heads, d}, q.options());
   if (items.empty()) return out;
   if (dtype == torch::kBFloat16) {
     prefill_rows<BF16>(q, k, v, items, scale, out);
@@ -1213,6 +1216,49 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
   });
 }
 
+// Rotary embedding in place: x * cos + swap_halves(x) * sin of each of the first `heads` heads of every row of
+// x ([rows, width], a head every d values), with cos and sin [rows, d] (the sign of rotate_half lives in sin).
+// Each product is rounded to T before the sum (rounded again), as transformers' q * cos + rotate_half(q) * sin
+// rounds: two products and a sum, never a fused multiply-add (in_register keeps the compiler from contracting
+// them; torch's addcmul would fuse the second product into the sum).
+template <typename T>
+void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t width, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, grain(heads * d), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* c = cos + r * d;
+      const T* s = sin + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* a = x + r * width + h * d;  // the first half; b the second
+        T* b = a + half;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = Lanes16::load(a + i), x2 = Lanes16::load(b + i);
+          __m512 p1 = round16(_mm512_mul_ps(x1, Lanes16::load(c + i)), a);
+          __m512 q1 = round16(_mm512_mul_ps(x2, Lanes16::load(s + i)), a);
+          __m512 p2 = round16(_mm512_mul_ps(x2, Lanes16::load(c + half + i)), a);
+          __m512 q2 = round16(_mm512_mul_ps(x1, Lanes16::load(s + half + i)), a);
+          in_register(p1);
+          in_register(q1);
+          in_register(p2);
+          in_register(q2);
+          put16(_mm512_add_ps(p1, q1), a + i);
+          put16(_mm512_add_ps(p2, q2), b + i);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = to_float(a[i]), x2 = to_float(b[i]);
+          volatile float p1 = round_to(x1 * to_float(c[i]), a), q1 = round_to(x2 * to_float(s[i]), a);
+          volatile float p2 = round_to(x2 * to_float(c[half + i]), a), q2 = round_to(x1 * to_float(s[half + i]), a);
+          put(p1 + q1, a + i);
+          put(p2 + q2, b + i);
+        }
+      }
+    }
+  });
+}
+
 void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.device().is_cpu(), what, " must be on the CPU");
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), what, " must be contiguous");
@@ -1253,6 +1299,124 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads) {
+  const auto dtype = call_dtype(x);
+  check_dtype(cos, dtype, "cos");
+  check_dtype(sin, dtype, "sin");
+  TORCH_CHECK(x.dim() >= 2 && x.is_contiguous() && x.device().is_cpu(), "x: [..., heads, head_dim], contiguous, on the CPU");
+  const int64_t d = x.size(-1), all_heads = x.size(-2);
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(0 <= heads && heads <= all_heads, "rotates ", heads, " heads of ", all_heads);
+  const int64_t width = all_heads * d, rows = width ? x.numel() / width : 0;
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->numel() == rows * d && t->size(-1) == d,
+                "cos and sin: [rows, head_dim] (", rows, " x ", d, "), contiguous, on the CPU");
+  }
+  if (dtype == torch::kFloat32)
+    rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), rows, width, heads, d);
+  else
+    rope_rows(x.data_ptr<BF16>(), cos.data_ptr<BF16>(), sin.data_ptr<BF16>(), rows, width, heads, d);
+}
+
+// ---- A prefill's keys and values into a paged cache's blocks (paged_write) ----
+//
+// Segment s writes tokens [offset, offset + end - start) of k and v ([tokens, kv_heads, head_dim], strided views
+// whose last dimension is contiguous, as a fused QKV projection leaves them) at logical positions [start, end) of
+// row s of `tables`, each position into its block: what a prefill over a paged pool writes, layer by layer,
+// without a contiguous copy of the prompts' positions to scatter afterwards.
+namespace {
+template <typename T>
+void write_rows(const torch::Tensor& k, const torch::Tensor& v, const std::vector<torch::Tensor>& k_slabs,
+                const std::vector<torch::Tensor>& v_slabs, const int64_t* table, int64_t max_blocks,
+                const int64_t* place, int64_t n_segments) {
+  const int64_t kv_heads = k.size(1), d = k.size(2);
+  const int64_t slab_blocks = k_slabs[0].size(0), block_size = k_slabs[0].size(2);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  std::vector<T*> kb, vb;
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    kb.push_back(k_slabs[i].data_ptr<T>());
+    vb.push_back(v_slabs[i].data_ptr<T>());
+  }
+  // One item per (segment, logical block): its positions are one run of each head's block.
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t s = 0; s < n_segments; ++s)
+    for (int64_t lb = place[3 * s + 1] / block_size; lb * block_size < place[3 * s + 2]; ++lb) items.emplace_back(s, lb);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [s, lb] = items[i];
+      const int64_t offset = place[3 * s], start = place[3 * s + 1], end = place[3 * s + 2];
+      const int64_t b = table[s * max_blocks + lb], slab = b / slab_blocks, in_slab = b % slab_blocks;
+      const int64_t p0 = std::max(start, lb * block_size), p1 = std::min(end, (lb + 1) * block_size);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t cell = ((in_slab * kv_heads + h) * block_size + p0 % block_size) * d;
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t t = offset + p - start;
+          std::memcpy(kb[slab] + cell + (p - p0) * d, kp + t * ks0 + h * ks1, sizeof(T) * d);
+          std::memcpy(vb[slab] + cell + (p - p0) * d, vp + t * vs0 + h * vs1, sizeof(T) * d);
+        }
+      }
+    }
+  });
+}
+}  // namespace
+
+void paged_write(const torch::Tensor& k,                   // [tokens, kv_heads, head_dim]
+                 const torch::Tensor& v,                   // [tokens, kv_heads, head_dim]
+                 const std::vector<torch::Tensor>& k_slabs,  // each [slab_blocks, kv_heads, block_size, head_dim]
+                 const std::vector<torch::Tensor>& v_slabs,
+                 const torch::Tensor& tables,  // int64 [segments, max_blocks]: physical block ids, -1 = none
+                 const torch::Tensor& places) {  // int64 [segments, 3]: token offset, start, end (logical positions)
+  const auto dtype = call_dtype(k);
+  check_dtype(v, dtype, "v");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v: [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "k and v are on the CPU");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v: the last dimension contiguous");
+  const int64_t n_tokens = k.size(0), kv_heads = k.size(1), d = k.size(2);
+  TORCH_CHECK(!k_slabs.empty() && k_slabs.size() == v_slabs.size(), "as many k slabs as v slabs, at least one");
+  const auto slab_shape = k_slabs[0].sizes().vec();
+  TORCH_CHECK(slab_shape.size() == 4 && slab_shape[0] > 0 && slab_shape[2] > 0 && slab_shape[1] == kv_heads &&
+                  slab_shape[3] == d,
+              "slabs: [slab_blocks, kv_heads, block_size, head_dim] with k's kv_heads and head_dim");
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    TORCH_CHECK(k_slabs[i].sizes() == slab_shape && v_slabs[i].sizes() == slab_shape, "slab ", i,
+                ": every k and v slab has the shape of the first, ", k_slabs[0].sizes());
+    check_dtype(k_slabs[i], dtype, "a k slab");
+    check_dtype(v_slabs[i], dtype, "a v slab");
+    TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous(), "slab ", i, ": contiguous");
+    TORCH_CHECK(k_slabs[i].device().is_cpu() && v_slabs[i].device().is_cpu(), "slab ", i, ": on the CPU");
+  }
+  const int64_t block_size = slab_shape[2], n_blocks = static_cast<int64_t>(k_slabs.size()) * slab_shape[0];
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.device().is_cpu(),
+              "tables: int64 [segments, max_blocks] on the CPU");
+  TORCH_CHECK(places.dim() == 2 && places.size(1) == 3 && places.size(0) == tables.size(0) &&
+                  places.scalar_type() == torch::kInt64 && places.device().is_cpu(),
+              "places: int64 [segments, 3] on the CPU, a row per row of tables");
+  auto tables_c = tables.contiguous();
+  auto places_c = places.contiguous();
+  const int64_t* table = tables_c.data_ptr<int64_t>();
+  const int64_t* place = places_c.data_ptr<int64_t>();
+  const int64_t n_segments = places.size(0), max_blocks = tables.size(1);
+  // Every token and block a segment touches is checked here, so the copies stay inside k, v and the slabs.
+  for (int64_t s = 0; s < n_segments; ++s) {
+    const int64_t offset = place[3 * s], start = place[3 * s + 1], end = place[3 * s + 2];
+    TORCH_CHECK(0 <= start && start < end && end <= max_blocks * block_size, "segment ", s, ": bad positions [",
+                start, ", ", end, ") for ", max_blocks, " blocks of ", block_size);
+    TORCH_CHECK(0 <= offset && offset + (end - start) <= n_tokens, "segment ", s, ": tokens [", offset, ", ",
+                offset + end - start, ") are not within the call's ", n_tokens);
+    for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
+      const int64_t b = table[s * max_blocks + lb];
+      TORCH_CHECK(0 <= b && b < n_blocks, "segment ", s, ": logical block ", lb, " is block ", b, ", not one of the ",
+                  n_blocks, " in the slabs");
+    }
+  }
+  if (dtype == torch::kFloat32)
+    write_rows<float>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments);
+  else
+    write_rows<BF16>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token attention of many rows over their own caches and spans");
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -1261,6 +1425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of whole prompts packed back to back, each over its own tokens");
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension, as transformers computes it");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [..., gate | up], as transformers computes it");
+  m.def("rope_", &rope_, "rotary embedding of the first heads of [..., heads, head_dim] in place");
+  m.def("paged_write", &paged_write, "a prefill's keys and values into their blocks of a paged cache");
 #if defined(__AVX512F__)
   m.attr("POINTWISE_FAST") = true;
 #else

@@ -147,8 +147,7 @@ class Llama(Family):
         x = self.norm(hidden, w["ln_1"])
         qkv = linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
         cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
-        qk = qkv[:, :, : heads + kv_heads]  # rotary embedding of q and k in one pass
-        qk = rotate(qk, cos, sin)
+        qk = self.rotary(qkv, cos, sin, heads + kv_heads)  # rotary embedding of q and k in one pass
         q = qk[:, :, :heads].transpose(1, 2)
         k = qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
@@ -166,6 +165,15 @@ class Llama(Family):
         if self.kernels is not None and x.is_contiguous():
             return self.kernels.rms_norm(x, weight, self.eps)
         return rms_norm(x, weight, self.eps)
+
+    def rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        """The first ``heads`` heads of a fused projection ``[batch, n, all heads, head_dim]`` (q and k) with the
+        rotary embedding applied: in place in one native pass where the stage has the kernels (transformers'
+        arithmetic, :func:`dejavu_engine.native.rope_`), else :func:`rotate`."""
+        if self.kernels is not None and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous():
+            self.kernels.rope_(qkv, cos, sin, heads)
+            return qkv[:, :, :heads]
+        return rotate(qkv[:, :, :heads], cos, sin)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's ``silu(gate) * up`` of the fused projection ``[..., gate | up]`` (one native pass where
