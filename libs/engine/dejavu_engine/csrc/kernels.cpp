@@ -291,43 +291,44 @@ inline float softmax_numerators16(const float* s, int64_t n, Put put) {
   return _mm512_reduce_add_ps(total);
 }
 
-// Softmax of n scores in place, 16 at a time (the last n % 16 through a mask). With round_exps, each e^(s - max)
-// is rounded to bfloat16 before it is normalised (the sum is of the unrounded ones), as torch's CPU flash
-// attention does for bfloat16 inputs before it multiplies the values.
+// The numerators of a softmax of n scores in place, e^(s - max), 16 at a time (the last n % 16 through a mask);
+// returns their sum. With round_exps, each is rounded to bfloat16 (the sum is of the unrounded ones), as torch's
+// CPU flash attention does for bfloat16 inputs before it multiplies the values.
 template <bool round_exps = false>
-void softmax_row16(float* s, int64_t n) {
-  const float total = softmax_numerators16(s, n, [&](int64_t j, __m512 e, __mmask16 lanes) {
+float softmax_numerators_row16(float* s, int64_t n) {
+  return softmax_numerators16(s, n, [&](int64_t j, __m512 e, __mmask16 lanes) {
     _mm512_mask_storeu_ps(s + j, lanes, round_exps ? round_bf16_16(e) : e);
   });
-  const int64_t whole = n - n % 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
-  const __m512 inv = _mm512_set1_ps(1.0f / total);
-  for (int64_t j = 0; j < whole; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
-  if (tail) _mm512_mask_storeu_ps(s + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + whole), inv));
 }
 #endif
 
+// softmax_numerators_row16 for any build.
+template <bool round_exps = false>
+float softmax_numerators_row(float* s, int64_t n) {
+#if defined(__AVX512F__)
+  return softmax_numerators_row16<round_exps>(s, n);
+#else
+  float m = s[0];
+  for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+  float total = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = exp_any(s[j] - m);
+    s[j] = round_exps ? static_cast<float>(BF16(e)) : e;
+    total += e;
+  }
+  return total;
+#endif
+}
+
 // Softmax of each of the g rows of n scores at s[h * n], in place (max subtracted, so exp's argument <= 0);
-// round_exps as softmax_row16.
+// round_exps as softmax_numerators_row16.
 template <bool round_exps = false>
 void softmax_rows(float* scores, int64_t g, int64_t n) {
   for (int64_t h = 0; h < g; ++h) {
     float* s = scores + h * n;
-#if defined(__AVX512F__)
-    softmax_row16<round_exps>(s, n);
-#else
-    float m = s[0];
-    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
-    float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      const float e = exp_any(s[j] - m);
-      s[j] = round_exps ? static_cast<float>(BF16(e)) : e;
-      total += e;
-    }
-    const float inv = 1.0f / total;
+    const float inv = 1.0f / softmax_numerators_row<round_exps>(s, n);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-#endif
   }
 }
 
@@ -877,7 +878,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   }
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> qf, s, o;
+    std::vector<float> qf, s, o, inv;
     std::vector<int64_t> lens;
     for (int64_t bin = begin; bin < stop; ++bin) {
       for (int64_t i : bins[bin]) {
@@ -887,6 +888,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         qf.resize(rows * d);
         s.resize(rows * lds);
         o.resize(rows * d);
+        inv.resize(rows);
         lens.resize(rows);
         for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
           for (int64_t h = 0; h < g; ++h) {
@@ -898,13 +900,20 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         }
         const float* ktk = kt.data() + it.kh * d * ldk + it.offset;
         prefill_scores_dispatch(qf.data(), rows, d, ktk, ldk, lens.data(), s.data(), lds);
+        // The softmax's numerators weigh the values, and each row's sum is divided out of its output at the end
+        // (as torch's flash attention divides), not out of every probability first.
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = s.data() + r * lds;
-          softmax_rows<std::is_same_v<T, BF16>>(sr, 1, lens[r]);  // bfloat16: rounded where torch rounds
+          inv[r] = 1.0f / softmax_numerators_row<std::is_same_v<T, BF16>>(sr, lens[r]);  // bfloat16: rounded
           std::fill(sr + lens[r], sr + lds, 0.0f);  // rows done together read up to the longest of them
         }
         const float* vfk = vf.data() + (it.kh * ldk + it.offset) * d;
         prefill_values_dispatch(s.data(), rows, lens.data(), lds, vfk, d, o.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          float* orow = o.data() + r * d;
+#pragma omp simd
+          for (int64_t e = 0; e < d; ++e) orow[e] *= inv[r];
+        }
         for (int64_t t = 0; t < it.tq; ++t) {
           store(o.data() + t * g * d, g * d, op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d);
         }
