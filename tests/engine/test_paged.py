@@ -152,3 +152,33 @@ def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(
     assert logits is not None and logits.shape == (6, 1, mixed.spec.vocab_size)
     torch.testing.assert_close(logits, logits_apart, atol=1e-4, rtol=0)
     torch.testing.assert_close(after, after_apart, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_over_a_cache_with_a_finished_row_keeps_nothing_of_it(
+    dtype: str, tiny_checkpoints: dict[str, Path]
+) -> None:
+    """A recompute prefills every row of its microbatch, the finished ones too: a finished row holds no blocks
+    and takes none, and the other rows' logits and K/V are what a contiguous cache gives."""
+    folder = tiny_checkpoints["llama"]
+    paged, plain = Stage(folder, (0, LAYERS), dtype=dtype), Stage(folder, (0, LAYERS), dtype=dtype)
+    if not paged.prefills_into_blocks:
+        pytest.skip("native kernels unavailable on this host")
+    pool = paged.block_pool(block_size=4, max_blocks=64, slab_blocks=8)
+    geometry = BatchGeometry.for_prompts([6, 9, 3])
+    ids = torch.randint(3, 300, (3, geometry.cur_len), generator=torch.Generator().manual_seed(2))
+    cache = pool.cache(paged.kv_layout(3, geometry.cur_len + STEPS), geometry.pad_lens)
+    cache.free_rows([1])
+    got = paged.prefill(StageIO(input_ids=ids), cache, geometry).logits
+    contiguous = plain.allocate_cache(3, geometry.cur_len + STEPS)
+    want = plain.prefill(StageIO(input_ids=ids), contiguous, geometry).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (cache.table[1] < 0).all() and pool.used_blocks == (cache.table >= 0).sum() == 3 + 2  # positions 3-8, 6-8
+    dense = cache.dense(geometry.cur_len)
+    for row in (0, 2):
+        pad = geometry.pad_lens[row]
+        for got_kv, want_kv in ((dense.k, contiguous.k), (dense.v, contiguous.v)):
+            torch.testing.assert_close(
+                got_kv[:, row, :, pad:], want_kv[:, row, :, pad : geometry.cur_len], atol=1e-4, rtol=0
+            )
+    cache.free()

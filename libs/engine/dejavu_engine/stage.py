@@ -383,14 +383,17 @@ class Stage:
         return StageIO(logits=self.logits(hidden[0, _prompt_ends(geometry, hidden.device)].unsqueeze(1)))
 
     def _blocks_context(self, cache: PagedKVCache, geometry: BatchGeometry) -> ForwardContext:
-        """The context of a ragged prefill of ``geometry``'s whole prompts into ``cache``'s blocks (each segment's
-        row's block table and where its tokens go); takes the blocks of every prompt's positions."""
+        """The context of a ragged prefill of ``geometry``'s whole prompts into ``cache``'s blocks (each live
+        row's block table and where its tokens go); takes the blocks of every live row's positions. A row that
+        finished holds no blocks (a recompute computes it, as its neighbours attend nothing of it, and keeps
+        nothing of it)."""
         cache.holding(geometry.cur_len)
         ctx = self._ragged_context(geometry)
         assert ctx.segments is not None and ctx.native_prefill  # prefills_into_blocks: plainly causal prompts
-        places = [(offset, start, start + length) for offset, length, _row, start, _ in ctx.segments]
-        rows = [row for _offset, _length, row, _start, _ in ctx.segments]
-        return replace(ctx, tables=cache.table[rows], places=torch.tensor(places, dtype=torch.long))
+        kept = [(offset, length, row, start) for offset, length, row, start, _ in ctx.segments if cache.live[row]]
+        places = torch.tensor([(offset, start, start + length) for offset, length, _, start in kept], dtype=torch.long)
+        tables = cache.table[[row for _, _, row, _ in kept]]
+        return replace(ctx, tables=tables, places=places.view(-1, 3))
 
     @functools.cached_property
     def mixes(self) -> bool:
