@@ -305,8 +305,10 @@ def paged_write(
     :func:`paged_decode_attention`). ``k`` and ``v`` (``[tokens, kv_heads, head_dim]``, strided views whose last
     dimension is contiguous) hold the prompts' tokens back to back; ``places[s] = (offset, start, end)`` (int64
     ``[segments, 3]``): tokens ``[offset, offset + end - start)`` go to logical positions ``[start, end)`` of the
-    row whose blocks ``tables[s]`` (int64 ``[segments, max_blocks]``) lists. Raises RuntimeError where the kernels
-    are not loaded or the arguments do not fit (a block it would write that is -1 or not in the slabs)."""
+    row whose blocks ``tables[s]`` (int64 ``[segments, max_blocks]``) lists, and the positions of that row's
+    first block before ``start`` (a whole prompt's left padding) are cleared, as a contiguous cache's. Raises
+    RuntimeError where the kernels are not loaded or the arguments do not fit (a block it would write that is -1
+    or not in the slabs)."""
     module = _require()
     with torch.profiler.record_function("dejavu::paged_write"):
         module.paged_write(k, v, k_slabs, v_slabs, tables, places)

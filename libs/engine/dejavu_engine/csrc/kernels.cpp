@@ -1332,7 +1332,8 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
 // Segment s writes tokens [offset, offset + end - start) of k and v ([tokens, kv_heads, head_dim], strided views
 // whose last dimension is contiguous, as a fused QKV projection leaves them) at logical positions [start, end) of
 // row s of `tables`, each position into its block: what a prefill over a paged pool writes, layer by layer,
-// without a contiguous copy of the prompts' positions to scatter afterwards.
+// without a contiguous copy of the prompts' positions to scatter afterwards. A segment is a whole left-padded
+// prompt: the positions of its first block before `start` (padding) are cleared, as a contiguous cache's.
 namespace {
 template <typename T>
 void write_rows(const torch::Tensor& k, const torch::Tensor& v, const std::vector<torch::Tensor>& k_slabs,
@@ -1360,6 +1361,11 @@ void write_rows(const torch::Tensor& k, const torch::Tensor& v, const std::vecto
       const int64_t p0 = std::max(start, lb * block_size), p1 = std::min(end, (lb + 1) * block_size);
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t cell = ((in_slab * kv_heads + h) * block_size + p0 % block_size) * d;
+        if (p0 % block_size) {  // the row's padding in its first block reads as zeros, as in a contiguous cache
+          const int64_t first = (in_slab * kv_heads + h) * block_size * d, cleared = (p0 % block_size) * d;
+          std::memset(kb[slab] + first, 0, sizeof(T) * cleared);
+          std::memset(vb[slab] + first, 0, sizeof(T) * cleared);
+        }
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t t = offset + p - start;
           std::memcpy(kb[slab] + cell + (p - p0) * d, kp + t * ks0 + h * ks1, sizeof(T) * d);
