@@ -384,9 +384,9 @@ class Stage:
 
     def _blocks_context(self, cache: PagedKVCache, geometry: BatchGeometry) -> ForwardContext:
         """The context of a ragged prefill of ``geometry``'s whole prompts into ``cache``'s blocks (each live
-        row's block table and where its tokens go); takes the blocks of every live row's positions. A row that
-        finished holds no blocks (a recompute computes it, as its neighbours attend nothing of it, and keeps
-        nothing of it)."""
+        row's block table and where its tokens go); takes the blocks of every live row's positions. A finished
+        row holds no blocks: a recompute, which covers every row of its microbatch, computes its tokens and
+        writes nothing of them."""
         cache.holding(geometry.cur_len)
         ctx = self._ragged_context(geometry)
         assert ctx.segments is not None and ctx.native_prefill  # prefills_into_blocks: plainly causal prompts
