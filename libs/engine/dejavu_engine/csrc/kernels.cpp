@@ -348,6 +348,23 @@ torch::ScalarType call_dtype(const torch::Tensor& q) {
   return dtype;
 }
 
+// A paged pool's slabs of one layer: every k and v slab of the first one's shape, of `dtype`, contiguous, on the
+// CPU.
+void check_slabs(const std::vector<torch::Tensor>& k_slabs, const std::vector<torch::Tensor>& v_slabs,
+                 torch::ScalarType dtype) {
+  const auto shape = k_slabs[0].sizes();
+  for (size_t i = 0; i < k_slabs.size(); ++i) {
+    const auto& k = k_slabs[i];
+    const auto& v = v_slabs[i];
+    TORCH_CHECK(k.sizes() == shape && v.sizes() == shape, "slab ", i, ": every k and v slab has the shape of the first, ",
+                shape);
+    check_dtype(k, dtype, "a k slab");
+    check_dtype(v, dtype, "a v slab");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "slab ", i, ": contiguous");
+    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "slab ", i, ": on the CPU");
+  }
+}
+
 // Keys and values of one kv head of one row, for attend_bf16: `n` positions in order at `k` and `v` (head_dim
 // apart). A paged row is one chunk per block, a contiguous cache one chunk.
 struct Chunk {
@@ -1009,16 +1026,7 @@ torch::Tensor paged_decode_attention(
   check_dtype(v_new, dtype, "new v");
   TORCH_CHECK(k_new.is_contiguous() && v_new.is_contiguous(), "new k/v are contiguous");
   TORCH_CHECK(k_new.device().is_cpu() && v_new.device().is_cpu(), "new k/v are on the CPU");
-  for (size_t i = 0; i < k_slabs.size(); ++i) {
-    const auto& k = k_slabs[i];
-    const auto& v = v_slabs[i];
-    TORCH_CHECK(k.sizes() == slab_shape && v.sizes() == slab_shape, "slab ", i,
-                ": every k and v slab has the shape of the first, ", k_slabs[0].sizes());
-    check_dtype(k, dtype, "a k slab");
-    check_dtype(v, dtype, "a v slab");
-    TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "slab ", i, ": contiguous");
-    TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "slab ", i, ": on the CPU");
-  }
+  check_slabs(k_slabs, v_slabs, dtype);
   const int64_t n_blocks = static_cast<int64_t>(k_slabs.size()) * slab_blocks;
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.size(0) == n_rows &&
                   tables.device().is_cpu(),
@@ -1394,14 +1402,7 @@ void paged_write(const torch::Tensor& k,                   // [tokens, kv_heads,
   TORCH_CHECK(slab_shape.size() == 4 && slab_shape[0] > 0 && slab_shape[2] > 0 && slab_shape[1] == kv_heads &&
                   slab_shape[3] == d,
               "slabs: [slab_blocks, kv_heads, block_size, head_dim] with k's kv_heads and head_dim");
-  for (size_t i = 0; i < k_slabs.size(); ++i) {
-    TORCH_CHECK(k_slabs[i].sizes() == slab_shape && v_slabs[i].sizes() == slab_shape, "slab ", i,
-                ": every k and v slab has the shape of the first, ", k_slabs[0].sizes());
-    check_dtype(k_slabs[i], dtype, "a k slab");
-    check_dtype(v_slabs[i], dtype, "a v slab");
-    TORCH_CHECK(k_slabs[i].is_contiguous() && v_slabs[i].is_contiguous(), "slab ", i, ": contiguous");
-    TORCH_CHECK(k_slabs[i].device().is_cpu() && v_slabs[i].device().is_cpu(), "slab ", i, ": on the CPU");
-  }
+  check_slabs(k_slabs, v_slabs, dtype);
   const int64_t block_size = slab_shape[2], n_blocks = static_cast<int64_t>(k_slabs.size()) * slab_shape[0];
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.device().is_cpu(),
               "tables: int64 [segments, max_blocks] on the CPU");
