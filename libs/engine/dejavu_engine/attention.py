@@ -116,7 +116,7 @@ def _attend_mixed(
 ) -> torch.Tensor:
     """:func:`attend` of a mixed pass (``ctx.mixed``): the first tokens of the one row decode (one per
     decoding row, over the pool's slabs through the paged kernel), the rest are a ragged prefill (into its
-    own cache). ``k_cache``/``v_cache`` are ``(slabs, prefill cache)``."""
+    blocks). ``k_cache``/``v_cache`` are ``(slabs, slabs)``: the decode's, then the prefill's."""
     assert ctx.mixed is not None
     decode, prefill = ctx.mixed
     (k_slabs, k_prefill), (v_slabs, v_prefill) = k_cache, v_cache

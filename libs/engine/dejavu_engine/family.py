@@ -64,15 +64,16 @@ class ForwardContext:
     ``(offset, length, row, start, ctx_s)`` is tokens ``[offset, offset + length)``: cache row ``row``'s
     prompt, written at cache positions ``[start, start + length)``, attending only over itself with its own
     context ``ctx_s`` (causal; ALiBi biases). ``positions`` and ``rope`` cover every token. With ``places``
-    (int64 ``[segments, 3]``: offset, start, end) the prompts' cache is a paged pool: the layer's caches are the
-    pool's slabs of that layer, ``tables[s]`` is the block table of segment ``s``'s row, and each segment's keys
-    and values go straight into its blocks at positions ``[start, end)``.
+    (int64 ``[written, 3]``: offset, start, end, one per segment of a live row) the prompts' cache is a paged pool:
+    the layer's caches are the pool's slabs of that layer, ``tables`` holds the block table of each written
+    segment's row in the same order, and its keys and values go straight into those blocks at positions
+    ``[start, end)`` (a finished row's segment is computed and written nowhere).
 
     ``mixed`` is set for a pass that decodes some rows and prefills whole prompts at once (a colocated
     one-stage pipeline, :meth:`Stage.mixed`): ``(decode, prefill)``, the contexts of its first tokens (one per
     decoding row, paged: ``spans``/``tables``) and of the rest (every prompt's tokens back to back:
-    ``segments``). ``positions`` and ``rope`` cover every token in that order; the layer's caches are then
-    ``(pool slabs, prefill cache)`` pairs (the pool's slabs twice where the prefill writes into its blocks).
+    ``segments``, with ``places``). ``positions`` and ``rope`` cover every token in that order; the layer's caches
+    are then ``(pool slabs, pool slabs)`` pairs, one for each.
 
     ``native_prefill`` is set when the stage runs a prefill's attention in the native kernel
     (:func:`dejavu_engine.native.prefill_attention`): whole prompts, plainly causal (no mask, no biases),
