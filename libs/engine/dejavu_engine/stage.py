@@ -9,9 +9,10 @@ serves many microbatches, one forward call at a time (not thread-safe).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -188,17 +189,23 @@ class Stage:
             ctx = self._natively(ctx, [ctx], [cache])
         elif self.native_attention and ctx.mask is None and ctx.causal and geometry.rows is None:
             ctx = replace(ctx, native_prefill=True)  # whole unpadded prompts: the native prefill kernel
-        hidden = self._layers(x, cache, ctx, on_layer_done)
+        hidden = self._layers(x, zip(cache.k, cache.v, strict=True), ctx, on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.logits(hidden if all_logits else hidden[:, -1:]))
 
     def _layers(
-        self, x: torch.Tensor, cache: KVCache, ctx: ForwardContext, on_layer_done: LayerHook | None
+        self,
+        x: torch.Tensor,
+        caches: Iterable[tuple[Any, Any]],
+        ctx: ForwardContext,
+        on_layer_done: LayerHook | None = None,
     ) -> torch.Tensor:
-        """Embed (a first stage) and run every layer of this stage over ``x`` with ``ctx``."""
+        """Embed (a first stage) and run every layer of this stage over ``x`` with ``ctx``, layer ``i`` over the
+        ``i``-th ``(k, v)`` of ``caches``: a cache's layer, one per group of a grouped call, or a pool's slabs
+        (:func:`_pool_layers`)."""
         hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
-        for index, (w, k_layer, v_layer) in enumerate(zip(self._layer_w, cache.k, cache.v, strict=True)):
+        for index, (w, (k_layer, v_layer)) in enumerate(zip(self._layer_w, caches, strict=True)):
             hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)
             if on_layer_done is not None:
                 on_layer_done(self.layers[0] + index)
@@ -223,7 +230,7 @@ class Stage:
         if x.shape[0] != 1:
             x = _packed(x, geometry).unsqueeze(0)
         self._check(cache, geometry, geometry.batch, geometry.cur_len)
-        hidden = self._layers(x, cache, self._ragged_context(geometry), on_layer_done)
+        hidden = self._layers(x, zip(cache.k, cache.v, strict=True), self._ragged_context(geometry), on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.logits(hidden[0, _prompt_ends(geometry, hidden.device)].unsqueeze(1)))
@@ -305,15 +312,8 @@ class Stage:
             self._check(cache, geometry, geometry.batch, 1)
             contexts.append(self.family.context(geometry, 1, self.device, dtype))
         ctx = self._natively(ForwardContext.grouped(contexts), contexts, [cache for cache, _ in groups])
-        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
-        for index, w in enumerate(self._layer_w):
-            hidden = self.family.layer(
-                w,
-                hidden,
-                [cache.k[index] for cache, _ in groups],  # type: ignore[arg-type]  # grouped: one per group
-                [cache.v[index] for cache, _ in groups],  # type: ignore[arg-type]
-                ctx,
-            )
+        per_group = (([c.k[i] for c, _ in groups], [c.v[i] for c, _ in groups]) for i in range(self.num_layers))
+        hidden = self._layers(x, per_group, ctx)
         if not self.is_last:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.logits(hidden))
@@ -325,11 +325,7 @@ class Stage:
         if not self.paged_attention:
             return None
         ctx = self._paged_context(groups)
-        pool = groups[0][0].pool
-        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
-        for index, w in enumerate(self._layer_w):
-            k_slabs, v_slabs = pool.layer(index)
-            hidden = self.family.layer(w, hidden, k_slabs, v_slabs, ctx)  # type: ignore[arg-type]
+        hidden = self._layers(x, _pool_layers(groups[0][0].pool, self.num_layers), ctx)
         if not self.is_last:
             return StageIO(hidden=hidden)
         return StageIO(logits=self.logits(hidden))
@@ -371,13 +367,7 @@ class Stage:
         if x.shape[0] == geometry.batch and x.shape[1] == geometry.cur_len:
             x = _packed(x, geometry).unsqueeze(0)
         ctx = self._blocks_context(cache, geometry)
-        pool = cache.pool
-        hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
-        for index, w in enumerate(self._layer_w):
-            k_slabs, v_slabs = pool.layer(index)
-            hidden = self.family.layer(w, hidden, k_slabs, v_slabs, ctx)  # type: ignore[arg-type]
-            if on_layer_done is not None:
-                on_layer_done(self.layers[0] + index)
+        hidden = self._layers(x, _pool_layers(cache.pool, self.num_layers), ctx, on_layer_done)
         if not self.is_last:
             return StageIO(hidden=hidden if geometry.padded else hidden.view(geometry.batch, geometry.cur_len, -1))
         return StageIO(logits=self.logits(hidden[0, _prompt_ends(geometry, hidden.device)].unsqueeze(1)))
@@ -432,11 +422,9 @@ class Stage:
         self._check(prefill_cache, geometry, geometry.batch, geometry.cur_len)
         ctx = ForwardContext.combined(self._paged_context(groups), self._blocks_context(prefill_cache, geometry))
         ids = torch.cat([x.view(-1), _packed(prompts, geometry)]).unsqueeze(0)
-        hidden = self.family.embed(self._embed_w, ids, ctx)
-        for index, w in enumerate(self._layer_w):
-            k_slabs, v_slabs = pool.layer(index)  # the decoding rows' and the prompts' caches alike
-            k_layer, v_layer = (k_slabs, k_slabs), (v_slabs, v_slabs)
-            hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)  # type: ignore[arg-type]
+        # The decoding rows' caches and the prompts' alike: the pool's slabs of each layer, once for each.
+        slabs = (((k, k), (v, v)) for k, v in _pool_layers(pool, self.num_layers))
+        hidden = self._layers(ids, slabs, ctx)
         rows = x.shape[0]
         last = torch.cat([torch.arange(rows, device=hidden.device), rows + _prompt_ends(geometry, hidden.device)])
         return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
@@ -477,6 +465,11 @@ def _packed(prompts: torch.Tensor, geometry: BatchGeometry) -> torch.Tensor:
     """Left-padded rows ``[batch, cur_len, ...]`` as their tokens back to back (row r's last ``cur_len - pad_r``
     positions), the padding left out."""
     return torch.cat([prompts[r, pad:] for r, pad in enumerate(geometry.pad_lens)])
+
+
+def _pool_layers(pool: BlockPool, layers: int) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Each of a stage's ``layers`` layers' K and V slabs of ``pool``, in order."""
+    return (pool.layer(index) for index in range(layers))
 
 
 def _whole_prompts(x: torch.Tensor, geometry: BatchGeometry, all_logits: bool) -> bool:

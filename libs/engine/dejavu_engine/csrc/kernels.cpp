@@ -290,23 +290,17 @@ inline float softmax_numerators16(const float* s, int64_t n, Put put) {
   }
   return _mm512_reduce_add_ps(total);
 }
+#endif
 
-// The numerators of a softmax of n scores in place, e^(s - max), 16 at a time (the last n % 16 through a mask);
+// The numerators of a softmax of n scores in place, e^(s - max) (16 at a time where the build has AVX-512);
 // returns their sum. With round_exps, each is rounded to bfloat16 (the sum is of the unrounded ones), as torch's
 // CPU flash attention does for bfloat16 inputs before it multiplies the values.
 template <bool round_exps = false>
-float softmax_numerators_row16(float* s, int64_t n) {
+float softmax_numerators_row(float* s, int64_t n) {
+#if defined(__AVX512F__)
   return softmax_numerators16(s, n, [&](int64_t j, __m512 e, __mmask16 lanes) {
     _mm512_mask_storeu_ps(s + j, lanes, round_exps ? round_bf16_16(e) : e);
   });
-}
-#endif
-
-// softmax_numerators_row16 for any build.
-template <bool round_exps = false>
-float softmax_numerators_row(float* s, int64_t n) {
-#if defined(__AVX512F__)
-  return softmax_numerators_row16<round_exps>(s, n);
 #else
   float m = s[0];
   for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
@@ -321,7 +315,7 @@ float softmax_numerators_row(float* s, int64_t n) {
 }
 
 // Softmax of each of the g rows of n scores at s[h * n], in place (max subtracted, so exp's argument <= 0);
-// round_exps as softmax_numerators_row16.
+// round_exps as softmax_numerators_row.
 template <bool round_exps = false>
 void softmax_rows(float* scores, int64_t g, int64_t n) {
   for (int64_t h = 0; h < g; ++h) {
@@ -362,6 +356,17 @@ void check_slabs(const std::vector<torch::Tensor>& k_slabs, const std::vector<to
     check_dtype(v, dtype, "a v slab");
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "slab ", i, ": contiguous");
     TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "slab ", i, ": on the CPU");
+  }
+}
+
+// Every block of one row's table holding a position in [start, end) is one of the slabs' n_blocks (what = "row"
+// or "segment", i its index, for the message).
+void check_blocks(const int64_t* row_table, int64_t start, int64_t end, int64_t block_size, int64_t n_blocks,
+                  const char* what, int64_t i) {
+  for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
+    const int64_t b = row_table[lb];
+    TORCH_CHECK(0 <= b && b < n_blocks, what, " ", i, ": logical block ", lb, " is block ", b, ", not one of the ",
+                n_blocks, " in the slabs");
   }
 }
 
@@ -1044,11 +1049,7 @@ torch::Tensor paged_decode_attention(
     const int64_t start = span[2 * r], end = span[2 * r + 1];
     TORCH_CHECK(0 <= start && start < end && end <= max_blocks * block_size,
                 "row ", r, ": bad span [", start, ", ", end, ") for ", max_blocks, " blocks of ", block_size);
-    for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
-      const int64_t b = table[r * max_blocks + lb];
-      TORCH_CHECK(0 <= b && b < n_blocks, "row ", r, ": logical block ", lb, " is block ", b, ", not one of the ",
-                  n_blocks, " in the slabs");
-    }
+    check_blocks(table + r * max_blocks, start, end, block_size, n_blocks, "row", r);
   }
   auto out = torch::empty_like(q);
   if (dtype == torch::kBFloat16) {
@@ -1421,11 +1422,7 @@ void paged_write(const torch::Tensor& k,                   // [tokens, kv_heads,
                 start, ", ", end, ") for ", max_blocks, " blocks of ", block_size);
     TORCH_CHECK(0 <= offset && offset + (end - start) <= n_tokens, "segment ", s, ": tokens [", offset, ", ",
                 offset + end - start, ") are not within the call's ", n_tokens);
-    for (int64_t lb = start / block_size; lb <= (end - 1) / block_size; ++lb) {
-      const int64_t b = table[s * max_blocks + lb];
-      TORCH_CHECK(0 <= b && b < n_blocks, "segment ", s, ": logical block ", lb, " is block ", b, ", not one of the ",
-                  n_blocks, " in the slabs");
-    }
+    check_blocks(table + s * max_blocks, start, end, block_size, n_blocks, "segment", s);
   }
   if (dtype == torch::kFloat32)
     write_rows<float>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments);
