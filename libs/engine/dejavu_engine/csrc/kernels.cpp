@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -132,6 +133,17 @@ template <typename V>
 inline void in_register(V& x) {
   asm("" : "+v"(x));
 }
+
+#if defined(__AVX512F__)
+// The 64 bytes at p, loaded into a register that the compiler cannot fold into the instructions that use it (an
+// array element held with in_register was also stored to the stack on every iteration, and a pair of keys held
+// so had one reloaded from the stack).
+inline __m512i load_kept(const void* p) {
+  __m512i x;
+  asm("vmovdqu64 %1, %0" : "=v"(x) : "m"(*static_cast<const char(*)[64]>(p)));
+  return x;
+}
+#endif
 
 // n values of type T as float32: the pointer itself for float32, a copy in ``out`` for bfloat16 (a query,
 // or a chunk of V widened once for the heads that share it).
@@ -713,9 +725,46 @@ constexpr int64_t kTile = 16;  // query positions per work item
 
 struct PrefillItem {
   int64_t offset, length, kh, t0, tq;
+  // Where the segment's keys and values start in prefill_rows_bf16's per-segment layouts: its first key column
+  // (each segment's keys rounded up to 32 columns) and its first pair of tokens, among the call's.
+  int64_t keys_at, pairs_at;
 };
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Columns of a segment's transposed keys in prefill_rows_bf16: its length rounded up to a block of 32 keys, and
+// 16 more so that rows are never a multiple of 4 KB apart (1024 keys' rows all fell in the same L1 sets: 1 x
+// 1000 tokens took 2.29 ms a call instead of 1.99).
+inline int64_t key_cols(int64_t length) { return round_up(length, 32) + 16; }
+
+// The per-segment layouts are written in parts of up to kLayoutChunk tokens (even, so that pairs of tokens do not
+// straddle two parts), one per (segment, kv head, chunk): a long prompt's are shared among the threads.
+constexpr int64_t kLayoutChunk = 64;
+std::vector<std::pair<const PrefillItem*, int64_t>> layout_parts(const std::vector<PrefillItem>& items) {
+  std::vector<std::pair<const PrefillItem*, int64_t>> parts;  // (the segment's tile at 0 for a kv head, first token)
+  for (const PrefillItem& it : items) {
+    if (it.t0 != 0) continue;
+    for (int64_t j = 0; j < it.length; j += kLayoutChunk) parts.emplace_back(&it, j);
+  }
+  return parts;
+}
+
+// Items dealt to n_bins bins (one per thread), longest first onto the least loaded bin: a causal tile's cost
+// grows with its position, so contiguous ranges of items would leave one thread with the long ones.
+std::vector<std::vector<int64_t>> deal_longest_first(const std::vector<PrefillItem>& items, int64_t n_bins) {
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  auto cost = [&](int64_t i) { return (items[i].t0 + items[i].tq) * items[i].tq; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::vector<std::vector<int64_t>> bins(n_bins);
+  std::vector<int64_t> load(n_bins, 0);
+  for (int64_t i : order) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(i);
+    load[b] += cost(i);
+  }
+  return bins;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 // s[r * lds + j] = qf[r] . kt[:, j] for the rows' keys j < lens[r] (rounded up to 2 * W; those past a row's
@@ -865,39 +914,34 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  // Keys transposed and values widened, per kv head, with one block of zero keys past the last token (a tile's
-  // keys are read in blocks of 2 * W, possibly past its segment: those scores are masked).
-  const int64_t ldk = n_tokens + 32;
-  std::vector<float> kt(kv_heads * d * ldk, 0.0f), vf(kv_heads * ldk * d, 0.0f);
-  constexpr int64_t kChunk = 64;  // tokens per transposing item
-  const int64_t chunks = (n_tokens + kChunk - 1) / kChunk;
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t item = begin; item < stop; ++item) {
-      const int64_t kh = item / chunks, j0 = (item % chunks) * kChunk, j1 = std::min(n_tokens, j0 + kChunk);
-      float* ktk = kt.data() + kh * d * ldk;
+  // Per kv head and segment, contiguous (a tile's keys and values are one block of memory): the segment's keys
+  // transposed and widened ([d][cols] floats, cols = key_cols(length), zero past its last key: a tile's keys
+  // are read in blocks of 2 * W, those past a row's length masked), and its values widened ([length][d]).
+  const PrefillItem& last = items.back();  // of the last segment: the layout's size
+  const int64_t total_cols = last.keys_at + key_cols(last.length);
+  std::unique_ptr<float[]> kt(new float[kv_heads * total_cols * d]), vf(new float[kv_heads * n_tokens * d]);
+  auto keys_of = [&](const PrefillItem& it) { return kt.get() + (it.kh * total_cols + it.keys_at) * d; };
+  auto values_of = [&](const PrefillItem& it) { return vf.get() + (it.kh * n_tokens + it.offset) * d; };
+  const auto parts = layout_parts(items);
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t part = begin; part < stop; ++part) {
+      const PrefillItem& it = *parts[part].first;
+      const int64_t j0 = parts[part].second, j1 = std::min(it.length, j0 + kLayoutChunk), cols = key_cols(it.length);
+      float* ktk = keys_of(it);
       for (int64_t j = j0; j < j1; ++j) {
-        const T* kj = kp + j * ks0 + kh * ks1;
-        for (int64_t e = 0; e < d; ++e) ktk[e * ldk + j] = to_float(kj[e]);
-        const T* vj = vp + j * vs0 + kh * vs1;
-        float* vfj = vf.data() + (kh * ldk + j) * d;
+        const T* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
+        for (int64_t e = 0; e < d; ++e) ktk[e * cols + j] = to_float(kj[e]);
+        const T* vj = vp + (it.offset + j) * vs0 + it.kh * vs1;
+        float* vfj = values_of(it) + j * d;
         for (int64_t e = 0; e < d; ++e) vfj[e] = to_float(vj[e]);
+      }
+      if (j1 == it.length) {
+        for (int64_t e = 0; e < d; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0.0f);
       }
     }
   });
-  // Items dealt to one bin per thread, longest first onto the least loaded bin: a causal tile's cost grows
-  // with its position, so contiguous ranges of items would leave one thread with the long ones.
   const int64_t n_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  auto cost = [&](int64_t i) { return (items[i].t0 + items[i].tq) * items[i].tq; };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
-  std::vector<std::vector<int64_t>> bins(n_bins);
-  std::vector<int64_t> load(n_bins, 0);
-  for (int64_t i : order) {
-    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
-    bins[b].push_back(i);
-    load[b] += cost(i);
-  }
+  const auto bins = deal_longest_first(items, n_bins);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> qf, s, o, inv;
@@ -920,8 +964,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
             lens[t * g + h] = it.t0 + t + 1;
           }
         }
-        const float* ktk = kt.data() + it.kh * d * ldk + it.offset;
-        prefill_scores_dispatch(qf.data(), rows, d, ktk, ldk, lens.data(), s.data(), lds);
+        prefill_scores_dispatch(qf.data(), rows, d, keys_of(it), key_cols(it.length), lens.data(), s.data(), lds);
         // The softmax's numerators weigh the values, and each row's sum is divided out of its output at the end
         // (as torch's flash attention divides), not out of every probability first.
         for (int64_t r = 0; r < rows; ++r) {
@@ -929,8 +972,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
           inv[r] = 1.0f / softmax_numerators_row<std::is_same_v<T, BF16>>(sr, lens[r]);  // bfloat16: rounded
           std::fill(sr + lens[r], sr + lds, 0.0f);  // rows done together read up to the longest of them
         }
-        const float* vfk = vf.data() + (it.kh * ldk + it.offset) * d;
-        prefill_values_dispatch(s.data(), rows, lens.data(), lds, vfk, d, o.data());
+        prefill_values_dispatch(s.data(), rows, lens.data(), lds, values_of(it), d, o.data());
         for (int64_t r = 0; r < rows; ++r) {
           float* orow = o.data() + r * d;
 #pragma omp simd
@@ -943,6 +985,213 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     }
   });
 }
+
+#if defined(__AVX512BF16__)
+// ---- bfloat16 prefill on the CPU's bfloat16 dot products (AVX512-BF16) ----
+//
+// prefill_rows<BF16> widens every key and value to float32 and runs at float32's FMA rate; where the CPU has
+// AVX512-BF16, a head_dim that is a multiple of 32 up to 128 runs the same items, tiles and causal lengths on
+// vdpbf16ps instead, two multiply-adds per lane:
+// - keys transposed in pairs of dims once per call: lane j of pair row i of a kv head holds key j's dims 2i and
+//   2i + 1, so a query row's broadcast pair of dims times one vector is 16 keys' partial sums;
+// - each segment's values interleaved in pairs of tokens once per call: lane e of pair m holds dim e of the
+//   segment's tokens 2m and 2m + 1 (an odd last token pairs with zeros), so a row's broadcast pair of
+//   probabilities weighs two value rows per instruction;
+// - scores are q . k on the stored values times the scale (as torch's CPU flash attention scales after its
+//   bfloat16 GEMM); each row's numerators are rounded to bfloat16 and the sum of the unrounded ones is divided
+//   out at the end, as prefill_rows<BF16> does. (vdpbf16ps treats denormal inputs as zero: a probability below
+//   2^-126 of the row's largest weighs nothing.)
+
+// Scores of R query rows (pairs of dims, pairs apart) against the 32 keys at kc (pair rows ldk apart), times
+// the scale, into s (rows lds apart).
+template <int R>
+inline void prefill_scores_bf16_rows(const uint32_t* q, int64_t pairs, const uint32_t* kc, int64_t ldk, __m512 scale,
+                                     float* s, int64_t lds) {
+  __m512 a[R][2];
+  for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < pairs; ++e) {
+    const __m512i k0 = load_kept(kc + e * ldk), k1 = load_kept(kc + e * ldk + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(q[i * pairs + e]));
+      a[i][0] = _mm512_dpbf16_ps(a[i][0], b, (__m512bh)k0);
+      a[i][1] = _mm512_dpbf16_ps(a[i][1], b, (__m512bh)k1);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(s + i * lds, _mm512_mul_ps(a[i][0], scale));
+    _mm512_storeu_ps(s + i * lds + 16, _mm512_mul_ps(a[i][1], scale));
+  }
+}
+
+// s[r * lds + j] = scale * q[r] . k[j] for the rows' keys j < lens[r] (rounded up to 32; those past a row's
+// length are computed and never read), eight rows at a time (16 accumulators: vdpbf16ps's latency needs more
+// in flight than an FMA's). Not inlined: inside the item loop GCC kept integers in vector registers and spilled a
+// key vector on every iteration.
+__attribute__((noinline)) void prefill_scores_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* ktp, int64_t ldk,
+                         const int64_t* lens, float scale, float* s, int64_t lds) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const int64_t cols = round_up(lens[rows - 1], 32);  // lens never decrease along the rows
+  for (int64_t jb = 0; jb < cols; jb += 32) {  // one block of keys stays in L1 for every row that needs it
+    int64_t r = 0;
+    while (r < rows && lens[r] <= jb) ++r;
+    for (; r + 8 <= rows; r += 8) prefill_scores_bf16_rows<8>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
+    for (; r + 4 <= rows; r += 4) prefill_scores_bf16_rows<4>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
+    for (; r < rows; ++r) prefill_scores_bf16_rows<1>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
+  }
+}
+
+// R rows' outputs, sum over the pairs m < n_pairs of p[i][m] . vp[m] (p: bfloat16, rows ldp apart; vp:
+// [pairs][32 * C] pairs of tokens), times inv[i], rounded to bfloat16 into out[i].
+template <int C, int R>
+inline void prefill_values_bf16_rows(const uint16_t* p, int64_t ldp, int64_t n_pairs, const uint32_t* vp,
+                                     const float* inv, BF16* const* out) {
+  constexpr int Z = 2 * C;  // vectors of 16 dims per pair row
+  constexpr int64_t d = 32 * C;
+  __m512 acc[R][Z];
+  for (int i = 0; i < R; ++i)
+    for (int z = 0; z < Z; ++z) acc[i][z] = _mm512_setzero_ps();
+  for (int64_t m = 0; m < n_pairs; ++m) {
+    __m512i v[Z];
+    for (int z = 0; z < Z; ++z) v[z] = load_kept(vp + m * d + 16 * z);
+    for (int i = 0; i < R; ++i) {
+      int32_t two;  // probabilities 2m and 2m + 1
+      std::memcpy(&two, p + i * ldp + 2 * m, sizeof(two));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(two);
+      for (int z = 0; z < Z; ++z) acc[i][z] = _mm512_dpbf16_ps(acc[i][z], w, (__m512bh)v[z]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m512 scale = _mm512_set1_ps(inv[i]);
+    for (int z = 0; z < Z; ++z) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[i] + 16 * z),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][z], scale)));
+    }
+  }
+}
+
+// Every row's output, R rows at a time (at most 16 accumulators), each over the pairs its group's longest
+// row needs (the others' probabilities are 0 past their own lengths).
+template <int C>
+void prefill_values_bf16(const uint16_t* p, int64_t rows, int64_t ldp, const int64_t* lens, const uint32_t* vp,
+                         const float* inv, BF16* const* out) {
+  constexpr int R = C == 1 ? 8 : C == 2 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    prefill_values_bf16_rows<C, R>(p + r * ldp, ldp, (lens[r + R - 1] + 1) / 2, vp, inv + r, out + r);
+  }
+  for (; r < rows; ++r) prefill_values_bf16_rows<C, 1>(p + r * ldp, ldp, (lens[r] + 1) / 2, vp, inv + r, out + r);
+}
+
+template <int C>
+void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
+  constexpr int64_t d = 32 * C, pairs = 16 * C;
+  const int64_t n_tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), g = heads / kv_heads;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  const BF16* qp = q.data_ptr<BF16>();
+  const BF16* kp = k.data_ptr<BF16>();
+  const BF16* vp = v.data_ptr<BF16>();
+  BF16* op = out.data_ptr<BF16>();
+  // Per kv head and segment, contiguous (a tile's keys and values are one block of memory): its keys transposed
+  // in pairs of dims ([pairs][cols] words, cols = key_cols(length), zero past its last key: a tile's
+  // keys are read in blocks of 32), and its values in pairs of tokens ([pairs of tokens][d] words).
+  const PrefillItem& last = items.back();  // of the last segment: the layouts' sizes
+  const int64_t total_cols = last.keys_at + key_cols(last.length);
+  const int64_t total_pairs = last.pairs_at + (last.length + 1) / 2;
+  std::unique_ptr<uint32_t[]> kt(new uint32_t[kv_heads * total_cols * pairs]);
+  std::unique_ptr<uint32_t[]> vt(new uint32_t[kv_heads * total_pairs * d]);
+  auto keys_of = [&](const PrefillItem& it) { return kt.get() + (it.kh * total_cols + it.keys_at) * pairs; };
+  auto values_of = [&](const PrefillItem& it) { return vt.get() + (it.kh * total_pairs + it.pairs_at) * d; };
+  alignas(64) int16_t interleave[2][32];  // dim e of two tokens side by side: x0 y0 x1 y1 ... (then from x16)
+  for (int half = 0; half < 2; ++half) {
+    for (int e = 0; e < 16; ++e) {
+      interleave[half][2 * e] = static_cast<int16_t>(16 * half + e);
+      interleave[half][2 * e + 1] = static_cast<int16_t>(32 + 16 * half + e);
+    }
+  }
+  const __m512i lo_pairs = _mm512_load_si512(interleave[0]), hi_pairs = _mm512_load_si512(interleave[1]);
+  const auto parts = layout_parts(items);
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t part = begin; part < stop; ++part) {
+      const PrefillItem& it = *parts[part].first;
+      const int64_t j0 = parts[part].second, j1 = std::min(it.length, j0 + kLayoutChunk), cols = key_cols(it.length);
+      uint32_t* ktk = keys_of(it);
+      for (int64_t j = j0; j < j1; ++j) {
+        const BF16* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
+        for (int64_t e = 0; e < pairs; ++e) std::memcpy(ktk + e * cols + j, kj + 2 * e, sizeof(uint32_t));
+      }
+      if (j1 == it.length) {
+        for (int64_t e = 0; e < pairs; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0u);
+      }
+      uint32_t* vtk = values_of(it);
+      for (int64_t m = j0 / 2; 2 * m < j1; ++m) {  // j0 is even
+        const BF16* a = vp + (it.offset + 2 * m) * vs0 + it.kh * vs1;
+        const bool pair = 2 * m + 1 < it.length;
+        for (int c = 0; c < C; ++c) {
+          const __m512i x = _mm512_loadu_si512(a + 32 * c);
+          const __m512i y = pair ? _mm512_loadu_si512(a + vs0 + 32 * c) : _mm512_setzero_si512();
+          _mm512_storeu_si512(vtk + m * d + 32 * c, _mm512_permutex2var_epi16(x, lo_pairs, y));
+          _mm512_storeu_si512(vtk + m * d + 32 * c + 16, _mm512_permutex2var_epi16(x, hi_pairs, y));
+        }
+      }
+    }
+  });
+  const int64_t n_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const auto bins = deal_longest_first(items, n_bins);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<uint32_t> qt;   // the item's query rows, pairs of dims
+    std::vector<float> s;       // scores
+    std::vector<uint16_t> pb;   // numerators, bfloat16 bits
+    std::vector<float> inv;
+    std::vector<int64_t> lens;
+    std::vector<BF16*> dst;
+    for (int64_t bin = begin; bin < stop; ++bin) {
+      for (int64_t i : bins[bin]) {
+        const PrefillItem& it = items[i];
+        const int64_t rows = g * it.tq;
+        const int64_t lds = round_up(it.t0 + it.tq, 32);
+        qt.resize(rows * pairs);
+        s.resize(rows * lds);
+        pb.resize(rows * lds);
+        inv.resize(rows);
+        lens.resize(rows);
+        dst.resize(rows);
+        for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
+          const int64_t token = it.offset + it.t0 + t;
+          for (int64_t h = 0; h < g; ++h) {
+            std::memcpy(qt.data() + (t * g + h) * pairs, qp + token * qs0 + (it.kh * g + h) * qs1, d * sizeof(BF16));
+            lens[t * g + h] = it.t0 + t + 1;
+            dst[t * g + h] = op + (token * heads + it.kh * g + h) * d;
+          }
+        }
+        prefill_scores_bf16(qt.data(), rows, pairs, keys_of(it), key_cols(it.length), lens.data(), sc, s.data(), lds);
+        const int64_t longest = round_up(lens[rows - 1], 2);
+        for (int64_t r = 0; r < rows; ++r) {
+          uint16_t* pr = pb.data() + r * lds;
+          inv[r] = 1.0f / softmax_numerators16(s.data() + r * lds, lens[r], [&](int64_t j, __m512 e, __mmask16 lanes) {
+            _mm256_mask_storeu_epi16(pr + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+          });
+          std::fill(pr + lens[r], pr + longest, uint16_t{0});  // rows done together read up to the longest
+        }
+        prefill_values_bf16<C>(pb.data(), rows, lds, lens.data(),
+                               values_of(it), inv.data(), dst.data());
+      }
+    }
+  });
+}
+
+void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
+  switch (q.size(2) / 32) {
+    case 1: return prefill_rows_bf16<1>(q, k, v, items, scale, out);
+    case 2: return prefill_rows_bf16<2>(q, k, v, items, scale, out);
+    case 3: return prefill_rows_bf16<3>(q, k, v, items, scale, out);
+    default: return prefill_rows_bf16<4>(q, k, v, items, scale, out);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -1087,6 +1336,7 @@ torch::Tensor prefill_attention(
   auto segs = segments.contiguous();
   const int64_t* sp = segs.data_ptr<int64_t>();
   std::vector<PrefillItem> items;
+  int64_t keys_at = 0, pairs_at = 0;
   std::vector<char> covered(n_tokens, 0);
   for (int64_t i = 0; i < segs.size(0); ++i) {
     const int64_t offset = sp[2 * i], length = sp[2 * i + 1];
@@ -1097,14 +1347,24 @@ torch::Tensor prefill_attention(
       covered[j] = 1;
     }
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      for (int64_t t0 = 0; t0 < length; t0 += kTile) items.push_back({offset, length, kh, t0, std::min(kTile, length - t0)});
+      for (int64_t t0 = 0; t0 < length; t0 += kTile) {
+        items.push_back({offset, length, kh, t0, std::min(kTile, length - t0), keys_at, pairs_at});
+      }
     }
+    keys_at += key_cols(length);
+    pairs_at += (length + 1) / 2;
   }
   const bool all_covered = std::all_of(covered.begin(), covered.end(), [](char c) { return c != 0; });
   // Tokens in no segment read 0; where every token is in one, nothing is left to clear.
   auto out = all_covered ? torch::empty({n_tokens, heads, d}, q.options()) : torch::zeros({n_tokens, heads, d}, q.options());
   if (items.empty()) return out;
   if (dtype == torch::kBFloat16) {
+#if defined(__AVX512BF16__)
+    if (d % 32 == 0 && d <= 128) {
+      prefill_rows_bf16(q, k, v, items, scale, out);
+      return out;
+    }
+#endif
     prefill_rows<BF16>(q, k, v, items, scale, out);
   } else {
     prefill_rows<float>(q, k, v, items, scale, out);
