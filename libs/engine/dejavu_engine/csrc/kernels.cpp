@@ -769,67 +769,47 @@ std::vector<std::vector<int64_t>> deal_longest_first(const std::vector<PrefillIt
 #if defined(__AVX2__) && defined(__FMA__)
 // s[r * lds + j] = qf[r] . kt[:, j] for the rows' keys j < lens[r] (rounded up to 2 * W; those past a row's
 // length are computed and later masked). kt is [d][ldk]: keys along a row.
-template <class L>
-void prefill_scores(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk, const int64_t* lens,
-                    float* s, int64_t lds) {
-  constexpr int64_t W = L::W, KB = 2 * W;
-  const int64_t cols = round_up(lens[rows - 1], KB);  // lens never decrease along the rows
-  for (int64_t jb = 0; jb < cols; jb += KB) {  // one block of keys stays in L1 for every row that needs it
-    const float* kc = kt + jb;
-    int64_t r = 0;
-    while (r < rows && lens[r] <= jb) ++r;
-    for (; r + 4 <= rows; r += 4) {
-      const float* q0 = qf + r * d;
-      const float* q1 = q0 + d;
-      const float* q2 = q1 + d;
-      const float* q3 = q2 + d;
-      auto a00 = L::zero(), a01 = L::zero(), a10 = L::zero(), a11 = L::zero();
-      auto a20 = L::zero(), a21 = L::zero(), a30 = L::zero(), a31 = L::zero();
-      for (int64_t e = 0; e < d; ++e) {
-        auto k0 = L::load(kc + e * ldk), k1 = L::load(kc + e * ldk + W);
-        in_register(k0);
-        in_register(k1);
-        auto b = L::broadcast(q0[e]);
-        a00 = L::fma(b, k0, a00);
-        a01 = L::fma(b, k1, a01);
-        b = L::broadcast(q1[e]);
-        a10 = L::fma(b, k0, a10);
-        a11 = L::fma(b, k1, a11);
-        b = L::broadcast(q2[e]);
-        a20 = L::fma(b, k0, a20);
-        a21 = L::fma(b, k1, a21);
-        b = L::broadcast(q3[e]);
-        a30 = L::fma(b, k0, a30);
-        a31 = L::fma(b, k1, a31);
-      }
-      float* sr = s + r * lds + jb;
-      L::store(sr, a00);
-      L::store(sr + W, a01);
-      L::store(sr + lds, a10);
-      L::store(sr + lds + W, a11);
-      L::store(sr + 2 * lds, a20);
-      L::store(sr + 2 * lds + W, a21);
-      L::store(sr + 3 * lds, a30);
-      L::store(sr + 3 * lds + W, a31);
+template <class L, int R>
+inline void prefill_scores_rows(const float* q, int64_t d, const float* kc, int64_t ldk, float* s, int64_t lds) {
+  constexpr int64_t W = L::W;
+  typename L::V a[R][2];
+  for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = L::zero();
+  for (int64_t e = 0; e < d; ++e) {
+    auto k0 = L::load(kc + e * ldk), k1 = L::load(kc + e * ldk + W);
+    asm("" : "+v"(k0), "+v"(k1));
+    for (int i = 0; i < R; ++i) {
+      const auto b = L::broadcast(q[i * d + e]);
+      a[i][0] = L::fma(b, k0, a[i][0]);
+      a[i][1] = L::fma(b, k1, a[i][1]);
     }
-    for (; r < rows; ++r) {
-      const float* q0 = qf + r * d;
-      auto a0 = L::zero(), a1 = L::zero();
-      for (int64_t e = 0; e < d; ++e) {
-        const auto b = L::broadcast(q0[e]);
-        a0 = L::fma(b, L::load(kc + e * ldk), a0);
-        a1 = L::fma(b, L::load(kc + e * ldk + W), a1);
-      }
-      L::store(s + r * lds + jb, a0);
-      L::store(s + r * lds + jb + W, a1);
-    }
+  }
+  for (int i = 0; i < R; ++i) {
+    L::store(s + i * lds, a[i][0]);
+    L::store(s + i * lds + W, a[i][1]);
   }
 }
 
-// o[r] = sum_j p[r * lds + j] * vf[j] over j < the largest length of the rows done together (p is 0 past each
-// row's own), head_dim = W * C, R rows at a time so that each value row is loaded once for R rows.
+template <class L>
+__attribute__((noinline)) void prefill_scores(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk,
+                                              const int64_t* lens, float* s, int64_t lds) {
+  constexpr int64_t KB = 2 * L::W;
+  const int64_t cols = round_up(lens[rows - 1], KB);  // lens never decrease along the rows
+  for (int64_t jb = 0; jb < cols; jb += KB) {  // one block of keys stays in L1 for every row that needs it
+    int64_t r = 0;
+    while (r < rows && lens[r] <= jb) ++r;
+    if constexpr (L::W == 16) {  // 16 accumulators: AVX-512 has the registers for them, AVX2 not
+      for (; r + 8 <= rows; r += 8) prefill_scores_rows<L, 8>(qf + r * d, d, kt + jb, ldk, s + r * lds + jb, lds);
+    }
+    for (; r + 4 <= rows; r += 4) prefill_scores_rows<L, 4>(qf + r * d, d, kt + jb, ldk, s + r * lds + jb, lds);
+    for (; r < rows; ++r) prefill_scores_rows<L, 1>(qf + r * d, d, kt + jb, ldk, s + r * lds + jb, lds);
+  }
+}
+
+// out[r] = inv[r] * sum_j p[r * lds + j] * vf[j] over j < the largest length of the rows done together (p is 0
+// past each row's own), head_dim = W * C, R rows at a time so that each value row is loaded once for R rows.
 template <class L, int C>
-void prefill_values(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf, float* o) {
+void prefill_values(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf, const float* inv,
+                    float* const* out) {
   constexpr int R = C <= 4 ? 4 : 2;  // at most 16 accumulators
   constexpr int64_t d = L::W * C;
   int64_t r = 0;
@@ -849,10 +829,15 @@ void prefill_values(const float* p, int64_t rows, const int64_t* lens, int64_t l
         for (int c = 0; c < C; ++c) acc[i][c] = L::fma(b, vj[c], acc[i][c]);
       }
     }
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < C; ++c) L::store(o + (r + i) * d + L::W * c, acc[i][c]);
+    for (int i = 0; i < R; ++i) {
+      const auto scale = L::broadcast(inv[r + i]);
+      for (int c = 0; c < C; ++c) L::store(out[r + i] + L::W * c, L::mul(acc[i][c], scale));
+    }
   }
-  for (; r < rows; ++r) weigh_values<L, C>(p + r * lds, vf, lens[r], o + r * d, false);
+  for (; r < rows; ++r) {
+    weigh_values<L, C>(p + r * lds, vf, lens[r], out[r], false);
+    for (int c = 0; c < C; ++c) L::store(out[r] + L::W * c, L::mul(L::load(out[r] + L::W * c), L::broadcast(inv[r])));
+  }
 }
 #endif
 
@@ -872,8 +857,12 @@ void prefill_scores_any(const float* qf, int64_t rows, int64_t d, const float* k
 }
 
 void prefill_values_any(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf, int64_t d,
-                        float* o) {
-  for (int64_t r = 0; r < rows; ++r) weigh_values(p + r * lds, vf, lens[r], d, o + r * d);
+                        const float* inv, float* const* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    weigh_values(p + r * lds, vf, lens[r], d, out[r]);
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) out[r][e] *= inv[r];
+  }
 }
 
 void prefill_scores_dispatch(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk,
@@ -888,20 +877,20 @@ void prefill_scores_dispatch(const float* qf, int64_t rows, int64_t d, const flo
 }
 
 void prefill_values_dispatch(const float* p, int64_t rows, const int64_t* lens, int64_t lds, const float* vf,
-                             int64_t d, float* o) {
+                             int64_t d, const float* inv, float* const* out) {
 #if defined(__AVX512F__)
-  if (d == 16) return prefill_values<Lanes16, 1>(p, rows, lens, lds, vf, o);
-  if (d == 32) return prefill_values<Lanes16, 2>(p, rows, lens, lds, vf, o);
-  if (d == 64) return prefill_values<Lanes16, 4>(p, rows, lens, lds, vf, o);
-  if (d == 128) return prefill_values<Lanes16, 8>(p, rows, lens, lds, vf, o);
+  if (d == 16) return prefill_values<Lanes16, 1>(p, rows, lens, lds, vf, inv, out);
+  if (d == 32) return prefill_values<Lanes16, 2>(p, rows, lens, lds, vf, inv, out);
+  if (d == 64) return prefill_values<Lanes16, 4>(p, rows, lens, lds, vf, inv, out);
+  if (d == 128) return prefill_values<Lanes16, 8>(p, rows, lens, lds, vf, inv, out);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (d == 8) return prefill_values<Lanes8, 1>(p, rows, lens, lds, vf, o);
-  if (d == 16) return prefill_values<Lanes8, 2>(p, rows, lens, lds, vf, o);
-  if (d == 32) return prefill_values<Lanes8, 4>(p, rows, lens, lds, vf, o);
-  if (d == 64) return prefill_values<Lanes8, 8>(p, rows, lens, lds, vf, o);
+  if (d == 8) return prefill_values<Lanes8, 1>(p, rows, lens, lds, vf, inv, out);
+  if (d == 16) return prefill_values<Lanes8, 2>(p, rows, lens, lds, vf, inv, out);
+  if (d == 32) return prefill_values<Lanes8, 4>(p, rows, lens, lds, vf, inv, out);
+  if (d == 64) return prefill_values<Lanes8, 8>(p, rows, lens, lds, vf, inv, out);
 #endif
-  prefill_values_any(p, rows, lens, lds, vf, d, o);
+  prefill_values_any(p, rows, lens, lds, vf, d, inv, out);
 }
 
 template <typename T>
@@ -946,6 +935,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> qf, s, o, inv;
     std::vector<int64_t> lens;
+    std::vector<float*> dst;  // each row's output
     for (int64_t bin = begin; bin < stop; ++bin) {
       for (int64_t i : bins[bin]) {
         const PrefillItem& it = items[i];
@@ -956,6 +946,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         o.resize(rows * d);
         inv.resize(rows);
         lens.resize(rows);
+        dst.resize(rows);
         for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
           for (int64_t h = 0; h < g; ++h) {
             const T* src = qp + (it.offset + it.t0 + t) * qs0 + (it.kh * g + h) * qs1;
@@ -972,14 +963,17 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
           inv[r] = 1.0f / softmax_numerators_row<std::is_same_v<T, BF16>>(sr, lens[r]);  // bfloat16: rounded
           std::fill(sr + lens[r], sr + lds, 0.0f);  // rows done together read up to the longest of them
         }
-        prefill_values_dispatch(s.data(), rows, lens.data(), lds, values_of(it), d, o.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          float* orow = o.data() + r * d;
-#pragma omp simd
-          for (int64_t e = 0; e < d; ++e) orow[e] *= inv[r];
-        }
+        // float32 rows land in the output; bfloat16 ones are rounded into it from o.
         for (int64_t t = 0; t < it.tq; ++t) {
-          store(o.data() + t * g * d, g * d, op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d);
+          float* row = o.data() + t * g * d;
+          if constexpr (std::is_same_v<T, float>) row = op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d;
+          for (int64_t h = 0; h < g; ++h) dst[t * g + h] = row + h * d;
+        }
+        prefill_values_dispatch(s.data(), rows, lens.data(), lds, values_of(it), d, inv.data(), dst.data());
+        if constexpr (std::is_same_v<T, BF16>) {
+          for (int64_t t = 0; t < it.tq; ++t) {
+            store(o.data() + t * g * d, g * d, op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d);
+          }
         }
       }
     }
