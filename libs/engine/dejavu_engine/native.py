@@ -8,8 +8,10 @@ the same over a paged cache: fixed-size blocks in shared slabs, each row's found
 :func:`prefill_attention` is a prefill's causal attention over whole prompts packed back to back (a ragged
 prefill's segments, or an unpadded batch's rows), each prompt over its own tokens, in one call: 2-5x torch's
 CPU flash attention on SmolLM2's heads (docs/benchmarks.md).
-Both take float32 or bfloat16 (:data:`DTYPES`); bfloat16 keys and values are widened as they are read,
-and scores, softmax and sums are float32, the output rounded once (as torch's CPU attention does).
+Both take float32 or bfloat16 (:data:`DTYPES`); scores, softmax and sums are float32 and the output is rounded
+once (as torch's CPU attention does): bfloat16 keys and values are widened as they are read, or, where the CPU
+has AVX512-BF16, multiplied on its bfloat16 dot products (each probability rounded to bfloat16 first, as torch
+rounds it).
 :func:`rms_norm` and :func:`silu_mul` are a Llama layer's pointwise ops, one pass each instead of several torch
 ops (with their dispatch and temporaries); a stage with the kernels uses them (``Family.kernels``) where they
 are vectorized (AVX-512 hosts: ``POINTWISE_FAST``; the scalar loops elsewhere are slower than torch's ops).
@@ -44,7 +46,7 @@ DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call 
 
 
 # Levels that are an -march level plus features: x86-64-v4 with AVX512-BF16 (Cooper Lake, Sapphire Rapids,
-# Zen 4 on), whose bfloat16 dot products the bfloat16 decode kernel uses.
+# Zen 4 on), whose bfloat16 dot products the bfloat16 decode and prefill kernels use.
 _LEVEL_FEATURES = {"x86-64-v4-bf16": ("x86-64-v4", ("-mavx512bf16",))}
 
 

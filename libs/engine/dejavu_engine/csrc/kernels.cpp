@@ -13,8 +13,8 @@
 // Tensors are float32 or bfloat16, all of one dtype. bfloat16 keys and values are widened to float32 as
 // they are loaded (a shift), every score, softmax and sum is float32, and the output is rounded once to
 // bfloat16 (nearest even), as torch's CPU attention does for bfloat16 inputs. Where the CPU has AVX512-BF16,
-// bfloat16 decode runs on its bfloat16 dot products instead (attend_bf16, below: scores and sums still
-// float32, each probability rounded to bfloat16 before it weighs the values, as torch does).
+// bfloat16 decode and prefill run on its bfloat16 dot products instead (attend_bf16 and prefill_rows_bf16, below:
+// scores and sums still float32, each probability rounded to bfloat16 before it weighs the values, as torch does).
 //
 // The build is for the host's CPU (-march=native): 16-lane AVX-512 loops where it has AVX-512, 8-lane AVX2
 // ones where it has AVX2, plain loops the compiler vectorizes elsewhere. On the 2-core AVX-512 host of
