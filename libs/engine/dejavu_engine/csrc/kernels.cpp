@@ -766,6 +766,39 @@ std::vector<std::vector<int64_t>> deal_longest_first(const std::vector<PrefillIt
   return bins;
 }
 
+// fn(it, state) for every item, the items dealt longest first onto one bin per thread; each thread makes its own
+// State (its buffers) once.
+template <class State, class Fn>
+void for_each_item(const std::vector<PrefillItem>& items, Fn fn) {
+  const int64_t n_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const auto bins = deal_longest_first(items, n_bins);
+  at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
+    State state;
+    for (int64_t bin = begin; bin < stop; ++bin) {
+      for (int64_t i : bins[bin]) fn(items[i], state);
+    }
+  });
+}
+
+// fn(it, j0, j1) for every part of the per-segment layouts: tokens [j0, j1) of it's segment and kv head.
+template <class Fn>
+void for_each_layout_part(const std::vector<PrefillItem>& items, Fn fn) {
+  const auto parts = layout_parts(items);
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t part = begin; part < stop; ++part) {
+      const PrefillItem& it = *parts[part].first;
+      fn(it, parts[part].second, std::min(it.length, parts[part].second + kLayoutChunk));
+    }
+  });
+}
+
+// The causal length of each of an item's rows: row t * g + h (position t0 + t, q head kh * g + h) sees its
+// segment's first t0 + t + 1 keys.
+inline void tile_lens(const PrefillItem& it, int64_t g, std::vector<int64_t>& lens) {
+  lens.resize(g * it.tq);
+  for (int64_t t = 0; t < it.tq; ++t) std::fill(lens.begin() + t * g, lens.begin() + (t + 1) * g, it.t0 + t + 1);
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // s[r * lds + j] = qf[r] . kt[:, j] for the rows' keys j < lens[r] (rounded up to 2 * W; those past a row's
 // length are computed and later masked). kt is [d][ldk]: keys along a row.
@@ -911,70 +944,60 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   std::unique_ptr<float[]> kt(new float[kv_heads * total_cols * d]), vf(new float[kv_heads * n_tokens * d]);
   auto keys_of = [&](const PrefillItem& it) { return kt.get() + (it.kh * total_cols + it.keys_at) * d; };
   auto values_of = [&](const PrefillItem& it) { return vf.get() + (it.kh * n_tokens + it.offset) * d; };
-  const auto parts = layout_parts(items);
-  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t part = begin; part < stop; ++part) {
-      const PrefillItem& it = *parts[part].first;
-      const int64_t j0 = parts[part].second, j1 = std::min(it.length, j0 + kLayoutChunk), cols = key_cols(it.length);
-      float* ktk = keys_of(it);
-      for (int64_t j = j0; j < j1; ++j) {
-        const T* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
-        for (int64_t e = 0; e < d; ++e) ktk[e * cols + j] = to_float(kj[e]);
-        const T* vj = vp + (it.offset + j) * vs0 + it.kh * vs1;
-        float* vfj = values_of(it) + j * d;
-        for (int64_t e = 0; e < d; ++e) vfj[e] = to_float(vj[e]);
-      }
-      if (j1 == it.length) {
-        for (int64_t e = 0; e < d; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0.0f);
-      }
+  for_each_layout_part(items, [&](const PrefillItem& it, int64_t j0, int64_t j1) {
+    const int64_t cols = key_cols(it.length);
+    float* ktk = keys_of(it);
+    for (int64_t j = j0; j < j1; ++j) {
+      const T* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
+      for (int64_t e = 0; e < d; ++e) ktk[e * cols + j] = to_float(kj[e]);
+      const T* vj = vp + (it.offset + j) * vs0 + it.kh * vs1;
+      float* vfj = values_of(it) + j * d;
+      for (int64_t e = 0; e < d; ++e) vfj[e] = to_float(vj[e]);
+    }
+    if (j1 == it.length) {
+      for (int64_t e = 0; e < d; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0.0f);
     }
   });
-  const int64_t n_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  const auto bins = deal_longest_first(items, n_bins);
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> qf, s, o, inv;
+  struct Buffers {
+    std::vector<float> qf, s, o, inv;  // scaled queries, scores, outputs (bfloat16's, before rounding), 1 / sums
     std::vector<int64_t> lens;
     std::vector<float*> dst;  // each row's output
-    for (int64_t bin = begin; bin < stop; ++bin) {
-      for (int64_t i : bins[bin]) {
-        const PrefillItem& it = items[i];
-        const int64_t rows = g * it.tq;
-        const int64_t lds = round_up(it.t0 + it.tq, 32);
-        qf.resize(rows * d);
-        s.resize(rows * lds);
-        o.resize(rows * d);
-        inv.resize(rows);
-        lens.resize(rows);
-        dst.resize(rows);
-        for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
-          for (int64_t h = 0; h < g; ++h) {
-            const T* src = qp + (it.offset + it.t0 + t) * qs0 + (it.kh * g + h) * qs1;
-            float* dst = qf.data() + (t * g + h) * d;
-            for (int64_t e = 0; e < d; ++e) dst[e] = to_float(src[e]) * sc;
-            lens[t * g + h] = it.t0 + t + 1;
-          }
-        }
-        prefill_scores_dispatch(qf.data(), rows, d, keys_of(it), key_cols(it.length), lens.data(), s.data(), lds);
-        // The softmax's numerators weigh the values, and each row's sum is divided out of its output at the end
-        // (as torch's flash attention divides), not out of every probability first.
-        for (int64_t r = 0; r < rows; ++r) {
-          float* sr = s.data() + r * lds;
-          inv[r] = 1.0f / softmax_numerators_row<std::is_same_v<T, BF16>>(sr, lens[r]);  // bfloat16: rounded
-          std::fill(sr + lens[r], sr + lds, 0.0f);  // rows done together read up to the longest of them
-        }
-        // float32 rows land in the output; bfloat16 ones are rounded into it from o.
-        for (int64_t t = 0; t < it.tq; ++t) {
-          float* row = o.data() + t * g * d;
-          if constexpr (std::is_same_v<T, float>) row = op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d;
-          for (int64_t h = 0; h < g; ++h) dst[t * g + h] = row + h * d;
-        }
-        prefill_values_dispatch(s.data(), rows, lens.data(), lds, values_of(it), d, inv.data(), dst.data());
-        if constexpr (std::is_same_v<T, BF16>) {
-          for (int64_t t = 0; t < it.tq; ++t) {
-            store(o.data() + t * g * d, g * d, op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d);
-          }
-        }
+  };
+  const float sc = static_cast<float>(scale);
+  for_each_item<Buffers>(items, [&](const PrefillItem& it, Buffers& b) {
+    const int64_t rows = g * it.tq;
+    const int64_t lds = round_up(it.t0 + it.tq, 32);
+    b.qf.resize(rows * d);
+    b.s.resize(rows * lds);
+    b.o.resize(rows * d);
+    b.inv.resize(rows);
+    b.dst.resize(rows);
+    tile_lens(it, g, b.lens);
+    for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
+      for (int64_t h = 0; h < g; ++h) {
+        const T* src = qp + (it.offset + it.t0 + t) * qs0 + (it.kh * g + h) * qs1;
+        float* row = b.qf.data() + (t * g + h) * d;
+        for (int64_t e = 0; e < d; ++e) row[e] = to_float(src[e]) * sc;
+      }
+    }
+    prefill_scores_dispatch(b.qf.data(), rows, d, keys_of(it), key_cols(it.length), b.lens.data(), b.s.data(), lds);
+    // The softmax's numerators weigh the values, and each row's sum is divided out of its output at the end
+    // (as torch's flash attention divides), not out of every probability first.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = b.s.data() + r * lds;
+      b.inv[r] = 1.0f / softmax_numerators_row<std::is_same_v<T, BF16>>(sr, b.lens[r]);  // bfloat16: rounded
+      std::fill(sr + b.lens[r], sr + lds, 0.0f);  // rows done together read up to the longest of them
+    }
+    // float32 rows land in the output; bfloat16 ones are rounded into it from o.
+    for (int64_t t = 0; t < it.tq; ++t) {
+      float* row = b.o.data() + t * g * d;
+      if constexpr (std::is_same_v<T, float>) row = op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d;
+      for (int64_t h = 0; h < g; ++h) b.dst[t * g + h] = row + h * d;
+    }
+    prefill_values_dispatch(b.s.data(), rows, b.lens.data(), lds, values_of(it), d, b.inv.data(), b.dst.data());
+    if constexpr (std::is_same_v<T, BF16>) {
+      for (int64_t t = 0; t < it.tq; ++t) {
+        store(b.o.data() + t * g * d, g * d, op + ((it.offset + it.t0 + t) * heads + it.kh * g) * d);
       }
     }
   });
@@ -1021,15 +1044,20 @@ inline void prefill_scores_bf16_rows(const uint32_t* q, int64_t pairs, const uin
 // length are computed and never read), eight rows at a time (16 accumulators: vdpbf16ps's latency needs more
 // in flight than an FMA's). Not inlined: inside the item loop GCC kept integers in vector registers and spilled a
 // key vector on every iteration.
-__attribute__((noinline)) void prefill_scores_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* ktp, int64_t ldk,
-                         const int64_t* lens, float scale, float* s, int64_t lds) {
+__attribute__((noinline)) void prefill_scores_bf16(const uint32_t* q, int64_t rows, int64_t pairs, const uint32_t* ktp,
+                                                   int64_t ldk, const int64_t* lens, float scale, float* s,
+                                                   int64_t lds) {
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t cols = round_up(lens[rows - 1], 32);  // lens never decrease along the rows
   for (int64_t jb = 0; jb < cols; jb += 32) {  // one block of keys stays in L1 for every row that needs it
     int64_t r = 0;
     while (r < rows && lens[r] <= jb) ++r;
-    for (; r + 8 <= rows; r += 8) prefill_scores_bf16_rows<8>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
-    for (; r + 4 <= rows; r += 4) prefill_scores_bf16_rows<4>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
+    for (; r + 8 <= rows; r += 8) {
+      prefill_scores_bf16_rows<8>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
+    }
+    for (; r + 4 <= rows; r += 4) {
+      prefill_scores_bf16_rows<4>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
+    }
     for (; r < rows; ++r) prefill_scores_bf16_rows<1>(q + r * pairs, pairs, ktp + jb, ldk, sc, s + r * lds + jb, lds);
   }
 }
@@ -1105,74 +1133,64 @@ void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const tor
     }
   }
   const __m512i lo_pairs = _mm512_load_si512(interleave[0]), hi_pairs = _mm512_load_si512(interleave[1]);
-  const auto parts = layout_parts(items);
-  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t part = begin; part < stop; ++part) {
-      const PrefillItem& it = *parts[part].first;
-      const int64_t j0 = parts[part].second, j1 = std::min(it.length, j0 + kLayoutChunk), cols = key_cols(it.length);
-      uint32_t* ktk = keys_of(it);
-      for (int64_t j = j0; j < j1; ++j) {
-        const BF16* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
-        for (int64_t e = 0; e < pairs; ++e) std::memcpy(ktk + e * cols + j, kj + 2 * e, sizeof(uint32_t));
-      }
-      if (j1 == it.length) {
-        for (int64_t e = 0; e < pairs; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0u);
-      }
-      uint32_t* vtk = values_of(it);
-      for (int64_t m = j0 / 2; 2 * m < j1; ++m) {  // j0 is even
-        const BF16* a = vp + (it.offset + 2 * m) * vs0 + it.kh * vs1;
-        const bool pair = 2 * m + 1 < it.length;
-        for (int c = 0; c < C; ++c) {
-          const __m512i x = _mm512_loadu_si512(a + 32 * c);
-          const __m512i y = pair ? _mm512_loadu_si512(a + vs0 + 32 * c) : _mm512_setzero_si512();
-          _mm512_storeu_si512(vtk + m * d + 32 * c, _mm512_permutex2var_epi16(x, lo_pairs, y));
-          _mm512_storeu_si512(vtk + m * d + 32 * c + 16, _mm512_permutex2var_epi16(x, hi_pairs, y));
-        }
+  for_each_layout_part(items, [&](const PrefillItem& it, int64_t j0, int64_t j1) {
+    const int64_t cols = key_cols(it.length);
+    uint32_t* ktk = keys_of(it);
+    for (int64_t j = j0; j < j1; ++j) {
+      const BF16* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
+      for (int64_t e = 0; e < pairs; ++e) std::memcpy(ktk + e * cols + j, kj + 2 * e, sizeof(uint32_t));
+    }
+    if (j1 == it.length) {
+      for (int64_t e = 0; e < pairs; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0u);
+    }
+    uint32_t* vtk = values_of(it);
+    for (int64_t m = j0 / 2; 2 * m < j1; ++m) {  // j0 is even
+      const BF16* a = vp + (it.offset + 2 * m) * vs0 + it.kh * vs1;
+      const bool pair = 2 * m + 1 < it.length;
+      for (int c = 0; c < C; ++c) {
+        const __m512i x = _mm512_loadu_si512(a + 32 * c);
+        const __m512i y = pair ? _mm512_loadu_si512(a + vs0 + 32 * c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vtk + m * d + 32 * c, _mm512_permutex2var_epi16(x, lo_pairs, y));
+        _mm512_storeu_si512(vtk + m * d + 32 * c + 16, _mm512_permutex2var_epi16(x, hi_pairs, y));
       }
     }
   });
-  const int64_t n_bins = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  const auto bins = deal_longest_first(items, n_bins);
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n_bins, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<uint32_t> qt;   // the item's query rows, pairs of dims
-    std::vector<float> s;       // scores
-    std::vector<uint16_t> pb;   // numerators, bfloat16 bits
+  struct Buffers {
+    std::vector<uint32_t> qt;  // the item's query rows, pairs of dims
+    std::vector<float> s;      // scores
+    std::vector<uint16_t> pb;  // numerators, bfloat16 bits
     std::vector<float> inv;
     std::vector<int64_t> lens;
     std::vector<BF16*> dst;
-    for (int64_t bin = begin; bin < stop; ++bin) {
-      for (int64_t i : bins[bin]) {
-        const PrefillItem& it = items[i];
-        const int64_t rows = g * it.tq;
-        const int64_t lds = round_up(it.t0 + it.tq, 32);
-        qt.resize(rows * pairs);
-        s.resize(rows * lds);
-        pb.resize(rows * lds);
-        inv.resize(rows);
-        lens.resize(rows);
-        dst.resize(rows);
-        for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
-          const int64_t token = it.offset + it.t0 + t;
-          for (int64_t h = 0; h < g; ++h) {
-            std::memcpy(qt.data() + (t * g + h) * pairs, qp + token * qs0 + (it.kh * g + h) * qs1, d * sizeof(BF16));
-            lens[t * g + h] = it.t0 + t + 1;
-            dst[t * g + h] = op + (token * heads + it.kh * g + h) * d;
-          }
-        }
-        prefill_scores_bf16(qt.data(), rows, pairs, keys_of(it), key_cols(it.length), lens.data(), sc, s.data(), lds);
-        const int64_t longest = round_up(lens[rows - 1], 2);
-        for (int64_t r = 0; r < rows; ++r) {
-          uint16_t* pr = pb.data() + r * lds;
-          inv[r] = 1.0f / softmax_numerators16(s.data() + r * lds, lens[r], [&](int64_t j, __m512 e, __mmask16 lanes) {
-            _mm256_mask_storeu_epi16(pr + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
-          });
-          std::fill(pr + lens[r], pr + longest, uint16_t{0});  // rows done together read up to the longest
-        }
-        prefill_values_bf16<C>(pb.data(), rows, lds, lens.data(),
-                               values_of(it), inv.data(), dst.data());
+  };
+  const float sc = static_cast<float>(scale);
+  for_each_item<Buffers>(items, [&](const PrefillItem& it, Buffers& b) {
+    const int64_t rows = g * it.tq;
+    const int64_t lds = round_up(it.t0 + it.tq, 32);
+    b.qt.resize(rows * pairs);
+    b.s.resize(rows * lds);
+    b.pb.resize(rows * lds);
+    b.inv.resize(rows);
+    b.dst.resize(rows);
+    tile_lens(it, g, b.lens);
+    for (int64_t t = 0; t < it.tq; ++t) {  // row t * g + h: position t0 + t, q head kh * g + h
+      const int64_t token = it.offset + it.t0 + t;
+      for (int64_t h = 0; h < g; ++h) {
+        std::memcpy(b.qt.data() + (t * g + h) * pairs, qp + token * qs0 + (it.kh * g + h) * qs1, d * sizeof(BF16));
+        b.dst[t * g + h] = op + (token * heads + it.kh * g + h) * d;
       }
     }
+    const int64_t* lens = b.lens.data();
+    prefill_scores_bf16(b.qt.data(), rows, pairs, keys_of(it), key_cols(it.length), lens, sc, b.s.data(), lds);
+    const int64_t longest = round_up(lens[rows - 1], 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* pr = b.pb.data() + r * lds;
+      b.inv[r] = 1.0f / softmax_numerators16(b.s.data() + r * lds, lens[r], [&](int64_t j, __m512 e, __mmask16 lanes) {
+        _mm256_mask_storeu_epi16(pr + j, lanes, (__m256i)_mm512_cvtneps_pbh(e));
+      });
+      std::fill(pr + lens[r], pr + longest, uint16_t{0});  // rows done together read up to the longest
+    }
+    prefill_values_bf16<C>(b.pb.data(), rows, lds, lens, values_of(it), b.inv.data(), b.dst.data());
   });
 }
 
