@@ -725,16 +725,16 @@ constexpr int64_t kTile = 16;  // query positions per work item
 
 struct PrefillItem {
   int64_t offset, length, kh, t0, tq;
-  // Where the segment's keys and values start in prefill_rows_bf16's per-segment layouts: its first key column
-  // (each segment's keys rounded up to 32 columns) and its first pair of tokens, among the call's.
+  // Where the segment starts in the call's per-segment layouts: its first key column (key_cols of each segment
+  // before it) and its first pair of tokens (prefill_rows_bf16's values).
   int64_t keys_at, pairs_at;
 };
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-// Columns of a segment's transposed keys in prefill_rows_bf16: its length rounded up to a block of 32 keys, and
-// 16 more so that rows are never a multiple of 4 KB apart (1024 keys' rows all fell in the same L1 sets: 1 x
-// 1000 tokens took 2.29 ms a call instead of 1.99).
+// Columns of a segment's transposed keys: its length rounded up to a block of 32 keys, and 16 more so that rows
+// are never a multiple of 4 KB apart (1024 keys' rows all fell in the same L1 sets: 1 x 1000 bfloat16 tokens took
+// 2.29 ms a call instead of 1.99).
 inline int64_t key_cols(int64_t length) { return round_up(length, 32) + 16; }
 
 // The per-segment layouts are written in parts of up to kLayoutChunk tokens (even, so that pairs of tokens do not
@@ -800,8 +800,7 @@ inline void tile_lens(const PrefillItem& it, int64_t g, std::vector<int64_t>& le
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// s[r * lds + j] = qf[r] . kt[:, j] for the rows' keys j < lens[r] (rounded up to 2 * W; those past a row's
-// length are computed and later masked). kt is [d][ldk]: keys along a row.
+// R rows' scores (rows d apart) against the 2 * W keys at kc (dims ldk apart), into s (rows lds apart).
 template <class L, int R>
 inline void prefill_scores_rows(const float* q, int64_t d, const float* kc, int64_t ldk, float* s, int64_t lds) {
   constexpr int64_t W = L::W;
@@ -809,7 +808,7 @@ inline void prefill_scores_rows(const float* q, int64_t d, const float* kc, int6
   for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = L::zero();
   for (int64_t e = 0; e < d; ++e) {
     auto k0 = L::load(kc + e * ldk), k1 = L::load(kc + e * ldk + W);
-    asm("" : "+v"(k0), "+v"(k1));
+    asm("" : "+v"(k0), "+v"(k1));  // in_register, both at once
     for (int i = 0; i < R; ++i) {
       const auto b = L::broadcast(q[i * d + e]);
       a[i][0] = L::fma(b, k0, a[i][0]);
@@ -822,6 +821,10 @@ inline void prefill_scores_rows(const float* q, int64_t d, const float* kc, int6
   }
 }
 
+// s[r * lds + j] = qf[r] . kt[:, j] for the rows' keys j < lens[r] (rounded up to 2 * W; those past a row's
+// length are computed and later masked). kt is [d][ldk]: keys along a row. Eight rows at a time on AVX-512, four
+// on AVX2. Not inlined: inside the item loop GCC kept integers in vector registers and spilled (see
+// prefill_scores_bf16).
 template <class L>
 __attribute__((noinline)) void prefill_scores(const float* qf, int64_t rows, int64_t d, const float* kt, int64_t ldk,
                                               const int64_t* lens, float* s, int64_t lds) {
