@@ -740,14 +740,6 @@ inline int64_t key_cols(int64_t length) { return round_up(length, 32) + 16; }
 // The per-segment layouts are written in parts of up to kLayoutChunk tokens (even, so that pairs of tokens do not
 // straddle two parts), one per (segment, kv head, chunk): a long prompt's are shared among the threads.
 constexpr int64_t kLayoutChunk = 64;
-std::vector<std::pair<const PrefillItem*, int64_t>> layout_parts(const std::vector<PrefillItem>& items) {
-  std::vector<std::pair<const PrefillItem*, int64_t>> parts;  // (the segment's tile at 0 for a kv head, first token)
-  for (const PrefillItem& it : items) {
-    if (it.t0 != 0) continue;
-    for (int64_t j = 0; j < it.length; j += kLayoutChunk) parts.emplace_back(&it, j);
-  }
-  return parts;
-}
 
 // Items dealt to n_bins bins (one per thread), longest first onto the least loaded bin: a causal tile's cost
 // grows with its position, so contiguous ranges of items would leave one thread with the long ones.
@@ -780,10 +772,15 @@ void for_each_item(const std::vector<PrefillItem>& items, Fn fn) {
   });
 }
 
-// fn(it, j0, j1) for every part of the per-segment layouts: tokens [j0, j1) of it's segment and kv head.
+// fn(it, j0, j1) for every part of the per-segment layouts: tokens [j0, j1) of it's segment and kv head (`it` is
+// the segment's tile at position 0 for that kv head).
 template <class Fn>
 void for_each_layout_part(const std::vector<PrefillItem>& items, Fn fn) {
-  const auto parts = layout_parts(items);
+  std::vector<std::pair<const PrefillItem*, int64_t>> parts;  // (item, first token)
+  for (const PrefillItem& it : items) {
+    if (it.t0 != 0) continue;
+    for (int64_t j = 0; j < it.length; j += kLayoutChunk) parts.emplace_back(&it, j);
+  }
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
     for (int64_t part = begin; part < stop; ++part) {
       const PrefillItem& it = *parts[part].first;
