@@ -315,11 +315,11 @@ def _supervise(chaos: Chaos, stop: threading.Event) -> None:
 
 
 def _reference(model: Path, max_tokens: int) -> dict[str, str]:
+    from dejavu_common.stopping import StopCriteria
     from dejavu_common.tokenizer import Tokenizer
     from dejavu_engine.generate import Request, generate_batch
     from dejavu_engine.pipeline import Pipeline
     from dejavu_engine.sampling import SamplingParams
-    from dejavu_engine.stopping import StopCriteria
 
     tokenizer = Tokenizer.from_pretrained(model)
     pipeline = Pipeline(model, 1)

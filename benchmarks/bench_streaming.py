@@ -2,8 +2,8 @@
 
 SmolLM2-135M's real cache shape: 30 layers, 3 KV heads, head_dim 64, float32, batch 8, prompt 1000.
 
-1. One decode step's KV update (1,440 chunks of 256 B): buffered copy vs one copy per chunk, to a host
-   buffer (LocalTransport) and to another process over UCX.
+1. One decode step's KV update (1,440 chunks of 256 B): buffered copy vs one copy per chunk, into a host
+   buffer (torch copies) and to another process over UCX (the transport's keyed flush/fetch).
 2. Prompt KV to another process: stream after prefill vs layer by layer during prefill; time from
    prefill start until the receiver holds the whole cache. Prefill is a synthetic per-layer matmul
    workload (``--prefill-s`` in total; the real model takes ~5 s on this machine).
@@ -12,8 +12,8 @@ SmolLM2-135M's real cache shape: 30 layers, 3 KV heads, head_dim 64, float32, ba
 
 Sections 2 and 3 run the path serving runs: a prompt worker's placement (``plan_pieces``) streamed by
 ``LayerStreamer`` / a token stage's ``Streamer.submit_region`` (packing on the streaming thread), received
-with ``stream_in``. Section 1's per-chunk baseline (``scatter`` without a staging buffer) is what the
-buffered copy replaces; serving never uses it.
+with ``stream_in``. Section 1's per-chunk baseline (``per_chunk.py``) is what the buffered copy replaces; serving
+never uses it.
 
 The receiving process is this script run with ``--peer``; it is stopped by PID at the end.
 """
@@ -34,16 +34,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dejavulib.chunks import contiguous_runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
+
+from benchmarks.per_chunk import contiguous_runs, copy_buffered, copy_per_chunk, scatter
 from dejavulib.endpoint import Endpoint
 from dejavulib.header import Channel, Header
 from dejavulib.kvcache import KVCache, StagingBuffer
 from dejavulib.layout import KVLayout
-from dejavulib.scatter_gather import scatter
 from dejavulib.streamer import Streamer
 from dejavulib.streaming import LayerStreamer, stream_in
 from dejavulib.topology import Piece, plan_pieces
-from dejavulib.transport.local import LocalTransport
 from dejavulib.transport.ucx import UcxTransport
 
 LAYERS, HEADS, HEAD_DIM, BATCH, PROMPT = 30, 3, 64, 8, 1000
@@ -164,19 +164,15 @@ def bench_buffered(peer: Peer, reps: int) -> dict:
     cache = KVCache.allocate(lay)
     cache.k.normal_()
     region = lay.region(positions=(PROMPT, PROMPT + 1))
-    n_chunks = region.n_chunks(lay)
+    runs = list(contiguous_runs(lay, region))
     staging = StagingBuffer()
-    local, sink = LocalTransport("driver-local"), LocalTransport("sink")
-    local.connect("sink", sink.address)
-    out = {"chunks": n_chunks, "bytes": region.nbytes(lay)}
-    out["host_unbuffered_s"] = median_time(lambda: scatter(local, "sink", 0, cache, region, DEADLINE), reps)
-    out["host_buffered_s"] = median_time(lambda: scatter(local, "sink", 0, cache, region, DEADLINE, staging), reps)
+    sink = torch.empty(region.nbytes(lay), dtype=torch.uint8).view(cache.k.dtype)
+    out = {"chunks": len(runs), "bytes": region.nbytes(lay)}
+    out["host_unbuffered_s"] = median_time(lambda: copy_per_chunk(cache, region, sink), reps)
+    out["host_buffered_s"] = median_time(lambda: copy_buffered(cache, region, staging, sink), reps)
 
     def over_ucx(buffered: bool) -> None:
-        if buffered:
-            specs = [(0, region.nbytes(lay))]
-        else:
-            specs = [(i, r.count * lay.itemsize) for i, r in enumerate(contiguous_runs(lay, region))]
+        specs = [(0, region.nbytes(lay))] if buffered else [(i, r.count * lay.itemsize) for i, r in enumerate(runs)]
         peer.command(op="recv_chunks", specs=specs)
         scatter(peer.transport, "peer", 0, cache, region, DEADLINE, staging if buffered else None)
         peer.done_at()

@@ -12,7 +12,8 @@ from dejavulib.endpoint import Endpoint
 from dejavulib.errors import TransferTimeout
 from dejavulib.header import Channel, Header, secret_key
 from dejavulib.replay import ReplayGuard
-from dejavulib.transport.fake import FakeTransport
+
+from .fake_transport import FakeTransport
 
 SECRET = "admission-secret"
 

@@ -10,7 +10,8 @@ import pytest
 from dejavulib.endpoint import Endpoint
 from dejavulib.errors import IntegrityError
 from dejavulib.header import Channel, DType, Header, secret_key, sender_field
-from dejavulib.transport.fake import FakeTransport
+
+from .fake_transport import FakeTransport
 
 KEY = secret_key("deployment-secret")
 

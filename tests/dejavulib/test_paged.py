@@ -3,6 +3,7 @@ a contiguous ``KVCache`` of the same layout holds, region by region."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -128,7 +129,7 @@ def test_a_cache_dropped_without_free_returns_its_blocks() -> None:
 def test_a_layout_of_other_heads_is_refused() -> None:
     pool = BlockPool(BlockGeometry.of(LAYOUT, 8), max_blocks=4)
     with pytest.raises(ValueError):
-        PagedKVCache(pool, LAYOUT.with_layers(0, 3))
+        PagedKVCache(pool, dataclasses.replace(LAYOUT, first_layer=0, layers=3))
 
 
 def test_an_evicted_cache_keeps_its_contents_in_host_memory_and_takes_blocks_back_when_used() -> None:

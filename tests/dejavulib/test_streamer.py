@@ -12,7 +12,8 @@ from dejavulib.errors import BackPressureTimeout, PeerError, TransferTimeout
 from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header
 from dejavulib.streamer import Streamer
-from dejavulib.transport.fake import FakeTransport
+
+from .fake_transport import FakeTransport
 
 
 class HeldTransport(FakeTransport):

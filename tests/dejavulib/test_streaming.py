@@ -17,7 +17,8 @@ from dejavulib.layout import KVLayout, Region, Which
 from dejavulib.streamer import Streamer
 from dejavulib.streaming import LayerStreamer, region_of, stream_in, stream_out
 from dejavulib.topology import Piece, plan_pieces
-from dejavulib.transport.fake import FakeTransport
+
+from .fake_transport import FakeTransport
 
 N_LAYERS, HEADS, HEAD_DIM, SECRET = 6, 3, 4, "s"
 

@@ -98,9 +98,9 @@ def test_bench_unknown_name_lists_the_available_ones() -> None:
 
 def test_generate_in_bfloat16(tiny_checkpoints: dict[str, Path]) -> None:
     """``--dtype bfloat16`` reaches the engine: the greedy tokens are those of a bfloat16 pipeline."""
+    from dejavu_common.stopping import StopCriteria
     from dejavu_engine.generate import Request, generate_batch
     from dejavu_engine.pipeline import Pipeline
-    from dejavu_engine.stopping import StopCriteria
 
     folder = tiny_checkpoints["llama"]
     done = dejavu(

@@ -79,9 +79,9 @@ def test_packing_only_where_it_runs_and_where_the_settings_ask() -> None:
 def test_smollm2_packed_greedy_tokens_equal_transformers(smollm2: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dejavu_common.stopping import StopCriteria
     from dejavu_engine.generate import Request, generate_batch
     from dejavu_engine.sampling import SamplingParams
-    from dejavu_engine.stopping import StopCriteria
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dejavu_common.messages import FinishReason
+from dejavu_common.stopping import StopCriteria
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.sampling import SamplingParams
-from dejavu_engine.stopping import FinishReason, StopCriteria
 
 PROMPTS = ((5, 17, 42, 8, 99), (7, 3), (11, 12, 13, 14, 15, 16, 17, 18))
 

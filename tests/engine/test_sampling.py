@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dejavu_common.messages import FinishReason
+from dejavu_common.stopping import StopCriteria
 from dejavu_engine.sampling import SamplingParams, filtered_probs, sample, sample_token
-from dejavu_engine.stopping import FinishReason, StopCriteria
 
 VOCAB = 50
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dejavu_common.stopping import StopCriteria
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
-from dejavu_engine.stopping import StopCriteria
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytestmark = pytest.mark.model

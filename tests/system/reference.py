@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dejavu_common.stopping import StopCriteria
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.sampling import SamplingParams
-from dejavu_engine.stopping import StopCriteria
 
 
 class Reference:

@@ -6,7 +6,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -244,7 +244,7 @@ def test_failed_swap_in_is_reraised_on_acquire(closing: list[SwapManager]) -> No
 def test_commit_copies_back_only_the_written_positions(closing: list[SwapManager]) -> None:
     m = SwapManager(LAYOUT, depth=4, device="cpu")
     closing.append(m)
-    small = LAYOUT.with_batch(3)
+    small = replace(LAYOUT, batch=3)
     host = filled_cache(m, 0, 1.0, small)
     m.prefetch(0, 6)
     device = m.acquire(0)
@@ -285,9 +285,9 @@ def test_protocol_misuse_is_rejected(closing: list[SwapManager]) -> None:
     with pytest.raises(SwapStateError, match="not registered"):
         m.prefetch(9, 0)
     with pytest.raises(ValueError, match="does not fit"):
-        m.add(1, LAYOUT.with_batch(5))
+        m.add(1, replace(LAYOUT, batch=5))
     with pytest.raises(ValueError, match="does not match"):
-        m.add(1, LAYOUT.with_layers(2, 2))
+        m.add(1, replace(LAYOUT, first_layer=2, layers=2))
     m.prefetch(0, 3)
     m.prefetch(0, 3)  # idempotent while pending
     with pytest.raises(SwapStateError, match=r"(ready|loading|queued) -> queued"):

@@ -1,4 +1,5 @@
-"""DejaVuLib: KV-cache streaming primitives (stream_out/stream_in, scatter/gather, flush/fetch).
+"""DejaVuLib: KV-cache streaming primitives (stream_out/stream_in; scatter/gather as KVCache.pack/unpack;
+transports).
 
 Heavy modules (torch, ucxx) load on first use of their names, so ``import dejavulib`` stays cheap for
 the pure parts (layout, topology, header, errors).
@@ -30,8 +31,6 @@ _LAZY = {
     "Handle": "dejavulib.handle",
     "KVCache": "dejavulib.kvcache",
     "StagingBuffer": "dejavulib.kvcache",
-    "scatter": "dejavulib.scatter_gather",
-    "gather": "dejavulib.scatter_gather",
     "Streamer": "dejavulib.streamer",
     "stream_out": "dejavulib.streaming",
     "stream_in": "dejavulib.streaming",
@@ -50,6 +49,6 @@ __all__ = [
     "DIM_ORDER", "BackPressureTimeout", "Channel", "ClosedError", "DType", "DejaVuLibError", "Endpoint", "Handle",
     "Header", "IntegrityError", "KVCache", "KVLayout", "LayerStreamer", "Message", "PeerError", "Piece",
     "ProtocolError", "Region", "StagingBuffer", "Streamer", "Transfer", "TransferError", "TransferTimeout",
-    "TransportUnavailable", "Which", "gather", "plan_pieces", "region_of", "right_aligned",
-    "scatter", "stream_in", "stream_out",
+    "TransportUnavailable", "Which", "plan_pieces", "region_of", "right_aligned",
+    "stream_in", "stream_out",
 ]  # fmt: skip

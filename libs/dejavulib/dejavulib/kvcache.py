@@ -4,10 +4,11 @@ The one ``KVCache`` of the system: the engine computes in it (writing positions 
 workers grow it as tokens are written, and every KV movement (prompt KV, replication, restores,
 swapping) packs a region of it on one side and unpacks it on the other.
 
-``pack`` is the *buffered copy*: it gathers a non-contiguous region (layers x rows x heads x positions
-x head_dim, of K and/or V) into one contiguous buffer with one strided copy per tensor, instead of one
-copy per contiguous chunk. ``unpack`` is its inverse at the destination. The packed order is
-``[which][layer][row][head][position][head_dim]``: K before V, the same order as ``chunks.contiguous_runs``.
+``pack`` and ``unpack`` are the paper's scatter/gather level, as its *buffered copy*: ``pack`` gathers a
+non-contiguous region (layers x rows x heads x positions x head_dim, of K and/or V) into one contiguous
+buffer with one strided copy per tensor, instead of one copy per contiguous chunk (the baseline
+``dejavu bench streaming`` compares it with, ``benchmarks/per_chunk.py``); ``unpack`` is its inverse at the
+destination. The packed order is ``[which][layer][row][head][position][head_dim]``: K before V.
 """
 
 from __future__ import annotations

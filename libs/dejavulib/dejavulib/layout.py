@@ -87,22 +87,6 @@ class KVLayout:
     def bytes_per_token_per_layer(self) -> int:
         return 2 * self.kv_heads * self.head_dim * self.itemsize
 
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes of one contiguous chunk of a single-position update (one head of one row)."""
-        return self.head_dim * self.itemsize
-
-    def strides(self) -> tuple[int, int, int, int, int]:
-        """Element strides of a contiguous tensor in ``LBHSD`` order."""
-        _L, B, H, S, D = self.shape
-        return (B * H * S * D, H * S * D, S * D, D, 1)
-
-    def with_batch(self, batch: int) -> KVLayout:
-        return KVLayout(self.layers, batch, self.kv_heads, self.max_len, self.head_dim, self.dtype, self.first_layer)
-
-    def with_layers(self, first_layer: int, layers: int) -> KVLayout:
-        return KVLayout(layers, self.batch, self.kv_heads, self.max_len, self.head_dim, self.dtype, first_layer)
-
     def local(self, global_layer: int) -> int:
         """Index along a cache's first dimension of a global layer index."""
         a, b = self.layer_range
@@ -192,13 +176,3 @@ class Region:
         """Bytes the region holds in ``layout``'s dtype and head geometry."""
         per = self.n_layers * self.n_rows * layout.kv_heads * self.n_positions * layout.head_dim * layout.itemsize
         return per * len(self.tensors)
-
-    def n_chunks(self, layout: KVLayout) -> int:
-        """Contiguous chunks the region is made of in a contiguous ``LBHSD`` tensor."""
-        if self.n_positions < layout.max_len:
-            per_tensor = self.n_layers * self.n_rows * layout.kv_heads
-        elif self.n_rows < layout.batch:
-            per_tensor = self.n_layers  # rows [r0, r1) x all heads x all positions: one run per layer
-        else:
-            per_tensor = 1  # whole layers are one run
-        return per_tensor * len(self.tensors)

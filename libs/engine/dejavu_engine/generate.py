@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from dejavu_common.messages import FinishReason
 from dejavu_common.settings import Settings
+from dejavu_common.stopping import StopCriteria
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.checkpoint import CheckpointError, ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.sampling import SamplingParams, sample
-from dejavu_engine.stopping import FinishReason, StopCriteria
 
 # Pad slots are masked out; any valid id works, 0 always is.
 _PAD_ID = 0

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dejavu_common.messages import FinishReason, MicrobatchSpec, TokenStep
+from dejavu_common.stopping import StopCriteria
 
 
 @dataclass
@@ -22,11 +23,13 @@ class RowTracker:
     eos_ids: frozenset[int]
     generated: list[int] = field(init=False)
     finished: list[FinishReason | None] = field(init=False)
+    stops: list[StopCriteria] = field(init=False)
 
     def __post_init__(self) -> None:
         n = len(self.spec.rows)
         self.generated = [0] * n
         self.finished = [None] * n
+        self.stops = [StopCriteria.of(row.sampling, self.eos_ids) for row in self.spec.rows]
 
     @property
     def done(self) -> bool:
@@ -62,11 +65,9 @@ class RowTracker:
         return TokenStep(mb_id=self.spec.mb_id, step=step, tokens=tuple(tokens), finished=tuple(finished))
 
     def _finish(self, row: int, token: int, step: int) -> FinishReason | None:
-        sampling = self.spec.rows[row].sampling
-        if token in sampling.stop_token_ids or (token in self.eos_ids and not sampling.ignore_eos):
-            return FinishReason.STOP
-        if self.generated[row] >= sampling.max_tokens:
-            return FinishReason.LENGTH
+        reason = self.stops[row].check(token, self.generated[row])
+        if reason is not None:
+            return reason
         # The next decode step would write cache position prompt_len + step: stop when it is full.
         if self.spec.prompt_len + step + 1 > self.spec.max_len:
             return FinishReason.LENGTH

@@ -1,5 +1,5 @@
-"""Transports: one interface (base.py); UCX between worker processes, disk for replicas kept on disk,
-local (host/device copies in one process) and fake (tests' in-process peers)."""
+"""Transports: one interface (base.py); UCX between worker processes, disk for replicas kept on disk
+(the tests' in-process fake is ``tests/dejavulib/fake_transport.py``)."""
 
 from dejavulib.transport.base import MessageTransport, Transport
 

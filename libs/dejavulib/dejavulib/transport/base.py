@@ -8,8 +8,8 @@ Contract of the chunk primitives (paper Table 1, lowest level):
 * ``flush(peer_id, key, src, deadline_s)`` makes a copy of the contiguous buffer ``src`` available to
   ``peer_id`` under the integer ``key`` (0 <= key < 2**32). It returns once ``src`` may be reused.
 * ``fetch(peer_id, key, dst, deadline_s)`` fills the contiguous buffer ``dst`` (exactly as many bytes)
-  with what ``peer_id`` flushed under ``key``. Slot transports (local, disk, fake) keep the last flush
-  per (sender, key) and may be fetched repeatedly; stream transports (UCX) deliver each flush to
+  with what ``peer_id`` flushed under ``key``. Slot transports (disk; the tests' fake) keep the last
+  flush per (sender, key) and may be fetched repeatedly; stream transports (UCX) deliver each flush to
   exactly one fetch, FIFO per key. Both raise ``TransferTimeout`` past the deadline. A slot fetched
   while the same (sender, key) is being flushed may mix old and new bytes: order them (the serving layer
   does, through its messages).
@@ -17,13 +17,17 @@ Contract of the chunk primitives (paper Table 1, lowest level):
 ``MessageTransport`` adds whole messages (a header blob + a payload) from any peer: each header is
 first offered to an admission callback, which authenticates it and says how many payload bytes to
 accept, and only then is a payload buffer sized; ``Endpoint`` builds verified, per-channel queues on it.
+
+What serving runs: messages (UCX) between worker processes, and the chunk primitives of ``disk`` for the
+replicas a token stage keeps on disk. UCX's chunk primitives carry only the per-chunk baseline that
+``dejavu bench streaming`` measures the buffered copy against.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -53,9 +57,6 @@ def check_key(key: int) -> None:
 
 class Transport(abc.ABC):
     """Moves contiguous host chunks between peers. Methods are thread-safe unless a subclass says otherwise."""
-
-    #: Whether ``flush``/``fetch`` accept device (e.g. CUDA) tensors; otherwise callers stage through host memory.
-    moves_device_memory: ClassVar[bool] = False
 
     def __init__(self, self_id: str) -> None:
         self.self_id = self_id

@@ -1,16 +1,15 @@
-"""When a generated sequence ends: EOS, a stop token, or the token budget."""
+"""When a generated sequence ends: EOS, a stop token, or the token budget (pure Python).
+
+The one token-level stopping rule: the workers' rows (``dejavu_worker.rows.RowTracker``) and
+``dejavu generate`` both check it; stop strings are matched on text by the gateway.
+"""
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-
-class FinishReason(str, enum.Enum):
-    """Why a sequence ended (the OpenAI API's ``finish_reason`` values)."""
-
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_tokens reached
+from dejavu_common.messages import FinishReason, SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,12 @@ class StopCriteria:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @classmethod
+    def of(cls, sampling: SamplingSpec, eos_token_ids: Iterable[int]) -> StopCriteria:
+        """The rules of a request served with ``sampling`` on a model whose EOS ids are ``eos_token_ids``."""
+        stop_ids = frozenset(sampling.stop_token_ids)
+        return cls(sampling.max_tokens, frozenset(eos_token_ids), stop_ids, sampling.ignore_eos)
 
     def check(self, token_id: int, generated: int) -> FinishReason | None:
         """The finish reason after emitting ``token_id`` as the ``generated``-th token, or None."""
