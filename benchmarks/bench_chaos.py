@@ -315,18 +315,17 @@ def _supervise(chaos: Chaos, stop: threading.Event) -> None:
 
 
 def _reference(model: Path, max_tokens: int) -> dict[str, str]:
-    from dejavu_common.stopping import StopCriteria
+    from dejavu_common.messages import SamplingSpec
     from dejavu_common.tokenizer import Tokenizer
     from dejavu_engine.generate import Request, generate_batch
     from dejavu_engine.pipeline import Pipeline
-    from dejavu_engine.sampling import SamplingParams
 
     tokenizer = Tokenizer.from_pretrained(model)
     pipeline = Pipeline(model, 1)
     eos = pipeline.spec.eos_token_ids | tokenizer.eos_token_ids
     out = {}
     for prompt in PROMPTS:
-        request = Request(tuple(tokenizer.encode(prompt)), StopCriteria(max_tokens, eos), SamplingParams())
+        request = Request(tuple(tokenizer.encode(prompt)), SamplingSpec(max_tokens=max_tokens, temperature=0), eos)
         (completion,), _ = generate_batch(pipeline, [request])
         out[prompt] = tokenizer.decode(completion.token_ids)
     return out

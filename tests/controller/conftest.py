@@ -127,7 +127,7 @@ class ScriptedBackend:
     def script(self, request: GenerationRequest) -> list[int]:
         eos = min(self.tokenizer.eos_token_ids)
         ids = self.tokenizer.encode(self.reply, add_special_tokens=False) + ([eos] if self.end_with_eos else [])
-        return ids[: request.params.max_tokens]
+        return ids[: request.sampling.max_tokens]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         if not self.ready:

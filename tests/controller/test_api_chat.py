@@ -28,7 +28,7 @@ def test_chat_applies_the_template_and_answers(client: TestClient, backend: Scri
     assert list(backend.requests[0].prompt_token_ids) == expected
     assert body["usage"]["prompt_tokens"] == len(expected)
     # Chat defaults to the room left in the context.
-    assert backend.requests[0].params.max_tokens == 256 - len(expected)
+    assert backend.requests[0].sampling.max_tokens == 256 - len(expected)
 
 
 def test_developer_role_is_a_system_message(client: TestClient, backend: ScriptedBackend, tokenizer: Tokenizer):
@@ -41,7 +41,7 @@ def test_developer_role_is_a_system_message(client: TestClient, backend: Scripte
 def test_max_completion_tokens_wins_over_max_tokens(client: TestClient, backend: ScriptedBackend):
     payload = {"model": MODEL, "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 3}
     body = client.post("/v1/chat/completions", json=payload).json()
-    assert backend.requests[0].params.max_tokens == 3
+    assert backend.requests[0].sampling.max_tokens == 3
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3
 

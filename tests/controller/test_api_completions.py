@@ -44,8 +44,9 @@ def test_sampling_parameters_reach_the_backend(client: TestClient, backend: Scri
         "stop": ["zzz", "qqq"],
     }
     assert client.post("/v1/completions", json=payload).status_code == 200
-    params = backend.requests[0].params
-    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.stop) == (
+    request = backend.requests[0]
+    params = request.sampling
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, request.stop) == (
         7,
         0.5,
         0.9,
@@ -57,9 +58,10 @@ def test_sampling_parameters_reach_the_backend(client: TestClient, backend: Scri
 
 def test_defaults_follow_openai(client: TestClient, backend: ScriptedBackend):
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "top_k": -1}).status_code == 200
-    params = backend.requests[0].params
+    request = backend.requests[0]
+    params = request.sampling
     assert params.max_tokens == 16  # OpenAI's default for completions
-    assert (params.temperature, params.top_p, params.top_k, params.seed, params.stop) == (1.0, 1.0, 0, None, ())
+    assert (params.temperature, params.top_p, params.top_k, params.seed, request.stop) == (1.0, 1.0, 0, None, ())
 
 
 def test_max_tokens_cuts_with_finish_reason_length(client: TestClient, tokenizer: Tokenizer):

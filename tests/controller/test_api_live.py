@@ -29,7 +29,7 @@ def test_openai_client_completions(oai: openai.OpenAI, backend: ScriptedBackend)
     assert completion.usage is not None and completion.usage.completion_tokens == len(
         backend.script(backend.requests[0])
     )
-    assert backend.requests[0].params.seed == 7
+    assert backend.requests[0].sampling.seed == 7
 
 
 def test_openai_client_streams_completions_with_stop(oai: openai.OpenAI):

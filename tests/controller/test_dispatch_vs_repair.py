@@ -14,7 +14,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from dejavu_common.settings import Settings
-from dejavu_controller.backend import GenerationRequest, SamplingParams
+from dejavu_controller.backend import GenerationRequest, SamplingSpec
 from dejavu_controller.pipeline_backend import PipelineBackend
 
 
@@ -49,7 +49,7 @@ def test_a_request_waiting_during_a_change_of_topology_is_dispatched_after_it(re
         dispatcher = asyncio.create_task(backend._dispatch_loop())
         control = asyncio.create_task(backend._control_once())
         await asyncio.wait_for(in_change.wait(), 5)
-        events = await backend.generate(GenerationRequest("r", (1, 2, 3), SamplingParams(max_tokens=2)))
+        events = await backend.generate(GenerationRequest("r", (1, 2, 3), SamplingSpec(max_tokens=2)))
         await asyncio.sleep(0.3)  # many dispatch-loop wake-ups (batch_wait 1 ms) while the change is open
         assert backend.scheduler.queue_depth == 1 and not backend.scheduler.active, "formed during the change"
         finish_change.set()

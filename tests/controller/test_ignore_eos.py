@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
-from dejavu_controller.backend import GenerationRequest, SamplingParams
+from dejavu_controller.backend import GenerationRequest, SamplingSpec
 from dejavu_controller.pipeline_backend import PipelineBackend
 
 from .conftest import MODEL, REPLY, ScriptedBackend, sse_payloads
@@ -30,7 +30,7 @@ def test_ignore_eos_is_accepted_and_reaches_the_backend(
         response = client.post(path, json={"model": MODEL, "max_tokens": 4, "ignore_eos": flag, **body})
         assert response.status_code == 200, response.text
     assert client.post(path, json={"model": MODEL, "max_tokens": 4, **body}).status_code == 200
-    assert [r.params.ignore_eos for r in backend.requests] == [True, False, False]
+    assert [r.sampling.ignore_eos for r in backend.requests] == [True, False, False]
 
 
 def test_ignore_eos_must_be_a_boolean(client: TestClient, backend: ScriptedBackend) -> None:
@@ -62,7 +62,7 @@ def test_the_pipeline_backend_puts_ignore_eos_on_the_wire(redis_url: str) -> Non
         backend = PipelineBackend(Settings(), r, n_layers=6)
         backend._ready = True
         streams = [
-            await backend.generate(GenerationRequest(f"r{flag}", (1, 2), SamplingParams(max_tokens=4, ignore_eos=flag)))
+            await backend.generate(GenerationRequest(f"r{flag}", (1, 2), SamplingSpec(max_tokens=4, ignore_eos=flag)))
             for flag in (True, False)
         ]
         assert [req.sampling.ignore_eos for req in backend.scheduler.waiting] == [True, False]

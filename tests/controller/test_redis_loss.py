@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from dejavu_common import fatal, keys
 from dejavu_common.messages import WorkerInfo, WorkerRole
 from dejavu_common.settings import Settings
-from dejavu_controller.backend import FinishReason, GenerationRequest, SamplingParams
+from dejavu_controller.backend import FinishReason, GenerationRequest, SamplingSpec
 from dejavu_controller.pipeline_backend import PipelineBackend
 
 
@@ -43,7 +43,7 @@ async def _register(r: aioredis.Redis, worker_id: str, role: WorkerRole, seen: i
 
 
 def _request(rid: str) -> GenerationRequest:
-    return GenerationRequest(rid, (1, 2, 3), SamplingParams(max_tokens=4, temperature=0))
+    return GenerationRequest(rid, (1, 2, 3), SamplingSpec(max_tokens=4, temperature=0))
 
 
 def test_redis_restarted_empty_fails_dispatched_work_keeps_waiting_and_starts_a_fresh_pipeline(redis_url) -> None:

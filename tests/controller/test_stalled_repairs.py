@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from dejavu_common.messages import StageAssignment, Topology
 from dejavu_common.settings import Settings
-from dejavu_controller.backend import FinishReason, GenerationRequest, SamplingParams
+from dejavu_controller.backend import FinishReason, GenerationRequest, SamplingSpec
 from dejavu_controller.pipeline_backend import PipelineBackend
 
 
@@ -52,9 +52,9 @@ def test_a_microbatch_stalled_across_repairs_is_failed_and_dropped(redis_url: st
 
         backend.repair.run = repair_run
         events = await backend.generate(
-            GenerationRequest("poison", (1, 2, 3), SamplingParams(max_tokens=4, temperature=0))
+            GenerationRequest("poison", (1, 2, 3), SamplingSpec(max_tokens=4, temperature=0))
         )
-        healthy = await backend.generate(GenerationRequest("ok", (4, 5), SamplingParams(max_tokens=4, temperature=0)))
+        healthy = await backend.generate(GenerationRequest("ok", (4, 5), SamplingSpec(max_tokens=4, temperature=0)))
         poison_mb, healthy_mb = (m.spec.mb_id for m in backend.scheduler.form(now=1e9))
         # The healthy microbatch delivers a token between repairs; the poison one never does.
         for epoch in (2, 3, 4):

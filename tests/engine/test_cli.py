@@ -98,7 +98,7 @@ def test_bench_unknown_name_lists_the_available_ones() -> None:
 
 def test_generate_in_bfloat16(tiny_checkpoints: dict[str, Path]) -> None:
     """``--dtype bfloat16`` reaches the engine: the greedy tokens are those of a bfloat16 pipeline."""
-    from dejavu_common.stopping import StopCriteria
+    from dejavu_common.messages import SamplingSpec
     from dejavu_engine.generate import Request, generate_batch
     from dejavu_engine.pipeline import Pipeline
 
@@ -118,5 +118,6 @@ def test_generate_in_bfloat16(tiny_checkpoints: dict[str, Path]) -> None:
     assert done.returncode == 0, done.stderr
     prompt = Tokenizer.from_pretrained(folder).encode("Hello world")
     pipeline = Pipeline(folder, 1, dtype="bfloat16")
-    (expected,), _ = generate_batch(pipeline, [Request(tuple(prompt), StopCriteria(5, pipeline.spec.eos_token_ids))])
+    request = Request(tuple(prompt), SamplingSpec(max_tokens=5, temperature=0), pipeline.spec.eos_token_ids)
+    (expected,), _ = generate_batch(pipeline, [request])
     assert json.loads(done.stdout)["token_ids"] == list(expected.token_ids)

@@ -79,9 +79,8 @@ def test_packing_only_where_it_runs_and_where_the_settings_ask() -> None:
 def test_smollm2_packed_greedy_tokens_equal_transformers(smollm2: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dejavu_common.stopping import StopCriteria
+    from dejavu_common.messages import SamplingSpec
     from dejavu_engine.generate import Request, generate_batch
-    from dejavu_engine.sampling import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
@@ -91,7 +90,7 @@ def test_smollm2_packed_greedy_tokens_equal_transformers(smollm2: Path) -> None:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
             expected = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
-        request = Request(tuple(ids[0].tolist()), StopCriteria(24, frozenset()), SamplingParams())
+        request = Request(tuple(ids[0].tolist()), SamplingSpec(max_tokens=24, temperature=0))
         (completion,), _ = generate_batch(pipeline, [request])
         assert list(completion.token_ids) == expected[: len(completion.token_ids)]
         assert len(completion.token_ids) == 24

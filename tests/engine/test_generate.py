@@ -4,24 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dejavu_common.messages import FinishReason
-from dejavu_common.stopping import StopCriteria
+from dejavu_common.messages import FinishReason, SamplingSpec
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.pipeline import Pipeline
-from dejavu_engine.sampling import SamplingParams
 
 PROMPTS = ((5, 17, 42, 8, 99), (7, 3), (11, 12, 13, 14, 15, 16, 17, 18))
 
 
 def test_rows_stop_independently_and_match_running_alone(tiny_checkpoints: dict[str, Path]) -> None:
     pipeline = Pipeline(tiny_checkpoints["llama"], 2)
-    free = [generate_batch(pipeline, [Request(p, StopCriteria(8))])[0][0] for p in PROMPTS]
+    free = [generate_batch(pipeline, [Request(p, SamplingSpec(max_tokens=8, temperature=0))])[0][0] for p in PROMPTS]
     assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 8 for c in free)
     stop_token = free[0].token_ids[3]
     requests = [
-        Request(PROMPTS[0], StopCriteria(8, stop_token_ids=frozenset({stop_token}))),
-        Request(PROMPTS[1], StopCriteria(2)),
-        Request(PROMPTS[2], StopCriteria(8)),
+        Request(PROMPTS[0], SamplingSpec(max_tokens=8, temperature=0, stop_token_ids=(stop_token,))),
+        Request(PROMPTS[1], SamplingSpec(max_tokens=2, temperature=0)),
+        Request(PROMPTS[2], SamplingSpec(max_tokens=8, temperature=0)),
     ]
     batched, timings = generate_batch(pipeline, requests)
     first_stop = free[0].token_ids.index(stop_token) + 1
@@ -32,8 +30,8 @@ def test_rows_stop_independently_and_match_running_alone(tiny_checkpoints: dict[
 
 
 def test_seeded_sampling_is_independent_of_the_stage_split(tiny_checkpoints: dict[str, Path]) -> None:
-    request = Request(PROMPTS[0], StopCriteria(10), SamplingParams(temperature=1.3, top_p=0.95, seed=99))
+    request = Request(PROMPTS[0], SamplingSpec(max_tokens=10, temperature=1.3, top_p=0.95, seed=99))
     runs = [generate_batch(Pipeline(tiny_checkpoints["opt"], k), [request])[0][0].token_ids for k in (1, 3)]
     assert runs[0] == runs[1]
-    other = Request(PROMPTS[0], StopCriteria(10), SamplingParams(temperature=1.3, top_p=0.95, seed=100))
+    other = Request(PROMPTS[0], SamplingSpec(max_tokens=10, temperature=1.3, top_p=0.95, seed=100))
     assert generate_batch(Pipeline(tiny_checkpoints["opt"], 1), [other])[0][0].token_ids != runs[0]

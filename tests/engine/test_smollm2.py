@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dejavu_common.stopping import StopCriteria
+from dejavu_common.messages import SamplingSpec
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.geometry import BatchGeometry
@@ -19,6 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 pytestmark = pytest.mark.model
 
 NEW_TOKENS = 16
+GREEDY = SamplingSpec(max_tokens=NEW_TOKENS, temperature=0)
 PLAIN = ["The capital of France is", "def fibonacci(n):"]
 CHAT = ["What is the tallest mountain on Earth?", "Write a haiku about the sea."]
 
@@ -49,7 +50,7 @@ def test_greedy_tokens_equal_transformers_generate(
     pipeline = Pipeline(smollm2, stages)
     eos = pipeline.spec.eos_token_ids
     for prompt, expected in cases:
-        (completion,), _ = generate_batch(pipeline, [Request(tuple(prompt), StopCriteria(NEW_TOKENS, eos))])
+        (completion,), _ = generate_batch(pipeline, [Request(tuple(prompt), GREEDY, eos)])
         assert list(completion.token_ids) == expected
 
 
@@ -115,7 +116,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(
     assert all(stage.weights[name].dtype == torch.bfloat16 for stage in pipeline.stages for name in stage.weights)
     eos = pipeline.spec.eos_token_ids
     for prompt, expected, hf_logits, f32_logits in bf16_cases:
-        (completion,), _ = generate_batch(pipeline, [Request(tuple(prompt), StopCriteria(NEW_TOKENS, eos))])
+        (completion,), _ = generate_batch(pipeline, [Request(tuple(prompt), GREEDY, eos)])
         _same_greedy_tokens(hf_bf16, prompt, list(completion.token_ids), expected)
         caches = pipeline.allocate(1, len(prompt))
         assert caches[0].k.dtype == torch.bfloat16

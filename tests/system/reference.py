@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dejavu_common.stopping import StopCriteria
+from dejavu_common.messages import SamplingSpec
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.generate import Request, generate_batch
 from dejavu_engine.pipeline import Pipeline
-from dejavu_engine.sampling import SamplingParams
 
 
 class Reference:
@@ -28,8 +27,8 @@ class Reference:
                 if chat
                 else self.tokenizer.encode(prompt)
             )
-            stop = StopCriteria(max_tokens, self.eos, ignore_eos=ignore_eos)
-            request = Request(tuple(ids), stop, SamplingParams())
+            sampling = SamplingSpec(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+            request = Request(tuple(ids), sampling, self.eos)
             (completion,), _ = generate_batch(self.pipeline, [request])
             self._cache[key] = self.tokenizer.decode(completion.token_ids)
         return self._cache[key]

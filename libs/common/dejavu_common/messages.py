@@ -10,6 +10,7 @@ DejaVuLib, never through Redis.
 from __future__ import annotations
 
 import enum
+import secrets
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -82,16 +83,38 @@ class Topology(Message):
         return None
 
 
+#: Bits of a drawn request seed.
+SEED_BITS = 63
+
+
+def draw_seed() -> int:
+    """A fresh random request seed."""
+    return secrets.randbits(SEED_BITS)
+
+
 class SamplingSpec(Message):
-    """Per-request sampling; ``temperature == 0`` means greedy. ``seed`` is always set by admission."""
+    """How one request generates, the one sampling spec from the API to the workers and ``dejavu generate``:
+    ``temperature == 0`` is greedy, ``top_k == 0`` and ``top_p == 1`` disable those filters; it stops at
+    ``max_tokens``, an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids`` (``stopping.StopCriteria``).
+    A request without a seed gets one at admission (:meth:`resolved`), so every row on the wire has one
+    and a resumed row draws what the failed worker would have drawn. Out-of-range values raise
+    ``pydantic.ValidationError`` (a ``ValueError``)."""
 
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # EOS ids do not stop the row (stop_token_ids still do); old messages lack it
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolved(self) -> SamplingSpec:
+        """This spec with a seed: its own, or a random one drawn now (at admission)."""
+        return self if self.seed is not None else self.model_copy(update={"seed": draw_seed()})
 
 
 class RowSpec(Message):

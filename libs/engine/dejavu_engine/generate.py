@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dejavu_common.messages import FinishReason
+from dejavu_common.messages import FinishReason, SamplingSpec
 from dejavu_common.settings import Settings
 from dejavu_common.stopping import StopCriteria
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.checkpoint import CheckpointError, ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
-from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.sampling import sample
 
 # Pad slots are masked out; any valid id works, 0 always is.
 _PAD_ID = 0
@@ -31,13 +31,26 @@ class GenerationError(ValueError):
     """A request the model cannot serve (bad arguments, too long for the context, ...)."""
 
 
+def _sampling_error(exc: ValueError) -> str:
+    """One line per invalid sampling argument (``temperature: Input should be greater than or equal to 0``)."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return str(exc)
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors())
+
+
 @dataclass(frozen=True)
 class Request:
-    """One sequence to generate: prompt ids, sampling (seed resolved) and stopping rules."""
+    """One sequence to generate: prompt ids, its sampling spec (a seed where it samples) and the model's
+    EOS ids, which end it unless the spec says ``ignore_eos``."""
 
     prompt_ids: tuple[int, ...]
-    stop: StopCriteria
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingSpec
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def stop(self) -> StopCriteria:
+        return StopCriteria.of(self.sampling, self.eos_token_ids)
 
 
 @dataclass(frozen=True)
@@ -99,8 +112,9 @@ def generate_batch(pipeline: Pipeline, requests: Sequence[Request]) -> tuple[lis
     ids = torch.full((len(requests), geometry.cur_len), _PAD_ID, dtype=torch.long)
     for row, request in enumerate(requests):
         ids[row, geometry.pad_lens[row] :] = torch.tensor(request.prompt_ids)
-    caches = pipeline.allocate(len(requests), geometry.cur_len + max(r.stop.max_tokens for r in requests))
+    caches = pipeline.allocate(len(requests), geometry.cur_len + max(r.sampling.max_tokens for r in requests))
     params = [r.sampling for r in requests]
+    stops = [r.stop for r in requests]
     outputs: list[list[int]] = [[] for _ in requests]
     finished: list[FinishReason | None] = [None] * len(requests)
 
@@ -113,7 +127,7 @@ def generate_batch(pipeline: Pipeline, requests: Sequence[Request]) -> tuple[lis
         for row, token in enumerate(tokens):
             if finished[row] is None:
                 outputs[row].append(token)
-                finished[row] = requests[row].stop.check(token, len(outputs[row]))
+                finished[row] = stops[row].check(token, len(outputs[row]))
         if all(f is not None for f in finished):
             break
         step += 1
@@ -150,9 +164,11 @@ def generate(
     if max_tokens < 1:
         raise GenerationError(f"max tokens must be >= 1, got {max_tokens}")
     try:
-        sampling = SamplingParams(temperature, top_k, top_p, seed).resolved()
+        sampling = SamplingSpec(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        ).resolved()
     except ValueError as exc:
-        raise GenerationError(str(exc)) from exc
+        raise GenerationError(_sampling_error(exc)) from exc
     folder = model or settings.model.path or ensure_default_model(settings)
     if not folder.is_dir():
         raise CheckpointError(f"model folder not found: {folder}")
@@ -172,7 +188,7 @@ def generate(
             f"prompt of {len(prompt_ids)} tokens + max tokens {max_tokens} exceeds the context of {limit} tokens"
         )
     eos = pipeline.spec.eos_token_ids | tokenizer.eos_token_ids
-    request = Request(tuple(prompt_ids), StopCriteria(max_tokens, eos), sampling)
+    request = Request(tuple(prompt_ids), sampling, eos)
     (completion,), timings = generate_batch(pipeline, [request])
     return GenerationResult(
         completion.token_ids, tokenizer.decode(completion.token_ids), completion.finish_reason, len(prompt_ids), timings

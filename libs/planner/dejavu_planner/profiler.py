@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
+from dejavu_common.messages import SamplingSpec
 from dejavu_common.settings import Settings
 from dejavu_engine.checkpoint import ensure_default_model, model_path
 from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.sampling import sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
@@ -40,6 +41,7 @@ from dejavu_planner.table import Curve, Grid
 from dejavulib.kvcache import KVCache
 
 Progress = Callable[[str], None]
+GREEDY = SamplingSpec(max_tokens=1, temperature=0)  # what a profiled last stage samples with (as the workers do)
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ class Profiler:
         if cached is not None:
             return cached
         hidden = torch.randn(batch, 1, self.hidden_size, device=self.last.device)
-        params = [SamplingParams()] * batch
+        params = [GREEDY] * batch
 
         def head() -> None:
             sample(self.last.logits(hidden)[:, -1], params, [0] * batch)
@@ -314,7 +316,7 @@ def _co_run(folder: str, layers: tuple[int, int], device: str, dtype: str, threa
         step = step % laps + 1  # rewrite the same positions: the cost of a step at about ``context``
         out = stage.decode(ids, cache, geometry.advance(step))
         if stage.is_last:
-            sample(out.logits[:, -1], [SamplingParams()] * batch, [step] * batch)
+            sample(out.logits[:, -1], [GREEDY] * batch, [step] * batch)
         ready.set()
 
 

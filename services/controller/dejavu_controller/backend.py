@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dejavu_common.messages import FinishReason
+from dejavu_common.messages import FinishReason, SamplingSpec
 
 __all__ = [
     "Backend",
@@ -20,30 +20,21 @@ __all__ = [
     "GenerationRequest",
     "NotReadyError",
     "QueueFullError",
-    "SamplingParams",
+    "SamplingSpec",
     "TokenEvent",
 ]
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; ``temperature == 0`` means greedy."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: disabled
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS ids
-    ignore_eos: bool = False  # the model's EOS ids do not stop the request (stop_token_ids still do)
-
-
-@dataclass(frozen=True)
 class GenerationRequest:
+    """A validated, tokenized request: its sampling spec (the one the workers sample with; its seed is
+    drawn at admission where the client gave none) and its stop strings, which the gateway matches on
+    the text it streams."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
+    sampling: SamplingSpec
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

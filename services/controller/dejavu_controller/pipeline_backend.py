@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from redis.exceptions import RedisError
 
 from dejavu_common import keys
 from dejavu_common.fatal import die
-from dejavu_common.messages import SamplingSpec, TokenStep, Topology
+from dejavu_common.messages import TokenStep, Topology
 from dejavu_common.settings import Mode, Settings
 from dejavu_controller.aio import await_chain, cancellation_point
 from dejavu_controller.api.metrics import KVStream, RuntimeMetrics
@@ -176,20 +175,8 @@ class PipelineBackend:
             if not self.leadership.held:
                 raise NotReadyError("this controller is standing by: another controller holds the leader lease")
             raise NotReadyError("no complete pipeline is registered")
-        p = request.params
-        seed = p.seed if p.seed is not None else secrets.randbits(63)
         req = Request(
-            request_id=request.request_id,
-            prompt_ids=request.prompt_token_ids,
-            sampling=SamplingSpec(
-                max_tokens=p.max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k,
-                seed=seed,
-                stop_token_ids=p.stop_token_ids,
-                ignore_eos=p.ignore_eos,
-            ),
+            request_id=request.request_id, prompt_ids=request.prompt_token_ids, sampling=request.sampling.resolved()
         )
         self.scheduler.admit(req)  # QueueFullError propagates before the first event
         self._wake.set()

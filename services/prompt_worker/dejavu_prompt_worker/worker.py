@@ -31,7 +31,7 @@ from dejavu_common.messages import (
     WorkerRole,
 )
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.sampling import sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
@@ -240,11 +240,7 @@ class PromptWorker(WorkerProcess):
         """Sample step 0 for every row, publish it, and announce the rows to token stage 0."""
         assert self.redis is not None and self.stage is not None
         rows = self._rows(task)
-        params = []
-        for mb, r in rows:
-            s = specs[mb].rows[r].sampling
-            params.append(SamplingParams(s.temperature, s.top_k, s.top_p, s.seed))
-        sampled = sample(logits, params, [0] * len(rows))
+        sampled = sample(logits, [specs[mb].rows[r].sampling for mb, r in rows], [0] * len(rows))
         pipe = self.redis.pipeline(transaction=False)
         src = 0
         for piece in task.pieces:

@@ -22,7 +22,7 @@ import torch
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import FinishReason, TokenStep
-from dejavu_engine.sampling import SamplingParams, sample
+from dejavu_engine.sampling import sample
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
@@ -483,11 +483,7 @@ class StageRunner:
         if tracker is None:
             tracker = state.tracker = RowTracker(spec, self.stage.spec.eos_token_ids)
             tracker.replay(history(self.redis, spec.mb_id, before_step=step))
-        params = [
-            SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed)
-            for r in (spec.rows[i] for i in rows)
-        ]
-        sampled = sample(logits, params, [step] * len(rows))
+        sampled = sample(logits, [spec.rows[i].sampling for i in rows], [step] * len(rows))
         return tracker.step(step, sampled, cancelled, rows)
 
 

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import anyio
 
+from dejavu_common.messages import SamplingSpec
 from dejavu_common.tokenizer import TokenizerError
-from dejavu_controller.backend import GenerationRequest, SamplingParams
+from dejavu_controller.backend import GenerationRequest
 
 from .errors import InvalidRequestError, NotFoundError
 from .schemas.common import SamplingRequest
@@ -89,13 +90,12 @@ def admit(
             param=prompt_param if room < 1 else "max_tokens",
             code="context_length_exceeded",
         )
-    params = SamplingParams(
+    sampling = SamplingSpec(
         max_tokens=wanted,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "off"
         seed=body.seed,
-        stop=body.stop_strings,
         ignore_eos=body.ignore_eos,
     )
-    return GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt_ids), params=params)
+    return GenerationRequest(request_id, tuple(prompt_ids), sampling, stop=body.stop_strings)

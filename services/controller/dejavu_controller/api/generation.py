@@ -66,7 +66,7 @@ class Generation:
         self.request = request
         self._backend = backend
         self._metrics = metrics
-        self._detokenizer: IncrementalDetokenizer = tokenizer.detokenizer(request.params.stop)
+        self._detokenizer: IncrementalDetokenizer = tokenizer.detokenizer(request.stop)
         self._admitted_at = time.monotonic()
         self._deadline = self._admitted_at + timeout_s
         self._events: AsyncIterator[TokenEvent] | None = None
