@@ -56,11 +56,13 @@ def contiguous_runs(layout: KVLayout, region: Region) -> Iterator[Run]:
                         yield Run(which, start, region.n_positions * layout.head_dim)
 
 
-def _chunk(cache: KVCache, run: Run) -> torch.Tensor:
-    tensor = cache.tensor(run.which)
-    if tensor.device.type != "cpu":
-        raise ValueError("the per-chunk baseline moves host tensors only")
-    return tensor.view(-1)[run.offset : run.offset + run.count]
+def _chunks(cache: KVCache, region: Region) -> Iterator[torch.Tensor]:
+    """The contiguous runs of ``region`` as flat views of ``cache``'s tensors, in packing order."""
+    for run in contiguous_runs(cache.layout, region):
+        tensor = cache.tensor(run.which)
+        if tensor.device.type != "cpu":
+            raise ValueError("the per-chunk baseline moves host tensors only")
+        yield tensor.view(-1)[run.offset : run.offset + run.count]
 
 
 def scatter(
@@ -77,10 +79,10 @@ def scatter(
         packed = cache.pack(region, staging.get(region.nbytes(cache.layout)))
         transport.flush(peer_id, key, packed.reshape(-1), deadline_s)
         return 1
-    n = 0
-    for n, run in enumerate(contiguous_runs(cache.layout, region)):
-        transport.flush(peer_id, key + n, _chunk(cache, run), deadline_s)
-    return n + 1
+    chunks = list(_chunks(cache, region))
+    for n, chunk in enumerate(chunks):
+        transport.flush(peer_id, key + n, chunk, deadline_s)
+    return len(chunks)
 
 
 def gather(
@@ -98,19 +100,19 @@ def gather(
         transport.fetch(peer_id, key, buf, deadline_s)
         cache.unpack(region, buf)
         return 1
-    n = 0
-    for n, run in enumerate(contiguous_runs(cache.layout, region)):
-        transport.fetch(peer_id, key + n, _chunk(cache, run), deadline_s)
-    return n + 1
+    chunks = list(_chunks(cache, region))
+    for n, chunk in enumerate(chunks):
+        transport.fetch(peer_id, key + n, chunk, deadline_s)
+    return len(chunks)
 
 
 def copy_per_chunk(cache: KVCache, region: Region, dst: torch.Tensor) -> int:
     """The host baseline: one torch copy per contiguous run of ``region`` into ``dst`` (the runs back to
     back, as packed); returns the number of copies."""
     flat, at, n = dst.view(-1), 0, 0
-    for run in contiguous_runs(cache.layout, region):
-        flat[at : at + run.count].copy_(_chunk(cache, run))
-        at, n = at + run.count, n + 1
+    for chunk in _chunks(cache, region):
+        flat[at : at + chunk.numel()].copy_(chunk)
+        at, n = at + chunk.numel(), n + 1
     return n
 
 
