@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -19,6 +18,7 @@ from pydantic import SecretStr
 from dejavu_cli.launcher import Launcher
 from dejavu_common import keys
 from dejavu_common.admin import generate_keypair
+from dejavu_common.messages import KVHeld
 from dejavu_common.settings import Mode, Settings
 
 
@@ -86,7 +86,7 @@ def running(
         shutil.rmtree(launcher.log_dir, ignore_errors=True)
 
 
-def kv_held(redis_url: str) -> dict[str, dict]:
+def kv_held(redis_url: str) -> dict[str, KVHeld]:
     """What each live worker reports holding (caches and replicas) as of its last heartbeat."""
     client = redis.Redis.from_url(redis_url)
     try:
@@ -95,7 +95,7 @@ def kv_held(redis_url: str) -> dict[str, dict]:
             worker = raw.decode()
             held = client.get(keys.worker_kv(worker))
             if held is not None and client.exists(keys.worker_lease(worker)):
-                out[worker] = json.loads(held)
+                out[worker] = KVHeld.decode(held)
         return out
     finally:
         client.close()
@@ -106,7 +106,7 @@ def assert_kv_released(redis_url: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         held = kv_held(redis_url)
-        if all(h["microbatches"] == 0 and h["bytes"] == 0 for h in held.values()):
+        if all(h.microbatches == 0 and h.bytes == 0 for h in held.values()):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"KV still held {timeout_s} s after the last request: {held}")

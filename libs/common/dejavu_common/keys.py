@@ -24,8 +24,8 @@ def worker(worker_id: str) -> str:
 
 
 def worker_kv(worker_id: str) -> str:
-    """String with a TTL: JSON ``{"bytes": B, "microbatches": N}``, the KV a token worker holds (its caches
-    and replicas), renewed with every heartbeat; 0 and 0 once every microbatch it held is released."""
+    """String with a TTL: a ``messages.KVHeld``, the KV a token worker holds (its caches and replicas),
+    renewed with every heartbeat; 0 and 0 once every microbatch it held is released."""
     return f"{PREFIX}:worker:{worker_id}:kv"
 
 

@@ -46,6 +46,14 @@ class WorkerState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+class KVHeld(Message):
+    """What KV a token worker holds (its caches and replicas), as of its last heartbeat: zero and zero once
+    every microbatch it held is released (``keys.worker_kv``)."""
+
+    bytes: int = Field(0, ge=0)
+    microbatches: int = Field(0, ge=0)
+
+
 class WorkerInfo(Message):
     """A worker's registration record."""
 

@@ -12,7 +12,10 @@ Kinds of traffic, each on its own channel so different threads can wait on each:
   Nothing here frames KV.
 
 A stage message or token return is a small JSON ``meta`` plus at most one tensor, framed as
-``[u32 meta length][meta JSON][tensor bytes]``; dtype and shape ride in ``meta``. No pickle.
+``[u32 meta length][meta JSON][tensor bytes]``; dtype and shape ride in ``meta``. No pickle. The meta
+of each kind is a typed, versioned message like the Redis ones (``dejavu_common.messages.Message``:
+a version ``v``, unknown fields and wrong types rejected), so a malformed or foreign payload raises
+``ValueError`` (``pydantic.ValidationError``) from ``decode`` and is dropped by its receiver.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from dejavu_common.messages import Message, PromptTask
 
 _LEN = struct.Struct("<I")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
@@ -62,8 +67,9 @@ def unframe(payload: memoryview | bytes) -> tuple[dict[str, Any], torch.Tensor |
         raise ValueError("meta is not an object")
     if "dtype" not in meta:
         return meta, None
-    dtype = _DTYPES[meta["dtype"]]
-    shape = [int(d) for d in meta["shape"]]
+    dtype, shape = _DTYPES.get(meta.pop("dtype")), meta.pop("shape", None)
+    if dtype is None or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError("the tensor's dtype or shape is malformed")
     raw = np.frombuffer(buf[_LEN.size + n :], dtype=np.int16 if dtype == torch.bfloat16 else _np(dtype)).copy()
     t = torch.from_numpy(raw)
     if dtype == torch.bfloat16:
@@ -77,6 +83,19 @@ def _np(dtype: torch.dtype) -> Any:
     return {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}[dtype]
 
 
+class StageMeta(Message):
+    """A stage message's meta on the wire (see :class:`StageMessage`)."""
+
+    kind: Kind
+    mb: int
+    step: int
+    members: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    deferred: tuple[tuple[int, int], ...] = ()
+    next_mb: int | None = None
+    task: PromptTask | None = None
+    entry: str | None = None
+
+
 @dataclass(frozen=True)
 class StageMessage:
     """One pass down a pipeline. In the token pipeline ``members`` lists (microbatch, step, rows) of
@@ -84,32 +103,31 @@ class StageMessage:
     computes (its unfinished ones) — and ``mb_id`` is stage 0's cohort slot; a prompt pipeline's pass
     and RELEASE name one microbatch (or prompt task) in ``mb_id``. ``deferred`` lists (microbatch, step)
     of members an earlier stage of the pass took out because it had discarded their KV to make room: no
-    later stage computes them, and the last stage hands them back to stage 0 to recompute."""
+    later stage computes them, and the last stage hands them back to stage 0 to recompute.
+    ``next_mb``: the token pipeline's hint of the cohort stage 0 runs next (a stage may prefetch it);
+    ``task`` and ``entry``: a prompt pipeline's task and its prompt-queue entry."""
 
     kind: Kind
     mb_id: int
     step: int
     tensor: torch.Tensor | None = None
-    meta: dict[str, Any] | None = None
     members: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     deferred: tuple[tuple[int, int], ...] = ()
+    next_mb: int | None = None
+    task: PromptTask | None = None
+    entry: str | None = None
 
     def encode(self) -> bytes:
-        meta = {"kind": self.kind.value, "mb": self.mb_id, "step": self.step, "x": self.meta or {}}
-        if self.members:
-            meta["members"] = [[mb, step, list(rows)] for mb, step, rows in self.members]
-        if self.deferred:
-            meta["deferred"] = [[mb, step] for mb, step in self.deferred]
-        return frame(meta, self.tensor)
+        meta = StageMeta(kind=self.kind, mb=self.mb_id, step=self.step, members=self.members, deferred=self.deferred,
+                         next_mb=self.next_mb, task=self.task, entry=self.entry)  # fmt: skip
+        return frame(meta.model_dump(mode="json", exclude_none=True), self.tensor)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> StageMessage:
-        meta, tensor = unframe(payload)
-        members = tuple((int(mb), int(step), tuple(int(r) for r in rows)) for mb, step, rows in meta.get("members", ()))
-        deferred = tuple((int(mb), int(step)) for mb, step in meta.get("deferred", ()))
-        return cls(
-            Kind(meta["kind"]), int(meta["mb"]), int(meta["step"]), tensor, meta.get("x") or {}, members, deferred
-        )
+        """Raises ``ValueError`` for a payload that is not a stage message of this version."""
+        raw, tensor = unframe(payload)
+        m = StageMeta.model_validate(raw)
+        return cls(m.kind, m.mb, m.step, tensor, m.members, m.deferred, m.next_mb, m.task, m.entry)
 
 
 @dataclass(frozen=True)
@@ -136,25 +154,21 @@ class TokenReturn:
     members: tuple[Returned, ...]
 
     def encode(self) -> bytes:
-        members = [
-            [m.mb_id, m.step, list(m.tokens), m.done, None if m.live is None else list(m.live)]
-            + ([True] if m.recompute else [])
-            for m in self.members
-        ]
-        return frame({"cohort": self.cohort, "members": members}, None)
+        members = tuple((m.mb_id, m.step, m.tokens, m.done, m.live, m.recompute) for m in self.members)
+        return frame(TokenReturnMeta(cohort=self.cohort, members=members).model_dump(mode="json"), None)
 
     @classmethod
     def decode(cls, payload: memoryview | bytes) -> TokenReturn:
-        meta, _ = unframe(payload)
-        members = tuple(
-            Returned(
-                int(mb),
-                int(step),
-                tuple(int(t) for t in tokens),
-                bool(done),
-                None if live is None else tuple(int(r) for r in live),
-                bool(rest[0]) if rest else False,
-            )
-            for mb, step, tokens, done, live, *rest in meta["members"]
-        )
-        return cls(int(meta["cohort"]), members)
+        """Raises ``ValueError`` for a payload that is not a token return of this version."""
+        raw, tensor = unframe(payload)
+        if tensor is not None:
+            raise ValueError("a token return carries no tensor")
+        m = TokenReturnMeta.model_validate(raw)
+        return cls(m.cohort, tuple(Returned(*member) for member in m.members))
+
+
+class TokenReturnMeta(Message):
+    """A token return on the wire: per member (microbatch, step, tokens, done, live rows, recompute)."""
+
+    cohort: int
+    members: tuple[tuple[int, int, tuple[int, ...], bool, tuple[int, ...] | None, bool], ...]

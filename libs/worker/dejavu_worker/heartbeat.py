@@ -7,7 +7,6 @@ thread never touches torch or the data plane; it only updates fields the serving
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from pydantic import ValidationError
 from dejavu_common import keys
 from dejavu_common.admin import AdminRejected, CommandVerifier
 from dejavu_common.fatal import die
-from dejavu_common.messages import AdminAction, AdminCommand, Topology, WorkerState
+from dejavu_common.messages import AdminAction, AdminCommand, KVHeld, Topology, WorkerState
 from dejavu_common.settings import Settings
 from dejavu_engine.process import MemoryReleaser
 
@@ -110,7 +109,7 @@ class Heartbeat(threading.Thread):
         held_mbs = 0
         if self.kv_held is not None:
             held_bytes, held_mbs = self.kv_held()
-            held = json.dumps({"bytes": held_bytes, "microbatches": held_mbs})
+            held = KVHeld(bytes=held_bytes, microbatches=held_mbs).encode()
             pipe.set(keys.worker_kv(self.worker_id), held, px=4 * ttl_ms)
         pipe.hexists(keys.worker(self.worker_id), "info")  # a record without info is no registration
         pipe.get(keys.TOPOLOGY)

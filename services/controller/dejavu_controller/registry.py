@@ -8,7 +8,6 @@ is not in the newest topology is fenced.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from dejavu_common import keys
-from dejavu_common.messages import StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
+from dejavu_common.messages import KVHeld, StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
 from dejavu_common.partition import split_layers
 from dejavu_common.settings import ControllerSettings, Mode
 
@@ -68,8 +67,8 @@ class Registry:
                 state = WorkerState(record.get(b"state", b"starting").decode())
                 epoch = int(record.get(b"epoch", b"0"))
                 seen = int(record.get(b"seen", b"0"))
-                held = json.loads(kv) if kv is not None else {}
-                kv_bytes, kv_mbs = int(held.get("bytes", 0)), int(held.get("microbatches", 0))
+                held = KVHeld.decode(kv) if kv is not None else KVHeld()
+                kv_bytes, kv_mbs = held.bytes, held.microbatches
             except (KeyError, ValueError, AttributeError) as exc:
                 log.warning("skipping malformed worker record %s: %s", wid, exc)
                 continue

@@ -151,9 +151,10 @@ class PromptWorker(WorkerProcess):
             return None
         try:
             msg = StageMessage.decode(payload)
-            task = PromptTask.model_validate(msg.meta["task"])
-            return msg.meta["entry"], task, StageIO(hidden=msg.tensor)
-        except (ValueError, KeyError, ValidationError) as exc:
+            if msg.task is None or msg.entry is None:
+                raise ValueError("a prompt activation without its task")
+            return msg.entry, msg.task, StageIO(hidden=msg.tensor)
+        except ValueError as exc:
             log.error("dropped a malformed prompt activation: %s", exc)
             return None
 
@@ -200,9 +201,7 @@ class PromptWorker(WorkerProcess):
         streamer = LayerStreamer(self.endpoint.streamer, cache, transfers, peers, self.settings.transport.deadline_s)
         out = self.stage.prefill(io, cache, geometry, on_layer_done=streamer.on_layer_done)
         if self.next_peer is not None:
-            msg = StageMessage(
-                Kind.PREFILL, task.task_id, 0, out.hidden, {"task": task.model_dump(mode="json"), "entry": entry}
-            )
+            msg = StageMessage(Kind.PREFILL, task.task_id, 0, out.hidden, task=task, entry=entry)
             self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
             return
         self._first_tokens(task, specs, out.logits[:, -1])

@@ -282,7 +282,12 @@ class Driver:
                 continue
             payload = self.endpoint.recv(Channel.TOKENS, timeout_s=0.0 if started else 0.005)
             if payload is not None:
-                self._returned(TokenReturn.decode(payload))
+                try:
+                    returned = TokenReturn.decode(payload)
+                except ValueError as exc:  # authenticated, yet not a token return of this version
+                    log.error("dropped a malformed token return: %s", exc)
+                else:
+                    self._returned(returned)
             if time.monotonic() - self._expiry_checked > 1.0:
                 self._expiry_checked = time.monotonic()
                 self._expire_passes()

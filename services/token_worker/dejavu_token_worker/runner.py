@@ -241,8 +241,7 @@ class StageRunner:
         steps = tuple((state.mb_id, step, rows) for state, step, rows in members)
         if not self.stage.is_last:
             assert pos.next_peer is not None and out.hidden is not None
-            hint = {"next": next_mb} if next_mb is not None else None
-            msg = StageMessage(kind, cohort, 0, out.hidden, hint, members=steps, deferred=deferred)
+            msg = StageMessage(kind, cohort, 0, out.hidden, members=steps, deferred=deferred, next_mb=next_mb)
             self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
             return None
         assert out.logits is not None
@@ -283,7 +282,6 @@ class StageRunner:
             return
         if failed:  # stage 0 learns of these apart (cohort -1)
             self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(-1, tuple(failed)).encode())
-        hint = (msg.meta or {}).get("next")
         hidden = kept[0] if len(kept) == 1 else torch.cat(kept)
         self.run(
             pos,
@@ -291,7 +289,7 @@ class StageRunner:
             msg.kind,
             StageIO(hidden=hidden),
             msg.mb_id,
-            next_mb=int(hint) if hint is not None else None,
+            next_mb=msg.next_mb,
             deferred=tuple(deferred),
         )
 

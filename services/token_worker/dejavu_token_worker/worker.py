@@ -365,7 +365,7 @@ class TokenWorker(WorkerProcess):
                 continue
             try:
                 msg = StageMessage.decode(payload)
-            except (ValueError, KeyError) as exc:
+            except ValueError as exc:
                 log.error("dropped a malformed stage message: %s", exc)
                 continue
             if msg.kind is Kind.RELEASE:
