@@ -4,6 +4,10 @@ same dtype), beside the memory-bandwidth bound of a decode step, all measured in
 
 Usage: dejavu bench engine [--prompt-len 256 1000] [--batches 1 16] [--dtypes float32 bfloat16]
                            [--steps 16] [--threads 0] [--no-hf] [--profile] [--no-preload]
+                           [--device cpu|cuda] [--model FOLDER]
+``--device cuda`` runs both engines on the GPU (the device-generic path: dense weights, torch's attention) and
+takes the bound from a device-to-device copy; ``--model`` times another checkpoint folder (such as one made by
+``benchmarks/random_checkpoint.py``) instead of the prepared default model.
 The script re-runs itself with the libraries the launcher preloads into workers (tcmalloc, Intel
 OpenMP, where installed; ``--no-preload``: as started). Rows of batch > 1 also time a prefill of
 prompts of mixed lengths, ragged against padded. Prints a table and writes
@@ -36,6 +40,7 @@ from dejavulib.kvcache import torch_dtype
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.json"
+CPU = torch.device("cpu")
 
 # torch.profiler op names -> the category a decode step's time is reported under (first match wins).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -69,15 +74,23 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-def memcpy_bandwidth(size_bytes: int = 256 << 20, repeats: int = 8) -> float:
-    """Best observed memory traffic of a contiguous copy, bytes/s (read + write)."""
-    src = torch.ones(size_bytes // 4, dtype=torch.float32)
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU, whose ops return when done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memcpy_bandwidth(device: torch.device, size_bytes: int = 256 << 20, repeats: int = 8) -> float:
+    """Best observed memory traffic of a contiguous copy on ``device``, bytes/s (read + write)."""
+    src = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size_bytes / best
 
@@ -107,7 +120,7 @@ class HFRunner:
     def __init__(self, model: torch.nn.Module, ids: torch.Tensor) -> None:
         from transformers import DynamicCache
 
-        self.model, self.ids = model, ids
+        self.model, self.ids = model, ids.to(model.device)
         self.cache = DynamicCache(config=model.config)
         self.next = ids[:, :1]
 
@@ -122,20 +135,25 @@ class HFRunner:
         self.next = logits[:, -1].argmax(-1, keepdim=True)
 
 
-def timed(fn: Callable[[], object]) -> float:
+def timed(fn: Callable[[], object], device: torch.device = CPU) -> float:
+    """Wall time of ``fn()``, the work it queued on ``device`` included."""
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def bench_pair(runners: dict[str, OursRunner | HFRunner], steps: int) -> dict[str, dict[str, float]]:
+def bench_pair(
+    runners: dict[str, OursRunner | HFRunner], steps: int, device: torch.device = CPU
+) -> dict[str, dict[str, float]]:
     """Prefill each, then decode steps interleaved (ours, HF, ours, ...), so that all see the same
     machine load; medians and minima per token are reported."""
-    prefill = {name: timed(runner.prefill) for name, runner in runners.items()}
+    prefill = {name: timed(runner.prefill, device) for name, runner in runners.items()}
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(steps):
         for name, runner in runners.items():
-            times[name].append(timed(runner.step))
+            times[name].append(timed(runner.step, device))
     return {
         name: {
             "prefill_s": prefill[name],
@@ -240,12 +258,15 @@ def print_table(result: dict[str, object]) -> None:
 
 def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: float) -> list[dict[str, object]]:
     """All (prompt length, batch) rows of one dtype: ours and (unless ``--no-hf``) transformers."""
-    pipeline = Pipeline(folder, 1, dtype=dtype, pack_gemms=not args.no_pack, native_attention=not args.no_native)
+    device = torch.device(args.device)
+    pipeline = Pipeline(
+        folder, 1, args.device, dtype=dtype, pack_gemms=not args.no_pack, native_attention=not args.no_native
+    )
     hf_model = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype)).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype(dtype)).to(device).eval()
 
     def runners(ids: torch.Tensor, steps: int) -> dict[str, OursRunner | HFRunner]:
         found: dict[str, OursRunner | HFRunner] = {"ours": OursRunner(pipeline, ids, steps)}
@@ -253,26 +274,28 @@ def bench_dtype(folder: Path, dtype: str, args: argparse.Namespace, bandwidth: f
             found["hf"] = HFRunner(hf_model, ids)
         return found
 
-    bench_pair(runners(random_ids(1, 32, pipeline.spec.vocab_size), 2), 2)  # first-call costs, all
+    bench_pair(runners(random_ids(1, 32, pipeline.spec.vocab_size), 2), 2, device)  # first-call costs, all
     rows = []
     for prompt_len in args.prompt_len:
         for batch in args.batches:
             ids = random_ids(batch, prompt_len, pipeline.spec.vocab_size)
             found = runners(ids, args.steps * (4 if args.profile else 1))  # profiling runs 3 x steps more
             row: dict[str, object] = {"dtype": dtype, "batch": batch, "prompt_len": prompt_len}
-            row |= bench_pair(found, args.steps)
+            row |= bench_pair(found, args.steps, device)
             bytes_step = decode_bytes(pipeline, batch, prompt_len + args.steps // 2)
             row |= {"decode_bytes_per_step": bytes_step, "decode_bound_s": bytes_step / bandwidth}
             if args.profile:
                 row["profile"] = profile_steps(found["ours"], args.steps)  # type: ignore[arg-type]
             if batch > 1:
-                row["mixed_prefill"] = mixed_prefill(pipeline, prompt_len, batch)
+                row["mixed_prefill"] = mixed_prefill(pipeline, prompt_len, batch, device)
             rows.append(row)
             print(f"done: {dtype} prompt {prompt_len} batch {batch}", flush=True)
     return rows
 
 
-def mixed_prefill(pipeline: Pipeline, prompt_len: int, batch: int, reps: int = 3) -> dict[str, object]:
+def mixed_prefill(
+    pipeline: Pipeline, prompt_len: int, batch: int, device: torch.device = CPU, reps: int = 3
+) -> dict[str, object]:
     """Prefill of ``batch`` prompts of mixed lengths (evenly spread from ``prompt_len // 8`` to
     ``prompt_len``, left padded to the longest): ragged (the prompts' tokens only, back to back) against
     padded (every row computed to the longest), medians of ``reps`` interleaved runs."""
@@ -286,7 +309,7 @@ def mixed_prefill(pipeline: Pipeline, prompt_len: int, batch: int, reps: int = 3
         for ragged in (True, False):
             for stage in pipeline.stages:
                 stage.ragged_prefill = ragged
-            times[ragged].append(timed(lambda: pipeline.forward(ids, caches, geometry)))
+            times[ragged].append(timed(lambda: pipeline.forward(ids, caches, geometry), device))
     for stage in pipeline.stages:
         stage.ragged_prefill = True
     ragged_s, padded_s = statistics.median(times[True]), statistics.median(times[False])
@@ -318,18 +341,26 @@ def main() -> None:
     parser.add_argument(
         "--no-native", action="store_true", help="torch's attention per microbatch (not the native decode kernel)"
     )
+    parser.add_argument("--device", default="cpu", help="where both engines run: cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--model", type=Path, help="a checkpoint folder (default: the prepared default model)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cpu" and args.profile:
+        parser.error("--profile breaks a step into CPU ops: CPU only")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here")
     if not args.no_preload:
         run_as_worker()
 
     threads = configure_torch_threads(args.threads)
     load_before = os.getloadavg()[0]  # the machine is shared: record how busy it was
-    folder = ensure_default_model(Settings())
-    bandwidth = memcpy_bandwidth()
+    folder = args.model or ensure_default_model(Settings())
+    bandwidth = memcpy_bandwidth(device)
     rows = [row for dtype in args.dtypes for row in bench_dtype(folder, dtype, args, bandwidth)]
     result = {
         "model": folder.name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": threads,
         "decode_steps": args.steps,
         "memcpy_bytes_per_s": bandwidth,
@@ -343,7 +374,7 @@ def main() -> None:
         "rows": rows,
     }
     print(
-        f"memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, "
+        f"device {result['device']}, memcpy traffic {bandwidth / 1e9:.1f} GB/s, {threads} torch threads, "
         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "
         f"runtime: {result['runtime']}, packed GEMMs {result['packed_gemms']}"
     )

@@ -14,6 +14,15 @@ from collections.abc import Iterator
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--engine-device",
+        default=os.environ.get("DEJAVU_TEST_DEVICE", "cpu"),
+        help="device the engine tests run their stages on (cpu, cuda, cuda:1; env DEJAVU_TEST_DEVICE): on a device "
+        "other than the CPU, the device-generic engine tests run there and the rest of tests/engine is skipped",
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,8 +30,8 @@ def run(pipeline: Pipeline, prompts: list[torch.Tensor], continuations: torch.Te
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_lengths_match_single_requests(family: str, tiny_checkpoints: dict[str, Path]) -> None:
-    pipeline = Pipeline(tiny_checkpoints[family], 2)
+def test_mixed_lengths_match_single_requests(family: str, device: str, tiny_checkpoints: dict[str, Path]) -> None:
+    pipeline = Pipeline(tiny_checkpoints[family], 2, device)
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 300, (n,), generator=generator) for n in LENGTHS]
     continuations = torch.randint(3, 300, (len(LENGTHS), STEPS), generator=generator)
@@ -43,7 +43,9 @@ def test_mixed_lengths_match_single_requests(family: str, tiny_checkpoints: dict
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_grouped_decode_of_microbatches_matches_each_alone(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+def test_grouped_decode_of_microbatches_matches_each_alone(
+    family: str, device: str, tiny_checkpoints: dict[str, Path]
+) -> None:
     """Iteration-level batching: microbatches at different lengths and steps share one decode call,
     each attending over its own cache, and compute what each computes alone."""
     from dejavu_engine.stage import Stage
@@ -51,7 +53,7 @@ def test_grouped_decode_of_microbatches_matches_each_alone(family: str, tiny_che
 
     folder = tiny_checkpoints[family]
     n_layers = Pipeline(folder, 1).spec.num_layers
-    stages = [Stage(folder, (0, 2)), Stage(folder, (2, n_layers))]
+    stages = [Stage(folder, (0, 2), device), Stage(folder, (2, n_layers), device)]
     generator = torch.Generator().manual_seed(5)
     groups = [[9, 4], [3], [6, 6, 2]]  # prompt lengths per microbatch
     state = []
@@ -91,14 +93,14 @@ def test_grouped_decode_of_microbatches_matches_each_alone(family: str, tiny_che
 @pytest.mark.parametrize("native_attention", [True, False], ids=["native", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_decode_of_some_rows_computes_what_those_rows_compute_in_a_full_decode(
-    family: str, native_attention: bool, tiny_checkpoints: dict[str, Path]
+    family: str, native_attention: bool, device: str, tiny_checkpoints: dict[str, Path]
 ) -> None:
     """Finished rows leave the computation: decoding only rows (0, 2) of a microbatch gives those rows'
     results of a decode of every row, writes their cache rows only, and leaves the others untouched."""
     from dejavu_engine.stage import Stage
     from dejavu_engine.stage_io import StageIO
 
-    stage = Stage(tiny_checkpoints[family], (0, 2), native_attention=native_attention)
+    stage = Stage(tiny_checkpoints[family], (0, 2), device, native_attention=native_attention)
     generator = torch.Generator().manual_seed(7)
     geometry = BatchGeometry.for_prompts([5, 9, 3])
     ids = torch.randint(3, 300, (3, geometry.cur_len), generator=generator)
@@ -118,7 +120,7 @@ def test_a_decode_of_some_rows_computes_what_those_rows_compute_in_a_full_decode
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_ragged_prefill_computes_no_padding_and_matches_the_padded_one(
-    family: str, tiny_checkpoints: dict[str, Path]
+    family: str, device: str, tiny_checkpoints: dict[str, Path]
 ) -> None:
     """Prefill of left-padded prompts runs their tokens only, back to back (stage 0 hands the next stage
     one packed row); the caches' prompt positions and the last-position logits are the padded call's."""
@@ -134,7 +136,7 @@ def test_a_ragged_prefill_computes_no_padding_and_matches_the_padded_one(
         ids[row, geometry.pad_lens[row] :] = torch.randint(3, 300, (n,), generator=generator)
     results = {}
     for ragged in (True, False):
-        stages = [Stage(folder, tuple(r), ragged_prefill=ragged) for r in split_layers(LAYERS, 2)]
+        stages = [Stage(folder, tuple(r), device, ragged_prefill=ragged) for r in split_layers(LAYERS, 2)]
         caches = [s.allocate_cache(len(LENGTHS), geometry.cur_len) for s in stages]
         hidden = stages[0].prefill(StageIO(input_ids=ids), caches[0], geometry).hidden
         shape = (1, sum(LENGTHS)) if ragged else (len(LENGTHS), geometry.cur_len)

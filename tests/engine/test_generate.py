@@ -11,8 +11,8 @@ from dejavu_engine.pipeline import Pipeline
 PROMPTS = ((5, 17, 42, 8, 99), (7, 3), (11, 12, 13, 14, 15, 16, 17, 18))
 
 
-def test_rows_stop_independently_and_match_running_alone(tiny_checkpoints: dict[str, Path]) -> None:
-    pipeline = Pipeline(tiny_checkpoints["llama"], 2)
+def test_rows_stop_independently_and_match_running_alone(device: str, tiny_checkpoints: dict[str, Path]) -> None:
+    pipeline = Pipeline(tiny_checkpoints["llama"], 2, device)
     free = [generate_batch(pipeline, [Request(p, SamplingSpec(max_tokens=8, temperature=0))])[0][0] for p in PROMPTS]
     assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 8 for c in free)
     stop_token = free[0].token_ids[3]
@@ -29,9 +29,9 @@ def test_rows_stop_independently_and_match_running_alone(tiny_checkpoints: dict[
     assert timings.decode_steps == 7
 
 
-def test_seeded_sampling_is_independent_of_the_stage_split(tiny_checkpoints: dict[str, Path]) -> None:
+def test_seeded_sampling_is_independent_of_the_stage_split(device: str, tiny_checkpoints: dict[str, Path]) -> None:
     request = Request(PROMPTS[0], SamplingSpec(max_tokens=10, temperature=1.3, top_p=0.95, seed=99))
-    runs = [generate_batch(Pipeline(tiny_checkpoints["opt"], k), [request])[0][0].token_ids for k in (1, 3)]
+    runs = [generate_batch(Pipeline(tiny_checkpoints["opt"], k, device), [request])[0][0].token_ids for k in (1, 3)]
     assert runs[0] == runs[1]
     other = Request(PROMPTS[0], SamplingSpec(max_tokens=10, temperature=1.3, top_p=0.95, seed=100))
-    assert generate_batch(Pipeline(tiny_checkpoints["opt"], 1), [other])[0][0].token_ids != runs[0]
+    assert generate_batch(Pipeline(tiny_checkpoints["opt"], 1, device), [other])[0][0].token_ids != runs[0]

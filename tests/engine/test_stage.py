@@ -49,11 +49,13 @@ def expected_share(sizes: dict[str, int], layers: tuple[int, int], last: bool, t
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_stage_holds_exactly_its_share_of_the_weights(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+def test_stage_holds_exactly_its_share_of_the_weights(
+    family: str, device: str, tiny_checkpoints: dict[str, Path]
+) -> None:
     folder = tiny_checkpoints[family]
     sizes = checkpoint_bytes(folder)
     for stages in (1, 2, 3):
-        pipeline = Pipeline(folder, stages)
+        pipeline = Pipeline(folder, stages, device)
         tied = TOKEN_EMBEDDING[family] if pipeline.spec.tie_word_embeddings else None
         for stage in pipeline.stages:
             assert stage.param_bytes == expected_share(sizes, stage.layers, stage.is_last, tied), stage.layers
@@ -76,8 +78,10 @@ def test_split_layers_is_balanced_and_contiguous() -> None:
             split_layers(30, bad)
 
 
-def test_kv_layout_and_a_decode_step_writes_exactly_one_position(tiny_checkpoints: dict[str, Path]) -> None:
-    stage = Stage(tiny_checkpoints["llama"], (1, 3))
+def test_kv_layout_and_a_decode_step_writes_exactly_one_position(
+    device: str, tiny_checkpoints: dict[str, Path]
+) -> None:
+    stage = Stage(tiny_checkpoints["llama"], (1, 3), device)
     spec = stage.spec
     cache = stage.allocate_cache(batch=2, max_len=12)
     assert cache.k.shape == (2, 2, spec.num_kv_heads, 12, spec.head_dim) == cache.layout.shape
@@ -94,8 +98,8 @@ def test_kv_layout_and_a_decode_step_writes_exactly_one_position(tiny_checkpoint
         assert (now[:, :, :, 5] != 0).all()
 
 
-def test_layer_hook_runs_after_each_layer_with_global_indices(tiny_checkpoints: dict[str, Path]) -> None:
-    stage = Stage(tiny_checkpoints["opt"], (1, 3))
+def test_layer_hook_runs_after_each_layer_with_global_indices(device: str, tiny_checkpoints: dict[str, Path]) -> None:
+    stage = Stage(tiny_checkpoints["opt"], (1, 3), device)
     cache = stage.allocate_cache(1, 4)
     seen: list[tuple[int, float]] = []
 

@@ -444,10 +444,12 @@ class Stage:
         return replace(ctx, spans=decode_spans([c.geometry for c in contexts]))
 
     def _input(self, io: StageIO) -> torch.Tensor:
+        """The tensor this stage takes from ``io``, on this stage's device: token ids come from the host and
+        hidden states from the data plane (host memory), whatever device the stage computes on."""
         x = io.input_ids if self.is_first else io.hidden
         if x is None:
             raise ValueError(f"stage {self.layers} expects {'input_ids' if self.is_first else 'hidden'}")
-        return x
+        return x if x.device == self.device else x.to(self.device, non_blocking=True)
 
     def _check(self, cache: AnyCache, geometry: BatchGeometry, batch: int, n: int) -> None:
         layout = cache.layout
