@@ -486,6 +486,46 @@ def test_a_stage_prefills_the_same_with_and_without_the_kernel(
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("flags", "dtype", "from_len"),
+    [
+        ("fpu avx512f avx512_bf16", "bfloat16", None),  # AVX512-BF16 dot products, no matrix units
+        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16", native.AMX_TORCH_PREFILL_FROM),
+        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "float32", None),  # AMX has no float32 tiles
+        ("fpu avx2 fma", "float32", None),
+    ],
+)
+def test_long_bfloat16_prompts_go_to_torch_on_amx_only(
+    flags: str, dtype: str, from_len: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_cpu_flag_set", lambda: frozenset(flags.split()))
+    assert native.torch_prefill_from(dtype) == from_len
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("from_len", [1, 7, None], ids=["all-torch", "split", "all-kernel"])
+def test_prompts_split_between_the_kernel_and_torch_attend_as_either_alone(
+    dtype: torch.dtype, from_len: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call whose prompts go partly to torch's flash attention (from ``from_len`` tokens on) computes what the
+    kernel computes for every prompt, each prompt over its own tokens, from q/k/v views of one projection."""
+    from dejavu_engine.attention import _prefill_native
+
+    generator = torch.Generator().manual_seed(6)
+    lengths, heads, kv_heads, head_dim = [5, 12, 1, 9], 6, 2, 32
+    n = sum(lengths)
+    qkv = torch.randn(1, n, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(1, n, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    segments = list(zip(offsets, lengths, strict=True))
+    monkeypatch.setattr(native, "torch_prefill_from", lambda _dtype: None)
+    want = _prefill_native(q, k, v, segments, None)
+    monkeypatch.setattr(native, "torch_prefill_from", lambda _dtype: from_len)
+    got = _prefill_native(q, k, v, segments, None)
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
 def _torch_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dejavu_engine import native
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
@@ -37,12 +38,12 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-4}
 )
 @pytest.mark.parametrize("family", FAMILIES)
 def test_paged_caches_compute_what_contiguous_caches_compute(
-    family: str, native_attention: bool, dtype: str, tiny_checkpoints: dict[str, Path]
+    family: str, native_attention: bool, dtype: str, device: str, tiny_checkpoints: dict[str, Path]
 ) -> None:
     folder = tiny_checkpoints[family]
     ranges = [(0, 2), (2, LAYERS)]
-    plain = [Stage(folder, r, dtype=dtype, native_attention=native_attention) for r in ranges]
-    paged = [Stage(folder, r, dtype=dtype, native_attention=native_attention) for r in ranges]
+    plain = [Stage(folder, r, device, dtype, native_attention=native_attention) for r in ranges]
+    paged = [Stage(folder, r, device, dtype, native_attention=native_attention) for r in ranges]
     atol = TOLERANCE[dtype]
     pools = [s.block_pool(block_size=4, max_blocks=64, slab_blocks=8) for s in paged]
     generator = torch.Generator().manual_seed(3)
@@ -95,8 +96,8 @@ def test_paged_caches_compute_what_contiguous_caches_compute(
     assert all(pool.used_blocks == 0 for pool in pools)
 
 
-def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, Path]) -> None:
-    stage = Stage(tiny_checkpoints["llama"], (0, LAYERS))
+def test_the_paged_kernel_is_used_where_it_applies(device: str, tiny_checkpoints: dict[str, Path]) -> None:
+    stage = Stage(tiny_checkpoints["llama"], (0, LAYERS), device)
     if not stage.native_attention:
         pytest.skip("native kernels unavailable on this host")
     assert stage.paged_attention
@@ -108,12 +109,12 @@ def test_the_paged_kernel_is_used_where_it_applies(tiny_checkpoints: dict[str, P
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "bloom"])  # ALiBi: no paged kernel, no mixing
 def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(
-    family: str, dtype: str, tiny_checkpoints: dict[str, Path]
+    family: str, dtype: str, device: str, tiny_checkpoints: dict[str, Path]
 ) -> None:
     """Decoding rows of two microbatches and the prefill of a third (left-padded prompts) in one pass give the
     logits and caches that a decode step and a prefill give one after the other."""
     folder = tiny_checkpoints[family]
-    mixed, apart = Stage(folder, (0, LAYERS), dtype=dtype), Stage(folder, (0, LAYERS), dtype=dtype)
+    mixed, apart = Stage(folder, (0, LAYERS), device, dtype), Stage(folder, (0, LAYERS), device, dtype)
     if not mixed.mixes:
         pytest.skip("native kernels unavailable on this host")
     assert not Stage(folder, (0, 2), dtype=dtype).mixes  # only a stage that is the whole model mixes
@@ -154,16 +155,19 @@ def test_a_mixed_pass_computes_a_decode_step_and_a_prefill(
     torch.testing.assert_close(after, after_apart, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("from_len", [None, 5, 1], ids=["kernel", "split", "torch"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_prefill_over_a_cache_with_a_finished_row_keeps_nothing_of_it(
-    dtype: str, tiny_checkpoints: dict[str, Path]
+    dtype: str, from_len: int | None, device: str, tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A recompute prefills every row of its microbatch, the finished ones too: a finished row holds no blocks
-    and takes none, and the other rows' logits and K/V are what a contiguous cache gives."""
+    and takes none, and the other rows' logits and K/V are what a contiguous cache gives, whichever prompts
+    attend through torch's flash attention rather than the native kernel (native.torch_prefill_from)."""
     folder = tiny_checkpoints["llama"]
-    paged, plain = Stage(folder, (0, LAYERS), dtype=dtype), Stage(folder, (0, LAYERS), dtype=dtype)
+    paged, plain = Stage(folder, (0, LAYERS), device, dtype), Stage(folder, (0, LAYERS), device, dtype)
     if not paged.prefills_into_blocks:
         pytest.skip("native kernels unavailable on this host")
+    monkeypatch.setattr(native, "torch_prefill_from", lambda _dtype: from_len)
     pool = paged.block_pool(block_size=4, max_blocks=64, slab_blocks=8)
     geometry = BatchGeometry.for_prompts([6, 9, 3])
     ids = torch.randint(3, 300, (3, geometry.cur_len), generator=torch.Generator().manual_seed(2))

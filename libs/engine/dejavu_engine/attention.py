@@ -185,17 +185,34 @@ def _prefill_native(
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[batch, heads, n, head_dim]`` over ``k``/``v`` (``[batch, kv_heads, n,
     head_dim]``) through the native prefill kernel, the batch's tokens taken as one sequence cut into
-    ``segments`` (offset, length), each attending over itself only. Returns ``[batch * n, heads, head_dim]``."""
+    ``segments`` (offset, length), each attending over itself only: one call for every prompt, but those that
+    attend faster through torch's flash attention on this host (:func:`native.torch_prefill_from`), which go
+    there one by one. Returns ``[batch * n, heads, head_dim]``."""
     batch, heads, n, head_dim = q.shape
     kv_heads = k.shape[1]
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    return native.prefill_attention(
-        q.transpose(1, 2).reshape(batch * n, heads, head_dim),  # views of a fused projection, not copies
-        k.transpose(1, 2).reshape(batch * n, kv_heads, head_dim),
-        v.transpose(1, 2).reshape(batch * n, kv_heads, head_dim),
-        torch.tensor(segments, dtype=torch.long),
-        scale,
-    )
+    q_rows = q.transpose(1, 2).reshape(batch * n, heads, head_dim)  # views of a fused projection, not copies
+    k_rows = k.transpose(1, 2).reshape(batch * n, kv_heads, head_dim)
+    v_rows = v.transpose(1, 2).reshape(batch * n, kv_heads, head_dim)
+    from_len = native.torch_prefill_from(str(q.dtype).removeprefix("torch."))
+    long = [] if from_len is None else [(offset, length) for offset, length in segments if length >= from_len]
+    short = [segment for segment in segments if from_len is None or segment[1] < from_len]
+    if short:
+        out = native.prefill_attention(q_rows, k_rows, v_rows, torch.tensor(short, dtype=torch.long), scale)
+    else:  # tokens in no segment are 0, as the kernel leaves them
+        out = torch.zeros(batch * n, heads, head_dim, dtype=q.dtype, device=q.device)
+    for offset, length in long:
+        rows = slice(offset, offset + length)
+        part = F.scaled_dot_product_attention(
+            q_rows[rows].transpose(0, 1).unsqueeze(0),
+            k_rows[rows].transpose(0, 1).unsqueeze(0),
+            v_rows[rows].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=heads != kv_heads,
+        )
+        out[rows] = part[0].transpose(0, 1)
+    return out
 
 
 def decode_spans(geometries: Sequence[BatchGeometry]) -> torch.Tensor:

@@ -27,6 +27,7 @@ per microbatch (and its pointwise ops): same results, slower. ``engine.native_at
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -81,6 +82,11 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+@functools.cache
+def _cpu_flag_set() -> frozenset[str]:
+    return frozenset(_cpu_flags().split())
 
 
 def build_key(march: str = "native") -> str:
@@ -251,6 +257,24 @@ def paged_decode_attention(
     module = _require()
     with torch.profiler.record_function("dejavu::paged_decode_attention"):
         return module.paged_decode_attention(q, k_new, v_new, k_slabs, v_slabs, tables, spans, scale)
+
+
+# From this many tokens on, a bfloat16 prompt attends faster through torch's CPU flash attention than through
+# prefill_attention where the CPU has AMX (the kernel alone, 2 threads, SmolLM2's heads, alternated in one process on
+# a 2-core Xeon with AMX, 2026-11-26: 4 x 64 tokens 0.30 / 0.48 ms, 4 x 128 1.02 / 1.07, 8 x 192 3.42 / 2.87,
+# 4 x 256 2.90 / 2.17, 2 x 512 5.90 / 3.79, 1 x 1000 9.63 / 5.64; kernel / torch).
+AMX_TORCH_PREFILL_FROM = 160
+
+
+def torch_prefill_from(dtype: str) -> int | None:
+    """The prompt length from which :func:`prefill_attention` hands a prompt to torch's CPU flash attention on
+    this host (None: never). Only bfloat16 on a CPU with AMX: there torch's flash attention multiplies its
+    tiles on the matrix units (oneDNN's brgemm), which the kernel's AVX512-BF16 dot products match only for
+    short prompts (:data:`AMX_TORCH_PREFILL_FROM`). Elsewhere, and for float32 (AMX has no float32 tiles), the
+    kernel is the faster at every length."""
+    if dtype == "bfloat16" and "amx_bf16" in _cpu_flag_set():
+        return AMX_TORCH_PREFILL_FROM
+    return None
 
 
 def prefill_attention(
