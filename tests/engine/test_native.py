@@ -716,3 +716,15 @@ def test_a_host_without_a_compiler_loads_the_best_build_made_ahead_that_it_can_r
     v3_only = " ".join(sorted(dict(native.PORTABLE)["x86-64-v3"]))
     assert fresh_load("sse2 avx") is None  # no level this CPU runs was made
     assert fresh_load(v3_only) is not None
+
+
+def test_a_build_is_keyed_by_its_python_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two environments on one host (a project's virtualenv and another with the same torch) keep builds of
+    their own: torch's extension builder names the environment's include paths, so one shared build would be
+    rebuilt by each in turn."""
+    import sys
+
+    key = native.build_key()
+    assert native.build_key() == key and native.build_key("x86-64-v3") != key
+    monkeypatch.setattr(sys, "prefix", "/opt/another-venv")
+    assert native.build_key() != key

@@ -90,12 +90,14 @@ def _cpu_flag_set() -> frozenset[str]:
 
 
 def build_key(march: str = "native") -> str:
-    """What a build is valid for: the source, the compile flags, torch's version, and (``native``: built
-    for this very CPU) the CPU's flags."""
+    """What a build is valid for: the source, the compile flags, torch's version, the Python environment
+    (its prefix: torch's build of the extension names the environment's include paths, so two environments
+    sharing one cache would otherwise rebuild it in turn, each ~40 s), and (``native``: built for this very
+    CPU) the CPU's flags."""
     h = hashlib.sha256()
     cpu = _cpu_flags() if march == "native" else ""
     flags = " ".join(compile_flags(march))
-    for part in (SOURCE.read_bytes(), flags.encode(), torch.__version__.encode(), cpu.encode()):
+    for part in (SOURCE.read_bytes(), flags.encode(), torch.__version__.encode(), sys.prefix.encode(), cpu.encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
