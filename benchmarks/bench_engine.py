@@ -122,7 +122,7 @@ class HFRunner:
 
         self.model, self.ids = model, ids.to(model.device)
         self.cache = DynamicCache(config=model.config)
-        self.next = ids[:, :1]
+        self.next = self.ids[:, :1]
 
     @torch.inference_mode()
     def prefill(self) -> None:

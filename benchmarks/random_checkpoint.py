@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# Beside the config.json and weights save_pretrained writes.
+COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def build(like: Path, out: Path, seed: int = 0) -> Path:
@@ -30,7 +31,7 @@ def build(like: Path, out: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    for name in COPIED[1:]:
+    for name in COPIED:
         if (like / name).is_file():
             shutil.copy2(like / name, out / name)
     return out

@@ -489,14 +489,14 @@ def test_a_stage_prefills_the_same_with_and_without_the_kernel(
 @pytest.mark.parametrize(
     ("flags", "dtype", "from_len"),
     [
-        ("fpu avx512f avx512_bf16", "bfloat16", None),  # AVX512-BF16 dot products, no matrix units
-        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "bfloat16", native.AMX_TORCH_PREFILL_FROM),
-        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "float32", None),  # AMX has no float32 tiles
-        ("fpu avx2 fma", "float32", None),
+        ("fpu avx512f avx512_bf16", torch.bfloat16, None),  # AVX512-BF16 dot products, no matrix units
+        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", torch.bfloat16, native.AMX_TORCH_PREFILL_FROM),
+        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", torch.float32, None),  # AMX has no float32 tiles
+        ("fpu avx2 fma", torch.float32, None),
     ],
 )
 def test_long_bfloat16_prompts_go_to_torch_on_amx_only(
-    flags: str, dtype: str, from_len: int | None, monkeypatch: pytest.MonkeyPatch
+    flags: str, dtype: torch.dtype, from_len: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(native, "_cpu_flag_set", lambda: frozenset(flags.split()))
     assert native.torch_prefill_from(dtype) == from_len

@@ -194,9 +194,11 @@ def _prefill_native(
     q_rows = q.transpose(1, 2).reshape(batch * n, heads, head_dim)  # views of a fused projection, not copies
     k_rows = k.transpose(1, 2).reshape(batch * n, kv_heads, head_dim)
     v_rows = v.transpose(1, 2).reshape(batch * n, kv_heads, head_dim)
-    from_len = native.torch_prefill_from(str(q.dtype).removeprefix("torch."))
-    long = [] if from_len is None else [(offset, length) for offset, length in segments if length >= from_len]
-    short = [segment for segment in segments if from_len is None or segment[1] < from_len]
+    from_len = native.torch_prefill_from(q.dtype)
+    short: list[tuple[int, int]] = []
+    long: list[tuple[int, int]] = []
+    for segment in segments:
+        (long if from_len is not None and segment[1] >= from_len else short).append(segment)
     if short:
         out = native.prefill_attention(q_rows, k_rows, v_rows, torch.tensor(short, dtype=torch.long), scale)
     else:  # tokens in no segment are 0, as the kernel leaves them

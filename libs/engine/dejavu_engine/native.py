@@ -268,13 +268,13 @@ def paged_decode_attention(
 AMX_TORCH_PREFILL_FROM = 160
 
 
-def torch_prefill_from(dtype: str) -> int | None:
+def torch_prefill_from(dtype: torch.dtype) -> int | None:
     """The prompt length from which :func:`prefill_attention` hands a prompt to torch's CPU flash attention on
     this host (None: never). Only bfloat16 on a CPU with AMX: there torch's flash attention multiplies its
     tiles on the matrix units (oneDNN's brgemm), which the kernel's AVX512-BF16 dot products match only for
     short prompts (:data:`AMX_TORCH_PREFILL_FROM`). Elsewhere, and for float32 (AMX has no float32 tiles), the
     kernel is the faster at every length."""
-    if dtype == "bfloat16" and "amx_bf16" in _cpu_flag_set():
+    if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flag_set():
         return AMX_TORCH_PREFILL_FROM
     return None
 
