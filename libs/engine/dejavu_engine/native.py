@@ -356,8 +356,14 @@ if __name__ == "__main__":  # make setup: build ahead, so no worker or test wait
         for path in build_portable(Path(sys.argv[2])):
             print(f"built {path}")
         sys.exit(0)
-    if load() is None:
-        print("native kernels could not be built; attention will run per microbatch")
-        sys.exit(0)
-    else:
+    if _compiler() is not None:  # a compiler is here: a failed build is an error, not a fallback
+        try:
+            _build()
+        except Exception as exc:
+            print(f"native kernels failed to build with {_compiler()}:\n{str(exc)[-2000:]}", file=sys.stderr)
+            sys.exit(1)
         print(f"native kernels ready in {cache_dir() / build_key()}")
+    elif load() is None:
+        print("no C++ compiler and no build made ahead for this CPU; attention will run per microbatch")
+    else:
+        print("no C++ compiler: using the native kernels' build made ahead for this CPU level")

@@ -131,7 +131,9 @@ def _up(args: argparse.Namespace) -> int:
     from dejavu_cli.launcher import Launcher
     from dejavu_cli.main import CLIError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The console shows the launcher's own lines; libraries (httpx's request lines, ...) speak only of problems.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("dejavu").setLevel(logging.INFO)
     settings = _settings(args)
     if not settings.model.folder.is_dir():
         raise CLIError(f"model folder {settings.model.folder} does not exist (run `dejavu model prepare`)")
