@@ -109,3 +109,38 @@ def test_a_second_controller_stands_by_without_touching_the_leaders_work_then_ta
         client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_leader_that_lost_the_lease_cannot_publish_a_topology(redis_url) -> None:
+    """The fencing: topology writes commit only while the writer holds the lease, checked by Redis in the
+    same transaction; a leader that stalled past its TTL and lost the lease to another writes nothing."""
+    from dejavu_common.messages import WorkerInfo, WorkerRole
+    from dejavu_common.settings import ControllerSettings, Mode
+    from dejavu_controller.registry import Registry
+
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        await r.delete(keys.CONTROLLER_LEADER, keys.TOPOLOGY)
+        info = WorkerInfo(worker_id="t0", role=WorkerRole.TOKEN, host="h", pid=1, instance="t0-1", data_address="")
+        await r.hset(keys.worker("t0"), mapping={"info": info.encode(), "state": "serving", "epoch": 0})
+        await r.sadd(keys.WORKERS, "t0")
+        await r.set(keys.worker_lease("t0"), "1", px=5000)
+        stalled, other = Leadership(r, "host-a:8000", ttl_s=5), Leadership(r, "host-b:8000", ttl_s=5)
+        settings = ControllerSettings(mode=Mode.COLOCATED, token_depth=1)
+        registry = Registry(r, settings, n_layers=4)
+        assert await stalled.try_acquire()
+        workers = await registry.workers()
+        first = await registry.publish(registry.assemble(workers), workers, fenced=stalled.fenced)
+        assert await r.get(keys.TOPOLOGY) == first.encode()
+        await r.delete(keys.CONTROLLER_LEADER)  # its lease expired while it stalled ...
+        assert await other.try_acquire()  # ... and another instance leads now
+        with pytest.raises(LeadershipLost, match="write refused"):
+            await registry.publish(registry.assemble(workers), workers, fenced=stalled.fenced)
+        assert await r.get(keys.TOPOLOGY) == first.encode()  # nothing written
+        assert not stalled.held
+        await other.fenced(lambda pipe: pipe.set(keys.TOPOLOGY, b"x"))  # the holder writes
+        assert await r.get(keys.TOPOLOGY) == b"x"
+        await r.delete(keys.TOPOLOGY, keys.CONTROLLER_LEADER)
+        await r.aclose()
+
+    asyncio.run(scenario())

@@ -113,3 +113,47 @@ def test_the_context_is_capped_at_the_models_own_position_limit(tmp_path) -> Non
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config))
         assert context_limit(folder, 2048) == expected
+
+
+def test_a_restarted_controller_keeps_the_spare_that_holds_a_stage(redis_url: str) -> None:
+    """A spare replaced t1, then the controller restarted: the new one reads the published topology and
+    assembles with the spare in stage 1 (without it, spares only replace, and it would wait for t1 for ever)."""
+
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        settings = ControllerSettings(mode=Mode.COLOCATED, token_depth=2)
+        first = Registry(r, settings, n_layers=4)
+        for wid, spare in (("t0", False), ("t1", False), ("spare0", True)):
+            await _register(r, wid, WorkerRole.TOKEN, spare=spare)
+        workers = await first.workers()
+        await first.publish(first.assemble(workers), workers)
+        await r.delete(keys.worker_lease("t1"))
+        workers = await first.workers()
+        replaced = await first.publish(first.assemble(workers), workers)
+        assert [a.worker_id for a in replaced.token_stages] == ["t0", "spare0"]
+        await r.srem(keys.WORKERS, "t1")  # t1 is gone for good
+
+        restarted = Registry(r, settings, n_layers=4)
+        workers = await restarted.workers()
+        assert restarted.assemble(workers) is None  # without the published topology: waits for a regular worker
+        assert (await restarted.seed()).epoch == replaced.epoch
+        topo = restarted.assemble(workers)
+        assert topo is not None and [a.worker_id for a in topo.token_stages] == ["t0", "spare0"]
+        assert (await restarted.publish(topo, workers)).epoch > replaced.epoch
+        assert restarted.previous is None
+        await r.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_topology_in_redis_that_does_not_decode_is_ignored(redis_url: str) -> None:
+    async def scenario() -> None:
+        r = aioredis.Redis.from_url(redis_url)
+        await r.set(keys.TOPOLOGY, b"{not a topology")
+        reg = Registry(r, ControllerSettings(mode=Mode.COLOCATED, token_depth=1), n_layers=4)
+        assert await reg.seed() is None and reg.previous is None
+        await r.delete(keys.TOPOLOGY)
+        assert await reg.seed() is None
+        await r.aclose()
+
+    asyncio.run(scenario())

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 from redis import asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError, WatchError
 
 from dejavu_common import keys
@@ -114,6 +116,31 @@ class Leadership:
                 await self.renew()
             except RedisError as exc:
                 log.warning("leader lease not renewed: Redis error (%s); retrying", exc)
+
+    async def fenced(self, queue_writes: Callable[[Pipeline], None], tries: int = 5) -> None:
+        """Commit the writes ``queue_writes(pipe)`` queues, in one transaction that commits only while this
+        instance holds the lease: the lease is WATCHed and compared with this instance's value, so a leader
+        that stalled past its TTL and lost the lease to another instance cannot write after waking (the
+        lease's value is the fencing token, checked by Redis itself). Raises :class:`LeadershipLost`.
+
+        The lease's own renewal (:meth:`keep`) also touches the watched key, so a transaction it interrupts
+        is tried again while the lease is still this instance's."""
+        for _ in range(tries):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(keys.CONTROLLER_LEADER)
+                    raw = await pipe.get(keys.CONTROLLER_LEADER)
+                    held = raw.decode() if isinstance(raw, bytes) else raw
+                    if held != self.value:
+                        self.held = False
+                        raise LeadershipLost(f"the leader lease is held by {held}, not {self.value}: write refused")
+                    pipe.multi()
+                    queue_writes(pipe)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue  # renewed (or taken) meanwhile: look again
+        raise LeadershipLost(f"the leader lease kept changing under {self.value}: write refused")
 
     async def release(self) -> None:
         """Give the lease up if this instance holds it (a standby takes over at once)."""

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from dejavu_common import keys
 from dejavu_common.messages import KVHeld, StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
@@ -44,11 +45,30 @@ class Registry:
         self.topology: Topology | None = None
         self.instances: dict[str, str] = {}  # stage holder -> the process instance that held it at publish
         self.last_epoch = 0  # the newest epoch this controller published
+        # The topology an earlier controller published (read at start): who held which stage, so a
+        # restarted controller keeps those holders (spares that replaced a worker included) in its first
+        # pipeline instead of waiting for regular workers that may be gone.
+        self.previous: Topology | None = None
+
+    async def seed(self) -> Topology | None:
+        """Read the topology in Redis (an earlier controller's) as :attr:`previous`; None where there is none
+        or it does not decode (logged)."""
+        raw = await self.redis.get(keys.TOPOLOGY)
+        if raw is None:
+            return None
+        try:
+            self.previous = Topology.decode(raw)
+        except ValueError as exc:
+            log.warning("ignoring the topology in Redis: %s", exc)
+            return None
+        self.last_epoch = max(self.last_epoch, self.previous.epoch)
+        return self.previous
 
     def forget(self) -> None:
         """Drop the current topology (Redis lost it): the next :meth:`assemble` starts a fresh pipeline."""
         self.topology = None
         self.instances = {}
+        self.previous = None
 
     async def workers(self) -> dict[str, WorkerView]:
         """Every registered worker with its lease status; malformed records are skipped and logged."""
@@ -98,7 +118,8 @@ class Registry:
         )
 
     def _pick(self, live: dict[str, WorkerView], role: WorkerRole, depth: int, attr: str) -> list[str] | None:
-        current = [a.worker_id for a in getattr(self.topology, attr, ())] if self.topology else []
+        holders = self.topology or self.previous
+        current = [a.worker_id for a in getattr(holders, attr, ())] if holders else []
         # Keep survivors in their stages; fill holes with other live workers of the role, non-spares first.
         # Spares only ever replace: the first pipeline waits for its regular workers.
         chosen = [w if w in live else None for w in current][:depth] + [None] * max(0, depth - len(current))
@@ -125,9 +146,12 @@ class Registry:
         topology: Topology,
         workers: dict[str, WorkerView],
         before: Callable[[Topology], Awaitable[None]] | None = None,
+        fenced: Callable[[Callable[[Pipeline], None]], Awaitable[None]] | None = None,
     ) -> Topology:
         """Publish ``topology`` under a fresh epoch and return it; ``workers`` is the view it was built from.
         ``before(topology)`` runs once the epoch is chosen and before anyone can see it (a recovery order).
+        ``fenced(queue_writes)`` commits the topology's writes (the leader's :meth:`Leadership.fenced`: only
+        while it holds the lease); without it they are written plainly.
 
         Epochs never go backwards, even when Redis restarted empty (its counter starts over): the new
         epoch is above the counter, above every epoch a registered worker has seen (workers accept only
@@ -143,9 +167,19 @@ class Registry:
         topo = topology.model_copy(update={"epoch": epoch})
         if before is not None:
             await before(topo)
-        await self.redis.set(keys.TOPOLOGY, topo.encode())
-        await self.redis.publish(keys.TOPOLOGY_CHANNEL, str(epoch))
+
+        def queue_writes(pipe: Pipeline) -> None:
+            pipe.set(keys.TOPOLOGY, topo.encode())
+            pipe.publish(keys.TOPOLOGY_CHANNEL, str(epoch))
+
+        if fenced is not None:
+            await fenced(queue_writes)
+        else:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                queue_writes(pipe)
+                await pipe.execute()
         self.topology = topo
+        self.previous = None
         self.instances = {
             a.worker_id: workers[a.worker_id].info.instance for a in (*topo.prompt_stages, *topo.token_stages)
         }
