@@ -30,9 +30,13 @@ class Batching(enum.StrEnum):
     # (finished microbatches leave, prompt-done ones join the lightest cohort, up to
     # ceil(max_running / depth) rows each), and the controller dispatches by unfinished requests.
     COHORT = "cohort"
+    # Per-request passes (dejavu_common.sched): each pass of the decoding pipeline takes running requests' decodes
+    # and prompt chunks, then new requests, under a token budget and the KV pool's blocks; no microbatches.
+    BUDGET = "budget"
 
 
 DEFAULT_MAX_RUNNING = 64  # the runtime's controller.max_running default
+DEFAULT_TOKEN_BUDGET = 512  # budget: positions per pass
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class Deployment:
     swap: bool = False
     batching: Batching = Batching.MICROBATCH
     max_running: int = DEFAULT_MAX_RUNNING
+    token_budget: int = DEFAULT_TOKEN_BUDGET  # budget: positions one pass computes at most
+    block_size: int = 16  # budget: positions per KV block
+    kv_blocks: int = 0  # budget: the KV pool's blocks per stage (0: from the profile's memory)
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.microbatch < 1 or self.replicas < 1:
@@ -70,11 +77,20 @@ class Deployment:
             raise ValueError(f"invalid deployment {self}: max_running must be >= 1")
         if self.cohorts and (self.policy is Policy.FASTER_TRANSFORMER or self.replicas != 1):
             raise ValueError("cohort batching runs on dejavu or on one colocated baseline pipeline")
+        if self.budgeted and (self.policy is Policy.FASTER_TRANSFORMER or self.replicas != 1 or self.swap):
+            raise ValueError("budgeted passes run on dejavu or on one colocated baseline pipeline, without swapping")
+        if self.token_budget < 1 or self.block_size < 1 or self.kv_blocks < 0:
+            raise ValueError(f"invalid deployment {self}: token_budget and block_size >= 1, kv_blocks >= 0")
 
     @property
     def cohorts(self) -> bool:
         """Whether the token pipeline batches in cohorts (the serving runtime's policy)."""
         return self.batching is Batching.COHORT
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the decoding pipeline runs per-request passes under a token budget (dejavu_common.sched)."""
+        return self.batching is Batching.BUDGET
 
     @property
     def cohort_depth(self) -> int:
@@ -97,6 +113,8 @@ class Deployment:
         cohort batching appends the running bound, e.g. ``((1p, 4b), (1p, 4b), 64r)``."""
         b = self.microbatch
         running = f", {self.max_running}r" if self.cohorts else ""
+        if self.budgeted:
+            running = f", {self.max_running}r, {self.token_budget}t"
         if self.policy is Policy.DEJAVU:
             return f"(({self.depth}p, {b}b), ({self.token_depth}p, {b}b){running})"
         if self.replicas > 1:
@@ -105,7 +123,9 @@ class Deployment:
 
     def label(self) -> str:
         """A short name for plots and tables, e.g. ``DejaVu-2-4``."""
-        suffix = ("+swap" if self.swap else "") + ("+cohorts" if self.cohorts else "")
+        suffix = (
+            ("+swap" if self.swap else "") + ("+cohorts" if self.cohorts else "") + ("+budget" if self.budgeted else "")
+        )
         if self.policy is Policy.DEJAVU:
             return f"DejaVu-{self.depth}-{self.token_depth}{suffix}"
         name = "FT" if self.policy is Policy.FASTER_TRANSFORMER else "Baseline"

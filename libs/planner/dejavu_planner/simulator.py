@@ -320,9 +320,14 @@ def simulate(
 ) -> SimResult:
     """Simulate ``deployment`` serving ``trace`` with stage times from ``cost``; a partial microbatch
     forms once its oldest request has waited ``batch_wait_s`` (the controller's ``batch_wait_ms``).
-    Cohort batching (the serving runtime) runs in :class:`dejavu_planner.cohorts.CohortSimulator`."""
+    Cohort batching (the serving runtime) runs in :class:`dejavu_planner.cohorts.CohortSimulator`, per-request passes
+    under a token budget in :class:`dejavu_planner.budget.BudgetSimulator`."""
     if deployment.cohorts:
         from dejavu_planner.cohorts import CohortSimulator  # it builds on this module's Simulator
 
         return CohortSimulator(deployment, trace, cost, record_timeline, batch_wait_s).run()
+    if deployment.budgeted:
+        from dejavu_planner.budget import BudgetSimulator  # it builds on this module's Simulator
+
+        return BudgetSimulator(deployment, trace, cost, record_timeline, batch_wait_s).run()
     return Simulator(deployment, trace, cost, record_timeline, batch_wait_s).run()

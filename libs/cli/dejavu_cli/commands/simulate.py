@@ -32,13 +32,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--swap", action="store_true", help="microbatch swapping on token steps")
     parser.add_argument(
         "--batching",
-        choices=("microbatch", "cohort"),
+        choices=("microbatch", "cohort", "budget"),
         default="microbatch",
         help="microbatch: the paper's policy; cohort: the serving runtime's (iteration-level batching in D_t "
-        "cohorts; dejavu, or baseline with one pipeline)",
+        "cohorts); budget: per-request passes under a token budget with chunked prefill and a paged KV pool "
+        "(dejavu_common.sched); cohort and budget run on dejavu or on baseline with one pipeline",
     )
     parser.add_argument(
-        "--max-running", type=int, default=64, help="cohort: requests decoded at once (controller.max_running)"
+        "--max-running", type=int, default=64, help="cohort, budget: requests decoded at once (controller.max_running)"
+    )
+    parser.add_argument("--token-budget", type=int, default=512, help="budget: positions one pass computes at most")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=0, help="budget: KV blocks of 16 positions per stage (0: from the profile)"
     )
     parser.add_argument(
         "--batch-wait-ms",
@@ -84,6 +89,8 @@ def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
             swap=args.swap,
             batching=Batching(args.batching),
             max_running=args.max_running,
+            token_budget=args.token_budget,
+            kv_blocks=args.kv_blocks,
         )
         planner = Planner(profile, Workload.from_trace(trace), (args.microbatch,), deployment.max_running)
         if not planner.fits(deployment):

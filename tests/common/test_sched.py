@@ -1,0 +1,306 @@
+"""The scheduling policy and the block book (dejavu_common.sched): pure logic, checked against a fake KV store
+that records which token each block position holds, so every slice is verified to read its own tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dejavu_common.sched import BlockBook, Budget, OutOfBlocks, RequestState, RequestTooLong, Scheduler, Status
+from dejavu_common.sched.state import IllegalTransition
+
+BS = 4
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int = 4, extra: bytes = b"") -> RequestState:
+    return RequestState(rid, list(prompt), len(prompt), max_tokens, extra_key=extra)
+
+
+class FakeModel:
+    """Stands in for the stages: writes each computed position's token id into its block, checks that each slice
+    attends over exactly its request's tokens, and samples a token that depends on every id before it."""
+
+    def __init__(self, book: BlockBook, vocab: int = 50) -> None:
+        self.kv: dict[tuple[int, int], int] = {}
+        self.book = book
+        self.vocab = vocab
+
+    def run(self, sched: Scheduler, done) -> dict[str, int]:
+        sampled = {}
+        for s in done.slices:
+            r = s.request
+            assert len(s.table) * BS >= s.start + s.n
+            for p in range(s.start, s.start + s.n):
+                self.kv[(s.table[p // BS], p % BS)] = r.token_ids[p]
+            seen = [self.kv.get((s.table[p // BS], p % BS)) for p in range(s.start + s.n)]
+            assert seen == r.token_ids[: s.start + s.n], f"{r.request_id} attends over the wrong KV"
+            if s.samples:
+                sampled[r.request_id] = hash(tuple(r.token_ids)) % self.vocab
+        return sampled
+
+
+def _drain(sched: Scheduler, model: FakeModel, max_passes: int = 10_000) -> list:
+    passes = []
+    for _ in range(max_passes):
+        if not len(sched):
+            return passes
+        step = sched.schedule()
+        assert step, "a pass with nothing in it while requests wait: the policy is stuck"
+        passes.append(step)
+        sched.update(step, model.run(sched, step))
+    raise AssertionError("did not finish")
+
+
+# -- the book ---------------------------------------------------------------------------------------
+
+
+def test_blocks_are_referenced_shared_and_returned_tail_first() -> None:
+    book = BlockBook(4, BS)
+    table = book.allocate(3)
+    assert book.free == 1 and all(book.ref(b) == 1 for b in table)
+    book.share(table[:2])
+    assert book.ref(table[0]) == 2 and book.stats().shared == 2
+    book.release(table)
+    assert book.free == 2  # the shared two are still referenced
+    with pytest.raises(OutOfBlocks):
+        book.allocate(3)
+    book.release(table[:2])
+    assert book.free == 4
+    with pytest.raises(ValueError, match="more often"):
+        book.release(table[:1])
+
+
+def test_a_block_hits_only_once_committed_and_is_evicted_least_recently_used() -> None:
+    book = BlockBook(3, BS)
+    ids = list(range(12))
+    hashes = book.hashes(ids)
+    table = book.allocate(3)
+    assert book.cached_prefix(hashes, 3) == []  # scheduled, not yet written
+    for b, h in zip(table, hashes, strict=True):
+        book.commit(b, h)
+    assert book.cached_prefix(hashes, 3) == table
+    assert book.cached_prefix(hashes, 2) == table[:2]  # capped
+    book.release(table)  # tail first: the last block is the first evicted
+    assert book.stats().cached_free == 3
+    (fresh,) = book.allocate(1)
+    assert fresh == table[2]
+    assert book.cached_prefix(hashes, 3) == table[:2]  # the chain stops at the evicted block
+    book.attach(table[:2])
+    assert book.free == 0 and book.ref(table[0]) == 1
+
+
+def test_the_chain_depends_on_the_prefix_namespace_and_extra_key() -> None:
+    a, b = BlockBook(1, BS, namespace=b"m1"), BlockBook(1, BS, namespace=b"m2")
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert a.hashes(ids) != b.hashes(ids)
+    assert a.hashes(ids) != a.hashes(ids, extra_key=b"salt")
+    assert a.hashes([9, 9, 9, 9, *ids[4:]])[1] != a.hashes(ids)[1]  # same block, other prefix
+    assert a.hashes(ids[:7]) == a.hashes(ids)[:1]  # a partial block has no hash
+
+
+def test_caching_off_never_hits() -> None:
+    book = BlockBook(2, BS, caching=False)
+    hashes = book.hashes([1, 2, 3, 4])
+    (b,) = book.allocate(1)
+    book.commit(b, hashes[0])
+    assert book.cached_prefix(hashes, 1) == []
+
+
+# -- the policy -------------------------------------------------------------------------------------
+
+
+def test_a_long_prompt_is_chunked_on_block_boundaries_while_running_requests_decode() -> None:
+    book = BlockBook(200, BS)
+    sched = Scheduler(book, Budget(tokens=10, max_running=8))
+    model = FakeModel(book)
+    sched.add(_req("short", [1, 2, 3], max_tokens=30))
+    first = sched.schedule()
+    sched.update(first, model.run(sched, first))
+    sched.add(_req("long", list(range(100, 150)), max_tokens=3))
+    passes = _drain(sched, model)
+    for step in passes:
+        assert step.tokens <= 10
+        long = [s for s in step.slices if s.request.request_id == "long"]
+        if long and not long[0].samples:
+            assert (long[0].start + long[0].n) % BS == 0  # a chunk that is not the prompt's last ends on a block
+    # Every pass while "short" was still running gave it a token: the long prompt never stalled it.
+    short_passes = [step for step in passes if any(s.request.request_id == "short" for s in step.slices)]
+    assert len(short_passes) == 29
+    assert book.free == 200
+
+
+def test_a_short_request_beside_a_long_prompt_gets_all_its_tokens() -> None:
+    """No padding: each request has its own positions, so a short one is never cut short by a long neighbour."""
+    book = BlockBook(600, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=4))
+    model = FakeModel(book)
+    long, short = _req("long", [7] * 1800, max_tokens=5), _req("short", [1] * 10, max_tokens=600)
+    sched.add(long)
+    sched.add(short)
+    _drain(sched, model)
+    assert short.generated == 600 and long.generated == 5
+    assert short.status is Status.FINISHED and book.free == 600
+
+
+def test_pipeline_passes_in_flight_never_hold_a_request_twice_and_decodes_are_balanced() -> None:
+    book = BlockBook(100, BS)
+    sched = Scheduler(book, Budget(tokens=100, max_running=6, depth=3))
+    model = FakeModel(book)
+    for i in range(6):
+        sched.add(_req(f"r{i}", [i + 1, 2], max_tokens=10))
+    in_flight = [sched.schedule() for _ in range(3)]
+    ids = [s.request.request_id for step in in_flight for s in step.slices]
+    assert len(ids) == len(set(ids)) == 6
+    for step in in_flight:
+        sched.update(step, model.run(sched, step))
+    decode_passes = [sched.schedule() for _ in range(3)]
+    assert [len(step.slices) for step in decode_passes] == [2, 2, 2]  # ceil(6 / 3) decodes each
+
+
+def test_a_short_pool_preempts_the_newest_which_resumes_on_its_cached_blocks_with_the_same_tokens() -> None:
+    def run(blocks: int) -> tuple[dict[str, list[int]], int]:
+        book = BlockBook(blocks, BS)
+        sched = Scheduler(book, Budget(tokens=64, max_running=4))
+        model = FakeModel(book)
+        reqs = [_req(f"r{i}", [i + 1] * 9, max_tokens=24) for i in range(4)]
+        for r in reqs:
+            sched.add(r)
+        passes = _drain(sched, model)
+        assert book.free == blocks
+        return {r.request_id: r.token_ids for r in reqs}, sum(len(p.preempted) for p in passes)
+
+    roomy, none = run(100)
+    tight, preemptions = run(20)  # 4 requests of 33 positions need 36 blocks: some must wait their turn
+    assert none == 0 and preemptions > 0
+    assert tight == roomy
+
+
+def test_a_shared_prefix_is_computed_once_and_multi_turn_history_hits() -> None:
+    book = BlockBook(100, BS)
+    sched = Scheduler(book, Budget(tokens=256, max_running=8))
+    model = FakeModel(book)
+    system = list(range(40, 60))  # 5 full blocks
+    first = _req("a", [*system, 1, 2], max_tokens=6)
+    sched.add(first)
+    _drain(sched, model)
+    second = _req("b", [*system, 3, 4, 5], max_tokens=2)
+    sched.add(second)
+    step = sched.schedule()
+    assert step.slices[0].start == 20 and second.cached_tokens == 20  # only the suffix is computed
+    sched.update(step, model.run(sched, step))
+    _drain(sched, model)
+    # The next turn re-sends the first conversation's history (prompt and reply) plus a new message.
+    history = [*first.token_ids, 9, 9, 9]
+    turn = _req("a2", history, max_tokens=1)
+    sched.add(turn)
+    step = sched.schedule()
+    assert turn.cached_tokens == (len(first.token_ids) - 1) // BS * BS > len(system)
+    sched.update(step, model.run(sched, step))
+    _drain(sched, model)
+    salted = _req("c", [*system, 1, 2], max_tokens=1, extra=b"other-tenant")
+    sched.add(salted)
+    sched.schedule()
+    assert salted.cached_tokens == 0
+    stats = book.stats()
+    assert stats.hits > 0 and stats.queries > stats.hits
+
+
+def test_a_full_hit_still_computes_the_last_prompt_token() -> None:
+    book = BlockBook(10, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=2))
+    model = FakeModel(book)
+    prompt = list(range(8))  # exactly two blocks
+    sched.add(_req("a", prompt, max_tokens=1))
+    _drain(sched, model)
+    again = _req("b", prompt, max_tokens=1)
+    sched.add(again)
+    step = sched.schedule()
+    assert step.slices[0].start == 4 and step.slices[0].n == 4 and step.slices[0].samples
+
+
+def test_disaggregated_intake_reserves_blocks_and_sends_only_what_is_missing() -> None:
+    book = BlockBook(12, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=3))
+    model = FakeModel(book)
+    prompt = list(range(10))
+    first = _req("a", prompt, max_tokens=2)
+    assert sched.reserve(first) and first.status is Status.ARRIVING and first.cached_tokens == 0
+    assert not sched.schedule()  # its KV is still arriving
+    for p in range(10):  # the stream lands
+        model.kv[(first.table[p // BS], p % BS)] = prompt[p]
+    sched.arrived(first, 77)
+    _drain(sched, model)
+    second = _req("b", prompt, max_tokens=2)
+    assert sched.reserve(second) and second.cached_tokens == 8  # two blocks need not travel
+    big = _req("c", list(range(100, 140)), max_tokens=2)
+    assert not sched.reserve(big) and big.table == [] and book.free == 12 - 3  # no room now: nothing taken
+
+
+def test_finishing_a_request_in_flight_frees_its_blocks_when_its_pass_returns() -> None:
+    book = BlockBook(10, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=2))
+    model = FakeModel(book)
+    sched.add(_req("a", [1, 2, 3, 4, 5], max_tokens=9))
+    step = sched.schedule()
+    sched.finish("a")
+    assert book.free == 8  # its pass is still writing its blocks
+    sched.update(step, model.run(sched, step))
+    assert book.free == 10 and not len(sched)
+    with pytest.raises(IllegalTransition):
+        sched.add(_req("b", [1], max_tokens=1)) or sched.get("b").move(Status.PREEMPTED)
+
+
+def test_max_tokens_zero_computes_the_prompt_only() -> None:
+    book = BlockBook(10, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=2))
+    r = _req("echo", [1, 2, 3], max_tokens=0)
+    sched.add(r)
+    _drain(sched, FakeModel(book))
+    assert r.token_ids == [1, 2, 3] and r.status is Status.FINISHED
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_gives_the_same_tokens_with_caching_on_or_off_and_returns_every_block(seed: int) -> None:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 30))] for _ in range(3)]
+    specs = [
+        (rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 25))], rng.randrange(0, 20))
+        for _ in range(rng.randrange(5, 25))
+    ]
+    blocks = rng.randrange(16, 80)
+    budget = Budget(tokens=rng.randrange(4, 40), max_running=rng.randrange(1, 8), depth=rng.randrange(1, 4))
+
+    def run(caching: bool) -> list[list[int]]:
+        book = BlockBook(blocks, BS, caching=caching)
+        sched = Scheduler(book, budget)
+        model = FakeModel(book)
+        reqs = [_req(f"r{i}", p, m) for i, (p, m) in enumerate(specs)]
+        in_flight: list = []
+        arrivals = iter(reqs)
+        for r in arrivals:  # arrivals interleave with passes, several passes in flight
+            sched.add(r)
+            if rng.random() < 0.5:
+                step = sched.schedule()
+                if step:
+                    in_flight.append(step)
+            while len(in_flight) >= budget.depth or (in_flight and rng.random() < 0.3):
+                done = in_flight.pop(0)
+                sched.update(done, model.run(sched, done))
+        for done in in_flight:
+            sched.update(done, model.run(sched, done))
+        _drain(sched, model)
+        assert book.free == blocks and book.stats().used == 0
+        return [r.token_ids for r in reqs]
+
+    assert run(caching=True) == run(caching=False)
+
+
+def test_a_request_the_whole_pool_could_not_hold_is_refused_at_intake() -> None:
+    sched = Scheduler(BlockBook(4, BS), Budget(tokens=64, max_running=2))
+    with pytest.raises(RequestTooLong, match="holds 16"):
+        sched.add(_req("big", [1] * 10, max_tokens=7))
+    with pytest.raises(RequestTooLong):
+        sched.reserve(_req("big2", [1] * 17, max_tokens=0))
+    sched.add(_req("fits", [1] * 10, max_tokens=6))
+    _drain(sched, FakeModel(sched.book))
