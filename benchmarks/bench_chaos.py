@@ -20,7 +20,9 @@ Every traffic request is greedy and checked against the in-process engine's outp
 completed with *wrong* tokens (must be 0), *failed* with an error (allowed across a fault), or *hung*
 past ``--hang-s`` (must be 0). For each fault the bench reports how long until the controller is ready
 again at a newer epoch, and until a request (resumed across the fault, or new) next completes
-exactly. Worker memory (RSS) is read at the start and the end. Writes ``benchmarks/results/chaos.json``.
+exactly. Worker memory (RSS) is read at the start and the end. Writes ``benchmarks/results/chaos.json``
+(with the time at which every traffic request ended, by outcome, and each fault kind's recovery ranges)
+and beside it ``chaos.png``: the run's timeline of faults and recoveries (:func:`benchmarks.plots.plot_chaos`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
+from benchmarks.plots import kind_ranges_json, plot_chaos, read_faults, recovery_by_kind
 from benchmarks.procs import free_port, rss_mb, stop_on_sigterm
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -63,14 +66,13 @@ class Outcomes:
     errors: Counter = field(default_factory=Counter)
     wrong_examples: list[dict] = field(default_factory=list)
     poison: Counter = field(default_factory=Counter)  # answered_ok / answered_error / hung
-    exact_at: list[float] = field(default_factory=list)  # monotonic times of exact completions
+    ended_at: dict[str, list[float]] = field(default_factory=dict)  # monotonic end times, by outcome
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, detail: str | dict | None = None) -> None:
         with self.lock:
             setattr(self, kind, getattr(self, kind) + 1)
-            if kind == "exact":
-                self.exact_at.append(time.monotonic())
+            self.ended_at.setdefault(kind, []).append(time.monotonic())
             if kind == "failed" and isinstance(detail, str):
                 self.errors[detail] += 1
             if kind == "wrong" and len(self.wrong_examples) < 5:
@@ -243,7 +245,7 @@ class Chaos:
         deadline = since + self.args.interval
         while time.monotonic() < deadline:
             with outcomes.lock:
-                after = [t for t in outcomes.exact_at[-64:] if t > since]
+                after = [t for t in outcomes.ended_at.get("exact", [])[-64:] if t > since]
             if after:
                 return min(after) - since
             time.sleep(0.05)
@@ -470,9 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         # start: ready, before any traffic; warm: traffic settled, before the first fault (the working set).
         "worker_rss_mb": {"start": memory_start, "warm": memory_warm, "end": memory_end},
         "process_restarts": restarts,
+        # Seconds since traffic started at which each traffic request ended, by outcome (the plot's timeline).
+        "outcomes_at_s": {kind: [round(t - started, 2) for t in times] for kind, times in outcomes.ended_at.items()},
     }
+    result["recovery_by_kind"] = kind_ranges_json(recovery_by_kind(read_faults(result, str(args.out))))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    png = args.out.with_suffix(".png")
+    title = f"dejavu bench chaos: {args.minutes:g} min, a fault every {args.interval:g} s, {args.clients} clients"
+    plot_chaos(result, png, title, str(args.out))
     r = result["requests"]
     print(
         f"\nchaos: {result['faults_injected']} faults injected ({len(faults) - result['faults_injected']} not) "
@@ -493,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  worker RSS MB start {memory_start}\n  worker RSS MB warm  {memory_warm}\n  worker RSS MB end   {memory_end}"
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}\nwrote {png}")
     poison_ok = outcomes.poison.get("hung", 0) == 0 and result["poison_faults_that_changed_the_topology"] == 0
     return 0 if r["completed_wrong"] == 0 and r["hung"] == 0 and poison_ok else 1
 

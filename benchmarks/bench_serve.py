@@ -11,8 +11,9 @@ distribution, and one open-loop client sending Poisson arrivals at several reque
 deployment the script starts the whole system (its own redis-server, controller and workers, one
 torch thread per worker), sends one warm-up request, runs every rate in turn (a rate's run ends when
 all its requests have), and stops the system. It prints a table and writes
-``benchmarks/results/serve.json`` (configuration, metrics and every request's record) and
-``serve.png`` (median normalized latency, and p99 dashed, against the request rate).
+``benchmarks/results/serve.json`` (configuration, metrics and every request's record), ``serve.png``
+(median normalized latency, and p99 dashed, against the request rate) and ``serve-percentiles.png``
+(per rate, each deployment's output throughput and TTFT, TPOT and ITL at p50, p90 and p99).
 
 The workload: ``new_tokens`` is log-normal with median ``--median-new`` and log-space sigma
 ``--sigma`` (``dejavu_planner.trace.lmsys_like_trace``), rounded and clipped to
@@ -41,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
 from benchmarks.loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord
 from benchmarks.metrics import RunMetrics
+from benchmarks.plots import plot_rates, plot_serve, serve_result
 from benchmarks.procs import free_port, stop_on_sigterm
 from dejavu_cli.launcher import Launcher
 from dejavu_common.settings import Mode, Settings
@@ -207,35 +209,6 @@ def print_table(runs: list[Run]) -> None:
         )
 
 
-def plot(runs: list[Run], path: Path, title: str) -> None:
-    """Median (solid) and p99 (dashed) normalized latency against the request rate, per deployment."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in dict.fromkeys(r.deployment for r in runs):
-        points = [
-            (r.rate_per_s, r.metrics.normalized_latency_s)
-            for r in runs
-            if r.deployment == name and r.rate_per_s is not None and r.metrics.normalized_latency_s.median is not None
-        ]
-        if not points:
-            continue
-        rates = [p[0] for p in points]
-        (line,) = ax.plot(rates, [p[1].median for p in points], marker="o", label=f"{name} median")
-        ax.plot(rates, [p[1].p99 for p in points], ls="--", color=line.get_color(), alpha=0.6, label=f"{name} p99")
-    ax.set_xlabel("request rate (requests/s)")
-    ax.set_ylabel("normalized latency (s/token)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] + " Without --base-url: the paper's experiment, options below.",
@@ -259,7 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=300.0, help="Bound of one rate's run.")
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="Bound of a deployment's start.")
     p.add_argument("--model-folder", type=Path, default=None, help="Checkpoint (default: the prepared SmolLM2).")
-    p.add_argument("--out", type=Path, default=RESULTS / "serve.json", help="JSON result; the PNG goes beside it.")
+    p.add_argument("--out", type=Path, default=RESULTS / "serve.json", help="JSON result; the PNGs go beside it.")
     p.add_argument("--quick", action="store_true", help=f"Smoke run (~3 min), sets {QUICK}.")
     args = p.parse_args(argv)
     if args.quick:
@@ -324,17 +297,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"!! {deployment.name} failed: {exc}", flush=True)
     print_table(runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result_json(args, base, workload, runs, failed), indent=1) + "\n")
+    doc = result_json(args, base, workload, runs, failed)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
-    if args.trace is None and runs:
-        png = args.out.with_suffix(".png")
-        plot(
-            runs,
-            png,
-            f"{args.prompt_len}-token prompts, LMSys-like generated lengths, {args.requests} requests per rate",
-        )
-        print(f"wrote {png}")
+    if runs:
+        for png in write_plots(json.loads(json.dumps(doc)), args):
+            print(f"wrote {png}")
     return 1 if failed else 0
+
+
+def write_plots(doc: dict, args: argparse.Namespace) -> list[Path]:
+    """The plots of ``doc`` (this run's serve.json) beside ``args.out``: normalized latency against the
+    rate (not for a replayed trace) and the percentiles per load; the paths written."""
+    what = (
+        f"trace {args.trace.name}" if args.trace else f"{args.prompt_len}-token prompts, LMSys-like generated lengths"
+    )
+    title = f"{what}, {args.requests} requests per rate" if args.trace is None else what
+    written = []
+    if args.trace is None:
+        plot_rates(doc, args.out.with_suffix(".png"), title, str(args.out))
+        written.append(args.out.with_suffix(".png"))
+    percentiles = args.out.with_name(f"{args.out.stem}-percentiles.png")
+    plot_serve([serve_result(doc, str(args.out))], percentiles, title)
+    return [*written, percentiles]
 
 
 if __name__ == "__main__":

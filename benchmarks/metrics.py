@@ -11,7 +11,7 @@ records (:class:`benchmarks.loadgen.RequestRecord`, times in seconds since the r
   (input + output) throughputs divide the completed requests' counts by it;
 - **goodput**: completed requests that met every given SLO (:class:`SLO`), per second of duration.
 
-Each latency is summarized as mean, median and p99 (:class:`Summary`).
+Each latency is summarized as mean, median, p90 and p99 (:class:`Summary`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from benchmarks.loadgen import RequestRecord, Status
 
 # The latencies a run reports, by their names in reports and JSON keys.
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
+# The statistics of each latency, by their names in JSON keys (``median_ttft_ms``, ``p90_itl_ms``...).
+STATS = ("mean", "median", "p90", "p99")
 
 
 def percentile(ordered: Sequence[float], q: float) -> float | None:
@@ -39,10 +41,11 @@ def percentile(ordered: Sequence[float], q: float) -> float | None:
 
 @dataclass(frozen=True)
 class Summary:
-    """Mean, median and p99 of a sample (percentiles interpolate as numpy's); None when it is empty."""
+    """Mean, median, p90 and p99 of a sample (percentiles interpolate as numpy's); None when it is empty."""
 
     mean: float | None
     median: float | None
+    p90: float | None
     p99: float | None
     count: int
 
@@ -50,7 +53,7 @@ class Summary:
     def of(cls, values: Iterable[float]) -> Summary:
         ordered = sorted(values)
         mean = statistics.fmean(ordered) if ordered else None
-        return cls(mean, percentile(ordered, 50), percentile(ordered, 99), len(ordered))
+        return cls(mean, percentile(ordered, 50), percentile(ordered, 90), percentile(ordered, 99), len(ordered))
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ class RunMetrics:
         out["duration"] = out.pop("duration_s")
         for name in (*LATENCIES, "normalized_latency"):
             summary = self.latency(name)
-            for stat in ("mean", "median", "p99"):
+            for stat in STATS:
                 value = getattr(summary, stat)
                 out[f"{stat}_{name}_ms"] = None if value is None else value * 1000
         return out
@@ -203,7 +206,7 @@ def report(metrics: RunMetrics, title: str, slo: SLO | None = None) -> str:
     for name, (heading, short) in headings.items():
         summary = m.latency(name)
         lines.append(rule(heading))
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             value = getattr(summary, stat)
             lines.append(row(f"{label} {short} (ms):", None if value is None else value * 1000))
     lines.append("=" * width)

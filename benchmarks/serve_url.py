@@ -13,7 +13,9 @@ second, Poisson or gamma arrivals with ``--burstiness``; ``inf``, the default, s
 and ``--max-concurrency`` (requests in flight at most); several values of either give one run per
 combination, on the same requests. After an unmeasured warm-up request, each run prints a
 vLLM-style result block; the JSON (configuration, metrics with vLLM's keys, every request's
-record) and a plot go to ``--out`` (default ``benchmarks/results/serve-url.json`` and ``.png``).
+record) and a plot go to ``--out`` (default ``benchmarks/results/serve-url.json`` and ``.png``): per
+load, output throughput and TTFT, TPOT and ITL at p50, p90 and p99 (:func:`benchmarks.plots.plot_serve`),
+beside those of the results given with ``--compare`` (other servers measured on the same workload).
 Exit status 1 if a request of any run failed or the server could not be reached.
 """
 
@@ -35,6 +37,14 @@ import httpx
 from benchmarks.dataset import OutputDist, RandomDataset, TokenPrompts, token_pool
 from benchmarks.loadgen import ClientConfig, LoadGenerator, RequestRecord
 from benchmarks.metrics import SLO, RunMetrics, report
+from benchmarks.plots import (
+    ServeResult,
+    check_comparable,
+    load_label,
+    plot_serve,
+    read_serve,
+    serve_result,
+)
 from dejavu_planner.trace import Trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -51,8 +61,7 @@ class Load:
 
     @property
     def label(self) -> str:
-        rate = "trace" if self.request_rate is None else f"rate {self.request_rate:g}"
-        return rate if self.max_concurrency is None else f"{rate}, conc {self.max_concurrency}"
+        return load_label(self.request_rate, self.max_concurrency)
 
     @property
     def rate_json(self) -> float | str | None:
@@ -177,6 +186,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=RESULTS / "serve-url.json",
         help="JSON result; the PNG goes beside it (default: results/serve-url.json).",
     )
+    g.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="Results of other servers on the same workload (their --out files), drawn beside this run's.",
+    )
     args = p.parse_args(argv)
     try:
         args.slo = SLO.parse(args.goodput) if args.goodput else None
@@ -197,6 +214,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise ValueError("--num-warmups must be >= 0")
         if args.trace is not None and args.request_rate != [math.inf]:
             raise ValueError("--trace brings its own arrival times: drop --request-rate")
+        args.compared = compared(args)  # ResultError is a ValueError: a bad file fails before any request
     except ValueError as exc:
         p.error(str(exc))
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
@@ -257,41 +275,30 @@ def _prompt_of(prompts: TokenPrompts):
     return lambda request: prompts.ids(request.prompt_len, request.rid)
 
 
-def plot(runs: list[TargetRun], path: Path, title: str) -> None:
-    """Output token throughput per run (bars), and the TTFT and ITL distributions per run (CDFs)."""
-    import matplotlib
+def plot(args: argparse.Namespace, model: str, runs: list[TargetRun], path: Path, title: str) -> None:
+    """This run's plot, beside the ``--compare`` results (:func:`benchmarks.plots.plot_serve`)."""
+    this = serve_result(json.loads(json.dumps(result_json(args, model, runs))), str(args.out))
+    plot_serve([this, *args.compared], path, title)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (bars, ttft, itl) = plt.subplots(1, 3, figsize=(13, 4))
-    labels = [r.load.label for r in runs]
-    bars.bar(range(len(runs)), [r.metrics.output_throughput for r in runs], color="tab:blue")
-    bars.set_xticks(range(len(runs)), labels, rotation=20, fontsize=8)
-    bars.set_ylabel("output tokens/s")
-    for ax, name, scale, values in (
-        (ttft, "TTFT (s)", 1, lambda r: [x.ttft_s for x in r.records if x.ok and x.ttft_s is not None]),
-        (itl, "ITL (ms)", 1000, lambda r: [gap for x in r.records if x.ok for gap in x.itl_s]),
-    ):
-        for run, label in zip(runs, labels, strict=True):
-            ordered = sorted(v * scale for v in values(run))
-            if ordered:
-                ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=label)
-        ax.set_xlabel(name)
-        ax.set_ylabel("fraction of samples")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    bars.grid(alpha=0.3, axis="y")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def workload_json(args: argparse.Namespace) -> dict:
+    """The workload as the JSON records it: the dataset, or the replayed trace's path."""
+    if args.trace:
+        return {"trace": str(args.trace)}
+    return {**asdict(args.dataset), "output_dist": args.output_dist.value}
+
+
+def compared(args: argparse.Namespace) -> list[ServeResult]:
+    """The ``--compare`` results, each checked to be a serve-url result of this run's workload; raises
+    :class:`ResultError` naming the file that is not."""
+    results = [read_serve(path) for path in args.compare]
+    this = {"workload": json.loads(json.dumps(workload_json(args))), "ignore_eos": args.ignore_eos}
+    check_comparable([ServeResult("this run", "serve-url", this, ()), *results])
+    return results
 
 
 def result_json(args: argparse.Namespace, model: str, runs: list[TargetRun]) -> dict:
-    workload = (
-        {"trace": str(args.trace)} if args.trace else {**asdict(args.dataset), "output_dist": args.output_dist.value}
-    )
+    workload = workload_json(args)
     return {
         "benchmark": "serve-url",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -345,6 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     png = args.out.with_suffix(".png")
     what = f"trace {args.trace.name}" if args.trace else f"{args.num_prompts} x {args.input_len} -> {args.output_len}"
-    plot(runs, png, f"{args.label or args.base_url} ({model}): {what}{', ignore_eos' if args.ignore_eos else ''}")
+    plot(args, model, runs, png, f"{model}: {what}{', ignore_eos' if args.ignore_eos else ''}")
     print(f"wrote {png}")
     return 1 if any(r.metrics.failed for r in runs) else 0
