@@ -1,15 +1,32 @@
-"""Each family's forward equals transformers' own forward, whole or split into stages."""
+"""Each family's forward equals transformers' own forward, whole or split into stages; a family or a feature the
+engine does not implement is refused, naming what is missing."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+)
 
+from dejavu_engine.families import family_for
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.pipeline import Pipeline
+from dejavu_engine.stage import Stage
 from engine.tiny_models import FAMILIES
 
 PROMPT, DECODE = 9, 5
@@ -55,3 +72,55 @@ def test_prefill_and_decode_match_transformers(
         geometry = geometry.advance()
         logits = pipeline.forward(ids[:, t : t + 1], caches, geometry)
         torch.testing.assert_close(logits[:, 0].cpu(), expected[:, t], atol=TOLERANCE, rtol=0)
+
+
+def _refusal(config: PretrainedConfig | dict[str, Any]) -> str:
+    with pytest.raises(ValueError) as refused:
+        family_for(config if isinstance(config, dict) else config.to_dict())
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "missing"),
+    [
+        (MixtralConfig(), r"'mixtral': the engine lacks a mixture-of-experts MLP"),
+        (Qwen2MoeConfig(), r"'qwen2_moe': the engine lacks a mixture-of-experts MLP"),
+        (Gemma2Config(), r"'gemma2': .*logit soft-capping and alternating sliding-window layers"),
+        (MistralConfig(sliding_window=4096), r"mistral: sliding-window .*window of 4096 positions on every layer"),
+        (Phi3Config(sliding_window=2047), r"phi3: sliding-window .*window of 2047 positions on every layer"),
+        (
+            Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=4),
+            r"qwen2: sliding-window attention \(a window of 64 positions on layers 1-3, of the model's 32768\)",
+        ),
+        (Phi3Config(partial_rotary_factor=0.75), r"phi3: a partial rotary embedding \(partial_rotary_factor 0.75\)"),
+        (LlamaConfig(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}), r"rope type 'proportional'"),
+        (LlamaConfig(hidden_act="gelu"), r"llama: activation 'gelu' is not supported"),
+        (
+            Phi3Config().to_dict() | {"rope_parameters": {"rope_type": "su", "short_factor": [1.0] * 48}},
+            r"phi3: rope type 'longrope' needs 'long_factor'",
+        ),
+    ],
+)
+def test_an_unsupported_family_or_feature_is_refused_naming_what_is_missing(
+    config: PretrainedConfig | dict[str, Any], missing: str
+) -> None:
+    assert re.search(missing, _refusal(config))
+
+
+def test_a_window_that_never_drops_a_key_is_full_attention() -> None:
+    """A sliding window of at least the model's positions changes nothing, and Qwen's window applies only with
+    ``use_sliding_window``."""
+    assert family_for(Phi3Config(sliding_window=4096, max_position_embeddings=4096).to_dict()).spec.model_type == "phi3"
+    assert family_for(Qwen2Config(sliding_window=64).to_dict()).spec.model_type == "qwen2"
+
+
+def test_a_stage_refuses_an_unsupported_checkpoint_before_loading_weights(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_checkpoints["mistral"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"sliding_window": 4}))
+    (folder / "model.safetensors").unlink()  # refused from config.json alone
+    with pytest.raises(ValueError, match=r"mistral: sliding-window attention \(a window of 4 positions"):
+        Stage(folder, (0, 1))

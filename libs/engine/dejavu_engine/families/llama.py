@@ -1,27 +1,21 @@
-"""Llama (and SmolLM2): RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP."""
+"""Llama (SmolLM2, Llama 3.x): RMSNorm, rotary positions (unscaled or scaled, :mod:`.rope`), grouped-query
+attention, SwiGLU MLP. The other Llama-shaped families (Mistral, Qwen2, Qwen3, Phi-3) are subclasses that
+change a name, a bias or one step of the layer."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions
+from dejavu_engine.families.rope import Rotary
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, fuse
 from dejavu_engine.gemm import linear, residual_linear
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model."
-
-
-def rope_theta(config: dict[str, Any]) -> float:
-    """Rotary base; only the default (unscaled) rotary embedding is supported."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"unsupported rope type {kind!r}")
-    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -48,16 +42,21 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Llama(Family):
+    model_type = "llama"
     gemm_roles = ("qkv", "o", "gate_up", "down")
     head_gemm_roles = ("lm_head",)
+    default_eps = 1e-6
+    # The family's own names of rope types (Phi-3's "su"), and its pretraining length where a config has none.
+    rope_aliases: ClassVar[dict[str, str]] = {}
+    default_original_max: int | None = None
 
     @classmethod
     def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported Llama activation {config.get('hidden_act')!r}")
+            raise ValueError(f"{cls.model_type}: activation {config.get('hidden_act')!r} is not supported (silu only)")
         heads = config["num_attention_heads"]
-        return ModelSpec(
-            model_type="llama",
+        spec = ModelSpec(
+            model_type=cls.model_type,
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
             num_heads=heads,
@@ -68,28 +67,27 @@ class Llama(Family):
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids(config),
         )
+        cls.check_attention(config, spec)
+        return spec
+
+    @classmethod
+    def check_attention(cls, config: dict[str, Any], spec: ModelSpec) -> None:
+        """Raises ValueError where the config asks for attention other than full causal attention."""
+        windows = sliding_windows(config, spec)
+        if windows:
+            layers = "every layer" if len(windows) == spec.num_layers else f"layers {_spans(windows)}"
+            raise ValueError(
+                f"{cls.model_type}: sliding-window attention (a window of {config['sliding_window']} positions on "
+                f"{layers}, of the model's {spec.max_positions}) is not supported"
+            )
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        self.eps = float(config.get("rms_norm_eps", 1e-6))
-        dim = self.spec.head_dim
-        self.inv_freq = 1.0 / (rope_theta(config) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        # (cos, sin) rows per position, per (device, dtype): built once, indexed per call.
-        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def rope_table(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[>= length, head_dim]`` in ``dtype``, row p for position p, computed in float32
-        exactly as per call (so indexing it is bit-identical); grown by doubling when a call needs more."""
-        key = (device, dtype)
-        table = self._rope_tables.get(key)
-        if table is None or table[0].shape[0] < length:
-            size = max(length, self.spec.max_positions, 2 * table[0].shape[0] if table else 0)
-            freqs = torch.arange(size, device=device, dtype=torch.float32).unsqueeze(-1) * self.inv_freq.to(device)
-            # rotate_half(x) * sin == swap_halves(x) * (-sin, sin): the sign lives in the table.
-            cos = torch.cat((freqs, freqs), dim=-1).cos()
-            sin = torch.cat((-freqs, freqs), dim=-1).sin()
-            table = self._rope_tables[key] = (cos.to(dtype), sin.to(dtype))
-        return table
+        self.eps = float(config.get("rms_norm_eps", self.default_eps))
+        try:
+            self.rope = Rotary(config, self.spec.head_dim, self.rope_aliases, self.default_original_max)
+        except ValueError as exc:
+            raise ValueError(f"{self.model_type}: {exc}") from exc
 
     def embedding_names(self) -> dict[str, str]:
         return {"embed": f"{_PREFIX}embed_tokens.weight"}
@@ -129,10 +127,10 @@ class Llama(Family):
 
     def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
         pos = positions(geometry, n, device)
-        cos, sin = self.rope_table(geometry.cur_len, device, dtype)
+        cos, sin = self.rope.embed(geometry, pos, dtype)
         mask, causal = bool_mask(geometry, n, device)
         # [batch, n, 1, dim]: broadcast over the heads of a [batch, n, heads, dim] projection.
-        rope = (cos[pos].unsqueeze(2), sin[pos].unsqueeze(2))
+        rope = (cos.unsqueeze(2), sin.unsqueeze(2))
         return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope)
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -146,6 +144,7 @@ class Llama(Family):
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
         x = self.norm(hidden, w["ln_1"])
         qkv = linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
+        self.normalize_qk(w, qkv)
         cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
         qk = self.rotary(qkv, cos, sin, heads + kv_heads)  # rotary embedding of q and k in one pass
         q = qk[:, :, :heads].transpose(1, 2)
@@ -159,6 +158,10 @@ class Llama(Family):
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm(hidden, w["norm"])
         return linear(x, w["lm_head"], None)
+
+    def normalize_qk(self, w: Weights, qkv: torch.Tensor) -> None:
+        """A step between the projection ``[batch, n, all heads, head_dim]`` and the rotary embedding, in place
+        (Qwen3's per-head norms of q and k); none in Llama."""
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """:func:`rms_norm`, in one native pass where the stage has the kernels (the same arithmetic)."""
@@ -182,3 +185,32 @@ class Llama(Family):
             return self.kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+
+def sliding_windows(config: dict[str, Any], spec: ModelSpec) -> list[int]:
+    """The layers whose attention a config limits to a sliding window narrower than the model's positions (a
+    window of at least ``max_position_embeddings`` positions never drops a key): ``layer_types``' sliding
+    layers where the config lists them, Qwen's ``use_sliding_window`` from ``max_window_layers`` on, else every
+    layer when a ``sliding_window`` is set (Mistral, Phi-3)."""
+    window = config.get("sliding_window")
+    if "use_sliding_window" in config and not config["use_sliding_window"]:
+        window = None  # Qwen: the window applies only where use_sliding_window is set
+    if not isinstance(window, int) or window >= spec.max_positions:
+        return []
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if "use_sliding_window" in config:
+        return list(range(int(config.get("max_window_layers", 0)), spec.num_layers))
+    return list(range(spec.num_layers))
+
+
+def _spans(layers: list[int]) -> str:
+    """Increasing layer numbers as runs: ``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
