@@ -30,11 +30,11 @@ class FakeModel:
         sampled = {}
         for s in done.slices:
             r = s.request
-            assert len(s.table) * BS >= s.start + s.n
-            for p in range(s.start, s.start + s.n):
+            assert len(s.table) * BS >= s.start + s.length
+            for p in range(s.start, s.start + s.length):
                 self.kv[(s.table[p // BS], p % BS)] = r.token_ids[p]
-            seen = [self.kv.get((s.table[p // BS], p % BS)) for p in range(s.start + s.n)]
-            assert seen == r.token_ids[: s.start + s.n], f"{r.request_id} attends over the wrong KV"
+            seen = [self.kv.get((s.table[p // BS], p % BS)) for p in range(s.start + s.length)]
+            assert seen == r.token_ids[: s.start + s.length], f"{r.request_id} attends over the wrong KV"
             if s.samples:
                 sampled[r.request_id] = hash(tuple(r.token_ids)) % self.vocab
         return sampled
@@ -123,7 +123,7 @@ def test_a_long_prompt_is_chunked_on_block_boundaries_while_running_requests_dec
         assert step.tokens <= 10
         long = [s for s in step.slices if s.request.request_id == "long"]
         if long and not long[0].samples:
-            assert (long[0].start + long[0].n) % BS == 0  # a chunk that is not the prompt's last ends on a block
+            assert (long[0].start + long[0].length) % BS == 0  # a chunk that is not the prompt's last ends on a block
     # Every pass while "short" was still running gave it a token: the long prompt never stalled it.
     short_passes = [step for step in passes if any(s.request.request_id == "short" for s in step.slices)]
     assert len(short_passes) == 29
@@ -216,7 +216,7 @@ def test_a_full_hit_still_computes_the_last_prompt_token() -> None:
     again = _req("b", prompt, max_tokens=1)
     sched.add(again)
     step = sched.schedule()
-    assert step.slices[0].start == 4 and step.slices[0].n == 4 and step.slices[0].samples
+    assert step.slices[0].start == 4 and step.slices[0].length == 4 and step.slices[0].samples
 
 
 def test_disaggregated_intake_reserves_blocks_and_sends_only_what_is_missing() -> None:

@@ -54,13 +54,13 @@ class _Pass:
 
 def pass_stage_time(cost: CostModel, stage_layers: int, slices: Sequence[Slice], last: bool) -> float:
     """One pass of ``slices`` on a stage of ``stage_layers`` layers (``last``: it runs the head too)."""
-    decodes = sum(1 for s in slices if s.n == 1 and s.start > 0)
+    decodes = sum(1 for s in slices if s.length == 1 and s.start > 0)
     time = stage_layers * cost.profile.token_layer_time(decodes) if decodes else 0.0
     for s in slices:
-        if s.n == 1 and s.start > 0:
+        if s.length == 1 and s.start > 0:
             continue
         before = cost.profile.prompt_layer_time(1, s.start) if s.start > 0 else 0.0
-        time += stage_layers * max(cost.profile.prompt_layer_time(1, s.start + s.n) - before, 0.0)
+        time += stage_layers * max(cost.profile.prompt_layer_time(1, s.start + s.length) - before, 0.0)
     sampling = sum(1 for s in slices if s.samples)
     return time + (cost.profile.head_step_time(sampling) if last and sampling else 0.0)
 

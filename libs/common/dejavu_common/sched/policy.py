@@ -58,20 +58,20 @@ class Budget:
 
 @dataclass(frozen=True)
 class Slice:
-    """What one pass computes of one request: positions ``[start, start + n)``, whose KV goes into ``table``
+    """What one pass computes of one request: positions ``[start, start + length)``, whose KV goes into ``table``
     (``new_blocks`` were added to it for this pass). ``samples``: the slice ends at the request's last known
     token, so the pass samples its next one."""
 
     request: RequestState
     start: int
-    n: int
+    length: int
     table: tuple[int, ...]
     new_blocks: tuple[int, ...]
     samples: bool
 
     @property
     def decode(self) -> bool:
-        return self.n == 1 and self.start >= self.request.prompt_len
+        return self.length == 1 and self.start >= self.request.prompt_len
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class ScheduledPass:
 
     @property
     def tokens(self) -> int:
-        return sum(s.n for s in self.slices)
+        return sum(s.length for s in self.slices)
 
     def __bool__(self) -> bool:
         return bool(self.slices)
@@ -220,7 +220,7 @@ class Scheduler:
             if request.status is Status.FINISHED:  # ended while its pass ran: its blocks go back now
                 self._free(request)
                 continue
-            request.computed = s.start + s.n
+            request.computed = s.start + s.length
             self._commit(request)
             wants = request.generated < request.max_tokens  # max_tokens 0: the prompt alone (its log probabilities)
             if s.samples and wants:
