@@ -1,5 +1,6 @@
-"""The native decode-attention kernel computes what torch's attention computes, row by row, and a
-stage using it decodes what a stage without it decodes."""
+"""The native kernels compute what torch's attention (and float64) computes: decode rows over contiguous or paged
+caches, whole prompts, prompt chunks over their cached prefix in a paged cache, the writes into blocks, the
+pointwise ops; and a stage using them computes what a stage without them computes."""
 
 from __future__ import annotations
 
@@ -681,6 +682,142 @@ def test_paged_write_refuses_what_does_not_fit_before_writing(places: list, tabl
     with pytest.raises(RuntimeError, match=message):
         native.paged_write(kv, kv, k_slabs, v_slabs, torch.tensor(table), torch.tensor(places))
     assert not any(slab.any() for slab in k_slabs + v_slabs)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_paged_write_keeps_a_cached_prefix_before_start() -> None:
+    """Without ``clear_before`` (a chunk or a decode step after a cached prefix) the positions of the first
+    block before ``start`` keep what they hold; with it (a left-padded prompt) they are cleared."""
+    for clear, kept in ((False, 7.0), (True, 0.0)):
+        k_slabs, v_slabs = [torch.full((4, 2, 4, 16), 7.0)], [torch.full((4, 2, 4, 16), 7.0)]
+        kv = torch.arange(3 * 2 * 16, dtype=torch.float32).view(3, 2, 16)
+        native.paged_write(kv, -kv, k_slabs, v_slabs, torch.tensor([[3, 1]]), torch.tensor([[0, 2, 5]]), clear)
+        assert (k_slabs[0][3, :, :2] == kept).all() and (v_slabs[0][3, :, :2] == kept).all()
+        assert torch.equal(k_slabs[0][3, :, 2:].transpose(0, 1), kv[:2]) and torch.equal(k_slabs[0][1, :, 0], kv[2])
+        assert torch.equal(v_slabs[0][1, :, 0], -kv[2]) and (k_slabs[0][1, :, 1:] == 7.0).all()
+
+
+def paged_prefill_case(heads, kv_heads, head_dim, block_size, segments, *, gap=0, seed=0):
+    """q of the segments' tokens back to back (``gap`` tokens in none after the first; a strided view of a fused
+    projection), two slabs of random K/V, and for segment ``(length, start)`` a table of distinct blocks drawn at
+    random from both slabs for positions ``[0, start + length)``. Returns q, the slabs, the tables and the
+    segments ``(offset, length, start)``."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, offset = [], 0
+    for i, (length, start) in enumerate(segments):
+        rows.append((offset, length, start))
+        offset += length + (gap if i == 0 else 0)
+    q = (torch.randn(offset, heads + 2 * kv_heads, head_dim, generator=generator) * 2)[:, :heads]
+    slab_blocks = sum(-(-(start + length) // block_size) for length, start in segments)
+    shape = (slab_blocks, kv_heads, block_size, head_dim)
+    k_slabs = [torch.randn(shape, generator=generator) * 2 for _ in range(2)]
+    v_slabs = [torch.randn(shape, generator=generator) for _ in range(2)]
+    ids = iter(torch.randperm(2 * slab_blocks, generator=generator).tolist())
+    width = max(-(-(start + length) // block_size) for length, start in segments)
+    tables = torch.full((len(segments), width), -1, dtype=torch.long)
+    for i, (length, start) in enumerate(segments):
+        for lb in range(-(-(start + length) // block_size)):
+            tables[i, lb] = next(ids)
+    return q, k_slabs, v_slabs, tables, torch.tensor(rows, dtype=torch.long)
+
+
+def _sequence(slabs: list[torch.Tensor], table: torch.Tensor, end: int) -> torch.Tensor:
+    """Positions ``[0, end)`` of one sequence read through its table: ``[end, kv_heads, head_dim]``."""
+    slab_blocks, _, block_size, _ = slabs[0].shape
+    return torch.stack(
+        [
+            slabs[int(table[p // block_size]) // slab_blocks][
+                int(table[p // block_size]) % slab_blocks, :, p % block_size
+            ]
+            for p in range(end)
+        ]
+    )
+
+
+def paged_prefill_reference(q, k_slabs, v_slabs, tables, segments, scale):
+    """Each segment's query at position ``p`` over its sequence's keys ``[0, p]``, gathered position by position
+    through its table, softmax attention in float64; 0 for tokens in no segment."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    g = q.shape[1] // k_slabs[0].shape[1]
+    for (offset, length, start), table in zip(segments.tolist(), tables, strict=True):
+        k = _sequence(k_slabs, table, start + length).double().repeat_interleave(g, 1)
+        v = _sequence(v_slabs, table, start + length).double().repeat_interleave(g, 1)
+        for t in range(length):
+            p = start + t
+            scores = torch.einsum("hd,nhd->hn", q[offset + t].double(), k[: p + 1]) * scale
+            out[offset + t] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v[: p + 1])
+    return out
+
+
+# (length, start): a whole prompt; one token mid-block; a chunk from a block boundary across several; a chunk from
+# mid-block; a long chunk over a long prefix; a chunk ending on a block's end.
+SEGMENTS = [(5, 0), (1, 9), (20, 16), (7, 3), (40, 50), (13, 3)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 2, 16, 4), (8, 2, 128, 16), (6, 3, 24, 5), (4, 4, 32, 1)],
+)
+@pytest.mark.usefixtures("kernels")
+def test_paged_prefill_chunks_attend_over_their_prefix_and_themselves(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    case = paged_prefill_case(heads, kv_heads, head_dim, block_size, SEGMENTS, gap=2, seed=head_dim + block_size)
+    q, k_slabs, tables = case[0], case[1], case[3]
+    used, slab_blocks = tables[tables >= 0], k_slabs[0].shape[0]
+    assert (used < slab_blocks).any() and (used >= slab_blocks).any()  # both slabs are read
+    out = native.paged_prefill_attention(*case, 0.1)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out.double(), paged_prefill_reference(*case, 0.1), atol=2e-5, rtol=1e-5)
+    assert not out[5:7].any()  # the gap's tokens belong to no segment
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (6, 3, 24, 5)])
+@pytest.mark.usefixtures("kernels")
+def test_a_chunk_attends_bit_for_bit_as_its_positions_of_the_whole_prompt(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """A chunk's output rows are the whole prompt's rows at its positions, bit for bit, in both dtypes (the same
+    keys in the same order and the same causal lengths): computing a prompt in chunks, or after a prefix hit,
+    changes no bit of what it attends to."""
+    q, k_slabs, v_slabs, tables, segments = paged_prefill_case(heads, kv_heads, head_dim, block_size, SEGMENTS, seed=3)
+    q = q.to(dtype)
+    k_slabs, v_slabs = [s.to(dtype) for s in k_slabs], [s.to(dtype) for s in v_slabs]
+    out = native.paged_prefill_attention(q, k_slabs, v_slabs, tables, segments, 0.125)
+    assert out.dtype == dtype
+    for (offset, length, start), table in zip(segments.tolist(), tables, strict=True):
+        end = start + length
+        k, v = _sequence(k_slabs, table, end), _sequence(v_slabs, table, end)
+        whole_q = torch.randn(end, heads, head_dim).to(dtype)
+        whole_q[start:] = q[offset : offset + length]
+        whole = native.prefill_attention(whole_q, k, v, torch.tensor([[0, end]]), 0.125)
+        assert torch.equal(out[offset : offset + length], whole[start:])
+
+
+@pytest.mark.parametrize(
+    ("segments", "table", "message"),
+    [
+        ([[0, 4, 4]], [[0, -1]], "logical block 1 is block -1"),
+        ([[0, 4, 4]], [[0, 8]], "logical block 1 is block 8"),
+        ([[0, 4, 5]], [[0, 1]], "bad positions"),
+        ([[0, 4, -1]], [[0, 1]], "bad positions"),
+        ([[4, 5, 0]], [[0, 1, 2]], "not within the call's 8"),
+        ([[0, 4, 0], [2, 4, 0]], [[0, 1], [2, 3]], "in an earlier segment"),
+        ([[0, 4]], [[0, 1]], "segments"),
+        ([[0, 4, 0], [4, 4, 0]], [[0, 1]], "a row per row of tables"),
+    ],
+)
+@pytest.mark.usefixtures("kernels")
+def test_paged_prefill_refuses_what_does_not_fit(segments: list, table: list, message: str) -> None:
+    k_slabs, v_slabs = [torch.zeros(8, 2, 4, 16)], [torch.zeros(8, 2, 4, 16)]
+    q = torch.ones(8, 4, 16)
+    with pytest.raises(RuntimeError, match=message):
+        native.paged_prefill_attention(q, k_slabs, v_slabs, torch.tensor(table), torch.tensor(segments), 0.1)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.paged_prefill_attention(
+            q, k_slabs, [v_slabs[0].bfloat16()], torch.tensor([[0]]), torch.tensor([[0, 4, 0]]), 0.1
+        )
 
 
 def test_a_host_without_a_compiler_loads_the_best_build_made_ahead_that_it_can_run(

@@ -186,3 +186,18 @@ def test_a_prefill_over_a_cache_with_a_finished_row_keeps_nothing_of_it(
                 got_kv[:, row, :, pad:], want_kv[:, row, :, pad : geometry.cur_len], atol=1e-4, rtol=0
             )
     cache.free()
+
+
+def test_a_pool_whose_blocks_a_book_allocates_makes_the_slabs_of_the_ids_it_is_given() -> None:
+    from dejavu_common.sched import BlockBook
+    from dejavulib.paged import BlockGeometry, BlockPool
+
+    pool = BlockPool(BlockGeometry(layers=2, kv_heads=1, block_size=4, head_dim=8), max_blocks=8, slab_blocks=4)
+    book = BlockBook(pool.max_blocks, pool.geometry.block_size)
+    pool.ensure(book.allocate(3))  # ids 0-2: the first slab
+    assert pool.allocated_blocks == 4
+    pool.ensure([5])
+    assert pool.allocated_blocks == 8 and len(pool.layer(0)[0]) == 2
+    pool.ensure([])
+    with pytest.raises(ValueError, match="past the pool"):
+        pool.ensure([8])

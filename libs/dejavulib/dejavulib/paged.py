@@ -24,6 +24,7 @@ import math
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -146,6 +147,17 @@ class BlockPool:
                 if left <= 0:
                     raise PoolExhausted(f"{n} KV blocks wanted, {len(self._free)} free of {self.max_blocks}")
                 self._returned.wait(left)
+
+    def ensure(self, ids: Iterable[int]) -> None:
+        """Make the slabs that hold block ``ids``: for a pool whose blocks a book allocates
+        (``dejavu_common.sched.BlockBook``: ids ``[0, max_blocks)``, the pool only their memory), in which case
+        :meth:`allocate` and :meth:`free` are not used. Raises ValueError for an id past ``max_blocks``."""
+        top = max(ids, default=-1)
+        if top >= self.max_blocks:
+            raise ValueError(f"block {top} is past the pool's {self.max_blocks} blocks")
+        with self._lock:
+            while self.allocated_blocks <= top:
+                self._add_slab()
 
     def free(self, ids: list[int]) -> None:
         """Return blocks to the pool."""

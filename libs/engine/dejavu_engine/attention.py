@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from dejavu_engine import native
+from dejavu_engine import native, slices
 from dejavu_engine.family import ForwardContext
 from dejavu_engine.geometry import BatchGeometry
 
@@ -62,8 +62,12 @@ def attend(
 
     With ``ctx.groups``, ``k_cache``/``v_cache`` hold one layer cache per group, and each group's rows
     attend over their own cache and length only (one attention call per group, or one call of the
-    native kernel for every group with ``ctx.spans``).
+    native kernel for every group with ``ctx.spans``). A pass of per-request slices over a paged pool
+    (:class:`~dejavu_engine.slices.SliceContext`) attends as :func:`dejavu_engine.slices.attend`.
     """
+    if isinstance(ctx, slices.SliceContext):
+        assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
+        return slices.attend(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.mixed is not None:
         return _attend_mixed(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.spans is not None:

@@ -18,12 +18,18 @@ per step against float32 packed). Elsewhere (CUDA; bfloat16 on AVX2 hosts, where
 it) :func:`can_pack` is False and weights stay dense.
 A packed weight is a ``torch.Tensor`` of layout ``torch._mkldnn`` (its ``numel``, ``element_size``,
 ``shape`` and ``dtype`` are the dense weight's), so stages account for it as for any other.
+
+A :class:`~dejavu_engine.quant.QuantizedWeight` (int8 values and float32 scales, from a quantized checkpoint)
+takes the place of a dense weight too: :func:`linear` and :func:`residual_linear` run it in
+:mod:`dejavu_engine.quant`, and :func:`pack` keeps it as it is.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
+
+from dejavu_engine import quant
 
 BATCH_HINT = 16  # rows oneDNN's packed layout is tuned for; any row count runs (1 to 64 measured above)
 
@@ -38,7 +44,10 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-packed copy of a dense ``[out, in]`` weight (CPU, a dtype :func:`can_pack` accepts)."""
+    """A oneDNN-packed copy of a dense ``[out, in]`` weight (CPU, a dtype :func:`can_pack` accepts); a quantized
+    weight stays as it is."""
+    if isinstance(weight, quant.QuantizedWeight):
+        return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), BATCH_HINT)
 
 
@@ -48,6 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     Dense without a bias: the one GEMM ``F.linear`` would run, called directly (a decode step makes
     hundreds of these calls, and the wrappers' dispatch costs more than the small GEMMs' difference).
     """
+    if isinstance(weight, quant.QuantizedWeight):
+        return quant.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if bias is not None:
@@ -61,6 +72,8 @@ def residual_linear(
     """``residual + x @ weight.T (+ bias)``. Dense float32 without a bias: one fused GEMM (addmm);
     otherwise (and below float32, where the fused sum would round once instead of HF's twice) a GEMM
     and an add."""
+    if isinstance(weight, quant.QuantizedWeight):
+        return quant.residual_linear(residual, x, weight, bias)
     if weight.is_mkldnn or bias is not None or residual.dtype != torch.float32:
         return residual + linear(x, weight, bias)
     out = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())

@@ -1,8 +1,11 @@
-"""Per-microbatch geometry: how the rows of a left-padded microbatch sit in the KV cache.
+"""Where a pass's tokens sit in the KV cache.
 
-All rows of a microbatch share one cache position per step (left padding aligns their ends), so
-two numbers per microbatch describe everything a forward pass needs: the pad length of each row
-and how many cache positions are filled. A worker rebuilds the geometry from a message.
+:class:`BatchGeometry` is a left-padded microbatch's: all its rows share one cache position per step (left
+padding aligns their ends), so two numbers per microbatch describe everything a forward pass needs: the pad
+length of each row and how many cache positions are filled. A worker rebuilds the geometry from a message.
+
+:class:`Slice` is one request's share of a pass over a paged pool: its own positions (no padding) and its own
+block table, so requests of any lengths, at any stage of their prompt or generation, share a pass.
 """
 
 from __future__ import annotations
@@ -74,3 +77,32 @@ class BatchGeometry:
     def advance(self, steps: int = 1) -> BatchGeometry:
         """Geometry of the next decode step (one more filled position per step)."""
         return BatchGeometry(self.pad_lens, self.cur_len + steps, self.rows)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One request's share of a pass over a paged pool: ``length`` new tokens at positions ``[start, start +
+    length)`` of the request's own sequence, no padding.
+
+    ``table`` lists the pool blocks of the request's logical blocks in order (block ``i`` holds positions ``[i *
+    block_size, (i + 1) * block_size)``) and covers ``[0, end)``: the pass writes the new tokens' K/V into them
+    and each new token attends causally over positions ``[0, its own]`` of them: the cached prefix ``[0, start)``
+    and the slice's tokens up to itself. One form covers a decode step (``length`` 1), a whole prompt
+    (``start`` 0), a chunk of a prompt over its earlier chunks (chunked prefill) and a prompt after a prefix-cache
+    hit (``start`` = the cached length).
+    """
+
+    table: tuple[int, ...]
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length < 1:
+            raise ValueError(f"a slice feeds >= 1 token from a position >= 0: start {self.start}, length {self.length}")
+        if any(b < 0 for b in self.table):
+            raise ValueError(f"block ids are >= 0, got table {self.table}")
+
+    @property
+    def end(self) -> int:
+        """One past the slice's last position: the request's length once the pass has run."""
+        return self.start + self.length

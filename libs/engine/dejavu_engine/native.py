@@ -7,7 +7,9 @@ per layer, whose fixed cost grows with the number of microbatches. :func:`paged_
 the same over a paged cache: fixed-size blocks in shared slabs, each row's found through its block table.
 :func:`prefill_attention` is a prefill's causal attention over whole prompts packed back to back (a ragged
 prefill's segments, or an unpadded batch's rows), each prompt over its own tokens, in one call: 2-5x torch's
-CPU flash attention on SmolLM2's heads (docs/benchmarks.md).
+CPU flash attention on SmolLM2's heads (docs/benchmarks.md). :func:`paged_prefill_attention` is the same kernel
+over a paged cache, for prompt chunks that attend over their sequence's cached prefix too (chunked prefill, a
+prefix-cache hit), and :func:`paged_write` puts a pass's new keys and values into their blocks.
 Both take float32 or bfloat16 (:data:`DTYPES`); scores, softmax and sums are float32 and the output is rounded
 once (as torch's CPU attention does): bfloat16 keys and values are widened as they are read, or, where the CPU
 has AVX512-BF16, multiplied on its bfloat16 dot products (each probability rounded to bfloat16 first, as torch
@@ -43,6 +45,7 @@ import torch
 log = logging.getLogger("dejavu.engine.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"  # weight-only quantized GEMMs (dejavu_engine.quant)
 DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call has one of them
 
 
@@ -97,6 +100,7 @@ def build_key(march: str = "native") -> str:
     h = hashlib.sha256()
     cpu = _cpu_flags() if march == "native" else ""
     flags = " ".join(compile_flags(march))
+    h.update(QUANT_SOURCE.read_bytes())
     for part in (SOURCE.read_bytes(), flags.encode(), torch.__version__.encode(), sys.prefix.encode(), cpu.encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -191,7 +195,7 @@ def _build(march: str = "native", folder: Path | None = None) -> ModuleType:
         os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
     return cpp_extension.load(
         name=f"dejavu_kernels_{key}",
-        sources=[str(SOURCE)],
+        sources=[str(SOURCE), str(QUANT_SOURCE)],
         extra_cflags=list(compile_flags(march)),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),
@@ -294,6 +298,30 @@ def prefill_attention(
         return module.prefill_attention(q, k, v, segments, scale)
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_slabs: list[torch.Tensor],
+    v_slabs: list[torch.Tensor],
+    tables: torch.Tensor,
+    segments: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of prompt chunks packed back to back, each over its own sequence's keys in a paged cache
+    (slabs as in :func:`paged_decode_attention`). ``segments[s] = (offset, length, start)`` (int64 ``[segments,
+    3]``, not overlapping): tokens ``[offset, offset + length)`` of ``q`` (``[tokens, heads, head_dim]``, float32
+    or bfloat16, a strided view whose last dimension is contiguous) sit at positions ``[start, start + length)``
+    of the sequence whose blocks ``tables[s]`` (int64 ``[segments, max_blocks]``) lists, and the query at
+    position ``p`` attends over that sequence's keys and values ``[0, p]``, read from its blocks: a whole prompt
+    (``start = 0``), or a chunk over its cached prefix. Every position read must be in the blocks already (write a
+    chunk's own K/V first: :func:`paged_write` without ``clear_before``). The arithmetic is
+    :func:`prefill_attention`'s over the same keys. Returns ``[tokens, heads, head_dim]``, contiguous, of ``q``'s
+    dtype (tokens in no segment are 0). Raises RuntimeError where the kernels are not loaded or the arguments do
+    not fit (a block it would read that is -1 or not in the slabs)."""
+    module = _require()
+    with torch.profiler.record_function("dejavu::paged_prefill_attention"):
+        return module.paged_prefill_attention(q, k_slabs, v_slabs, tables, segments, scale)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the last dimension of ``x`` (contiguous, float32 or bfloat16, any leading dimensions),
     scaled by ``weight`` (``[hidden]``, of ``x``'s dtype), in one pass: transformers' arithmetic
@@ -328,18 +356,20 @@ def paged_write(
     v_slabs: list[torch.Tensor],
     tables: torch.Tensor,
     places: torch.Tensor,
+    clear_before: bool = True,
 ) -> None:
     """Write a prefill's keys and values into their blocks of a paged cache (slabs as in
     :func:`paged_decode_attention`). ``k`` and ``v`` (``[tokens, kv_heads, head_dim]``, strided views whose last
     dimension is contiguous) hold the prompts' tokens back to back; ``places[s] = (offset, start, end)`` (int64
     ``[segments, 3]``): tokens ``[offset, offset + end - start)`` go to logical positions ``[start, end)`` of the
-    row whose blocks ``tables[s]`` (int64 ``[segments, max_blocks]``) lists, and the positions of that row's
-    first block before ``start`` (a whole prompt's left padding) are cleared, as a contiguous cache's. Raises
+    row whose blocks ``tables[s]`` (int64 ``[segments, max_blocks]``) lists. With ``clear_before`` the positions of
+    that row's first block before ``start`` (a whole prompt's left padding) are cleared, as a contiguous cache's;
+    without, they are left as they are (a sequence's cached prefix, before a chunk of it or a decode step). Raises
     RuntimeError where the kernels are not loaded or the arguments do not fit (a block it would write that is -1
     or not in the slabs)."""
     module = _require()
     with torch.profiler.record_function("dejavu::paged_write"):
-        module.paged_write(k, v, k_slabs, v_slabs, tables, places)
+        module.paged_write(k, v, k_slabs, v_slabs, tables, places, clear_before)
 
 
 def _require() -> ModuleType:

@@ -9,6 +9,8 @@ serves many microbatches, one forward call at a time (not thread-safe).
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,8 @@ from dejavu_engine import gemm, native
 from dejavu_engine.attention import decode_spans
 from dejavu_engine.families import family_for
 from dejavu_engine.family import ForwardContext, Weights
-from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.geometry import BatchGeometry, Slice
+from dejavu_engine.slices import context as pass_context
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import CheckpointReader, load_config
 from dejavulib.kvcache import KVCache, torch_dtype
@@ -428,6 +431,80 @@ class Stage:
         rows = x.shape[0]
         last = torch.cat([torch.arange(rows, device=hidden.device), rows + _prompt_ends(geometry, hidden.device)])
         return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
+
+    @functools.cached_property
+    def native_slices(self) -> bool:
+        """Whether passes of slices (:meth:`forward_slices`) attend in the native kernels: a whole prompt's
+        prefill goes straight into blocks here (:attr:`prefills_into_blocks`: the paged kernels are built and the
+        family's attention is plainly causal) and the build has the chunk kernel. Otherwise they attend through
+        torch (the device-generic path: CUDA, ALiBi, a host without the kernels)."""
+        return self.prefills_into_blocks and hasattr(native.load(), "paged_prefill_attention")
+
+    @torch.inference_mode()
+    def forward_slices(
+        self,
+        io: StageIO,
+        pool: BlockPool,
+        slices: Sequence[Slice],
+        all_logits: bool = False,
+        on_layer_done: LayerHook | None = None,
+    ) -> StageIO:
+        """One pass of per-request slices over ``pool``: slice ``i`` feeds ``length_i`` tokens at positions
+        ``[start_i, end_i)`` of its request, whose K/V every layer writes into the request's blocks
+        (``slices[i].table``) and which attend causally over the request's positions ``[0, own]`` there (its
+        cached prefix and the slice up to itself). Decodes, whole prompts, prompt chunks over their cached prefix
+        and prompts after a prefix hit mix freely; the projections and MLPs run once over every token, no padding.
+
+        ``io`` holds every slice's tokens back to back in slice order: ``input_ids`` ``[1, tokens]`` into a first
+        stage, ``hidden`` ``[1, tokens, hidden]`` (what a previous stage returned) into the others. Returns
+        ``hidden`` ``[1, tokens, hidden]`` from a stage that is not the last, else logits of each slice's last
+        token ``[slices, 1, vocab]`` (of every token, ``[1, tokens, vocab]``, with ``all_logits``).
+        ``on_layer_done(global_layer)`` runs after each layer has written its K/V. Raises ValueError, before
+        anything is written, where the slices do not fit the stage, the pool or the input (see
+        :meth:`check_slices`)."""
+        pieces = tuple(slices)
+        self.check_slices(pool, pieces)
+        x = self._input(io)
+        tokens = sum(piece.length for piece in pieces)
+        if tuple(x.shape[:2]) != (1, tokens):
+            raise ValueError(f"a pass of slices feeds their {tokens} tokens in one row, not {tuple(x.shape)}")
+        dtype = torch_dtype(self.dtype)
+        contexts = [self.family.context(BatchGeometry((0,), p.end), p.length, self.device, dtype) for p in pieces]
+        ctx = pass_context(
+            pieces, contexts, pool.geometry.block_size, pool.slab_blocks, self.native_slices, self.device
+        )
+        hidden = self._layers(x, _pool_layers(pool, self.num_layers), ctx, on_layer_done)
+        if not self.is_last:
+            return StageIO(hidden=hidden)
+        if all_logits:
+            return StageIO(logits=self.logits(hidden))
+        last = torch.tensor(list(itertools.accumulate(p.length for p in pieces)), device=hidden.device) - 1
+        return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
+
+    def check_slices(self, pool: BlockPool, slices: Sequence[Slice]) -> None:
+        """Raises ValueError unless ``slices`` can run as one pass of this stage over ``pool``: the pool holds
+        this stage's layers and heads in its dtype on its device; each slice's table lists blocks of the pool
+        (made already) for every position up to its end, distinct ones; and no slice writes a block that another
+        slice of the pass reads or writes (a block being filled belongs to one request)."""
+        if not slices:
+            raise ValueError("a pass needs at least one slice")
+        block = pool.geometry.block_size
+        if pool.geometry != BlockGeometry.of(self.kv_layout(1, 1), block) or pool.device != self.device:
+            raise ValueError(f"pool of {pool.geometry} on {pool.device} does not hold stage {self.layers}'s KV")
+        made = pool.allocated_blocks
+        writer: dict[int, int] = {}
+        for i, piece in enumerate(slices):
+            blocks = piece.table[: math.ceil(piece.end / block)]
+            if len(blocks) * block < piece.end:
+                raise ValueError(f"slice {i}'s table of {len(piece.table)} blocks does not reach position {piece.end}")
+            if len(set(blocks)) != len(blocks) or max(blocks) >= made:
+                raise ValueError(f"slice {i}'s table {blocks} repeats a block or names one past the pool's {made}")
+            for b in blocks[piece.start // block :]:
+                writer[b] = writer.get(b, i) if writer.get(b, i) == i else -1
+        for i, piece in enumerate(slices):
+            for b in piece.table[: math.ceil(piece.end / block)]:
+                if writer.get(b, i) != i:
+                    raise ValueError(f"block {b} is written by one slice of the pass and used by another (slice {i})")
 
     def _natively(
         self, ctx: ForwardContext, contexts: Sequence[ForwardContext], caches: Sequence[KVCache]

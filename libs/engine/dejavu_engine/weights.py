@@ -1,4 +1,10 @@
-"""Reading selected tensors of a safetensors checkpoint folder, without loading the rest."""
+"""Reading selected tensors of a checkpoint folder (safetensors, or one GGUF file), without loading the rest.
+
+Quantized weights stay quantized (:class:`~dejavu_engine.quant.QuantizedWeight`): an int8 tensor ``<name>``
+stored with a float32 ``<name>_scale`` (``[out, 1]``, or ``[1, out]`` for a weight stored ``[in, out]``) is
+int8 per output channel; a folder without safetensors but with a ``*.gguf`` file reads that file's tensors as
+published (:mod:`dejavu_engine.gguf_file`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 from dejavu_engine.checkpoint import CheckpointError
+from dejavu_engine.gguf_file import GGUFTensors
+from dejavu_engine.quant import QuantizedWeight
 
 
 def load_config(folder: Path) -> dict[str, Any]:
@@ -31,9 +39,18 @@ class CheckpointReader:
 
     def __init__(self, folder: Path) -> None:
         files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no *.safetensors files in {folder}")
+        ggufs = sorted(folder.glob("*.gguf"))
         self._file_of: dict[str, Path] = {}
+        self._gguf: GGUFTensors | None = None
+        if not files and len(ggufs) == 1:
+            try:
+                self._gguf = GGUFTensors(ggufs[0])
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from exc
+            self._file_of = dict.fromkeys(self._gguf.names(), ggufs[0])
+            return
+        if not files:
+            raise CheckpointError(f"no *.safetensors files (nor one *.gguf file) in {folder}")
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 self._file_of.update(dict.fromkeys(handle.keys(), file))
@@ -48,14 +65,42 @@ class CheckpointReader:
         raise CheckpointError(f"tensor {name!r} not found in the checkpoint")
 
     def load(self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """Tensors named ``names`` (checkpoint names, as keys), cast to ``dtype`` on ``device``."""
+        """Tensors named ``names`` (checkpoint names, as keys), cast to ``dtype`` on ``device``; quantized weights
+        as :class:`QuantizedWeight`, where ``dtype`` is float32 and ``device`` the CPU (else CheckpointError)."""
         by_file: dict[Path, list[str]] = {}
         for name in dict.fromkeys(names):
             by_file.setdefault(self._file_of[self.resolve(name)], []).append(name)
         tensors: dict[str, torch.Tensor] = {}
+        if self._gguf is not None:
+            for name in dict.fromkeys(names):
+                tensors[name] = _placed(self._gguf.load(self.resolve(name), dtype), device, dtype, name)  # type: ignore[assignment]
+            return tensors
         for file, wanted in by_file.items():
             with safe_open(str(file), framework="pt") as handle:
                 for name in wanted:
-                    tensor = handle.get_tensor(self.resolve(name))
+                    stored = self.resolve(name)
+                    tensor = handle.get_tensor(stored)
+                    if tensor.dtype == torch.int8 and f"{stored}_scale" in self._file_of:
+                        scale = self._scale(f"{stored}_scale")
+                        tensors[name] = _placed(QuantizedWeight.from_stored(tensor, scale), device, dtype, name)  # type: ignore[assignment]
+                        continue
                     tensors[name] = tensor.to(device=device, dtype=dtype).contiguous()
         return tensors
+
+    def _scale(self, stored: str) -> torch.Tensor:
+        with safe_open(str(self._file_of[stored]), framework="pt") as handle:
+            return handle.get_tensor(stored)
+
+
+def _placed(
+    tensor: torch.Tensor | QuantizedWeight, device: torch.device | str, dtype: torch.dtype, name: str
+) -> torch.Tensor | QuantizedWeight:
+    """A float tensor moved to ``device``; a quantized weight checked against the stage's device and dtype
+    (quantized weights compute in float32 on CPU)."""
+    if isinstance(tensor, QuantizedWeight):
+        if torch.device(device).type != "cpu" or dtype != torch.float32:
+            raise CheckpointError(
+                f"{name}: quantized weights ({tensor.kind}) compute in float32 on CPU, not {dtype} on {device}"
+            )
+        return tensor
+    return tensor.to(device=device).contiguous()

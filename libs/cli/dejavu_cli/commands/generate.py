@@ -16,7 +16,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default).")
     parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (default 1 = off).")
     parser.add_argument("--top-k", type=int, default=0, help="Top-k sampling (default 0 = off).")
+    parser.add_argument("--min-p", type=float, default=0.0, help="Min-p sampling (default 0 = off).")
+    parser.add_argument("--min-tokens", type=int, default=0, help="Tokens to generate before EOS may end it.")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's repetition penalty (1 = off).")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty (0 = off).")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty (0 = off).")
     parser.add_argument("--seed", type=int, help="Sampling seed (default: random).")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        help="Compute the prompt in chunks of this many tokens a pass (chunked prefill; default: whole).",
+    )
     parser.add_argument("--model", type=Path, help="Checkpoint folder (default: the prepared SmolLM2).")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), help="Weights and KV dtype (default: settings, float32)."
@@ -50,8 +60,14 @@ def run_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
+            token_budget=args.token_budget,
             model=args.model,
             settings=settings,
+            min_p=args.min_p,
+            min_tokens=args.min_tokens,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
         )
     except (GenerationError, CheckpointError, TokenizerError) as exc:
         raise CLIError(str(exc)) from exc

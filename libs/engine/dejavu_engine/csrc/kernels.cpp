@@ -382,6 +382,25 @@ void check_blocks(const int64_t* row_table, int64_t start, int64_t end, int64_t 
   }
 }
 
+// Segment i's tokens [offset, offset + length) are within the call's and in no earlier segment (marked in covered).
+void check_tokens(std::vector<char>& covered, int64_t offset, int64_t length, int64_t i) {
+  const int64_t n_tokens = static_cast<int64_t>(covered.size());
+  TORCH_CHECK(0 <= offset && 0 < length && offset + length <= n_tokens, "segment ", i, ": tokens [", offset, ", ",
+              offset + length, ") are not within the call's ", n_tokens);
+  for (int64_t j = offset; j < offset + length; ++j) {
+    TORCH_CHECK(!covered[j], "segment ", i, ": token ", j, " is in an earlier segment too");
+    covered[j] = 1;
+  }
+}
+
+// A prefill's output [tokens, heads, head_dim]: tokens in no segment read 0; where every token is in one, nothing
+// is left to clear.
+torch::Tensor output_for(const torch::Tensor& q, const std::vector<char>& covered) {
+  const bool all = std::all_of(covered.begin(), covered.end(), [](char c) { return c != 0; });
+  const auto shape = {q.size(0), q.size(1), q.size(2)};
+  return all ? torch::empty(shape, q.options()) : torch::zeros(shape, q.options());
+}
+
 // Keys and values of one kv head of one row, for attend_bf16: `n` positions in order at `k` and `v` (head_dim
 // apart). A paged row is one chunk per block, a contiguous cache one chunk.
 struct Chunk {
@@ -712,22 +731,75 @@ void paged_rows(const torch::Tensor& q, const torch::Tensor& k_new, const torch:
 }
 
 
-// ---- Prefill: causal attention of whole prompts, packed back to back (prefill_attention) ----
+// ---- Prefill: causal attention of prompts or prompt chunks, packed back to back (prefill_attention,
+// paged_prefill_attention) ----
 //
-// Segment s is tokens [offset_s, offset_s + length_s) of the call: one prompt, whose queries attend causally
-// over its own keys only. Work items are (segment, kv head, tile of up to kTile query positions); the g q
-// heads of a kv head and the tile's positions make g * tile query rows that share every key. Keys are
-// transposed (and widened) once per call, so scores come out 2 * W keys at a time from broadcast FMAs, with
-// no horizontal sums: S[rows, keys] = Q . K^T four rows at a time, each row's softmax over its own causal
-// length, then O = P . V four rows (two for head_dim 128) at a time with the value rows loaded once for them.
+// Segment s is tokens [offset_s, offset_s + length_s) of the call, at positions [start_s, start_s + length_s) of
+// one sequence: its query at position p attends causally over the sequence's keys [0, p] (start_s = 0: a whole
+// prompt over its own keys only; start_s > 0: a chunk over its cached prefix and itself). Where the keys come
+// from is a Source (below): the call's own k and v, or the sequence's blocks of a paged cache. Work items are
+// (segment, kv head, tile of up to kTile query positions); the g q heads of a kv head and the tile's positions
+// make g * tile query rows that share every key. Keys are transposed (and widened) once per call, so scores come
+// out 2 * W keys at a time from broadcast FMAs, with no horizontal sums: S[rows, keys] = Q . K^T four rows at a
+// time, each row's softmax over its own causal length, then O = P . V four rows (two for head_dim 128) at a time
+// with the value rows loaded once for them.
 
 constexpr int64_t kTile = 16;  // query positions per work item
 
 struct PrefillItem {
   int64_t offset, length, kh, t0, tq;
   // Where the segment starts in the call's per-segment layouts: its first key column (key_cols of each segment
-  // before it) and its first pair of tokens (prefill_rows_bf16's values).
-  int64_t keys_at, pairs_at;
+  // before it), its first pair of keys (prefill_rows_bf16's values) and its first key (prefill_rows' values).
+  int64_t keys_at, pairs_at, values_at;
+  int64_t start, seg;  // the position of the segment's first token (keys before it: its prefix), its index
+  int64_t keys() const { return start + length; }  // the keys the segment's last query sees
+};
+
+// Where a segment's keys and values are: key(it, j) and value(it, j) point at the head_dim values of kv head
+// it.kh of position j of it's sequence, j < it.keys().
+// The call's own tokens (a whole prompt: position j is token offset + j); strided, the last dimension contiguous.
+template <typename T>
+struct TokenSource {
+  const T* k;
+  const T* v;
+  int64_t ks0, ks1, vs0, vs1;
+  TokenSource(const torch::Tensor& kt, const torch::Tensor& vt)
+      : k(kt.data_ptr<T>()), v(vt.data_ptr<T>()), ks0(kt.stride(0)), ks1(kt.stride(1)), vs0(vt.stride(0)),
+        vs1(vt.stride(1)) {}
+  const T* key(const PrefillItem& it, int64_t j) const { return k + (it.offset + j) * ks0 + it.kh * ks1; }
+  const T* value(const PrefillItem& it, int64_t j) const { return v + (it.offset + j) * vs0 + it.kh * vs1; }
+};
+
+// A paged cache (as paged_decode_attention's): position j of segment s is in block tables[s, j / block_size].
+template <typename T>
+struct BlockSource {
+  std::vector<const T*> kb, vb;
+  const int64_t* table;
+  int64_t max_blocks, slab_blocks, kv_heads, block_size, d;
+  BlockSource(const std::vector<torch::Tensor>& k_slabs, const std::vector<torch::Tensor>& v_slabs,
+              const int64_t* tables, int64_t max_blocks_)
+      : table(tables), max_blocks(max_blocks_), slab_blocks(k_slabs[0].size(0)), kv_heads(k_slabs[0].size(1)),
+        block_size(k_slabs[0].size(2)), d(k_slabs[0].size(3)) {
+    for (size_t i = 0; i < k_slabs.size(); ++i) {
+      kb.push_back(k_slabs[i].data_ptr<T>());
+      vb.push_back(v_slabs[i].data_ptr<T>());
+    }
+  }
+  int64_t at(const PrefillItem& it, int64_t j, int64_t& slab) const {
+    const int64_t b = table[it.seg * max_blocks + j / block_size];
+    slab = b / slab_blocks;
+    return (((b % slab_blocks) * kv_heads + it.kh) * block_size + j % block_size) * d;
+  }
+  const T* key(const PrefillItem& it, int64_t j) const {
+    int64_t slab;
+    const int64_t off = at(it, j, slab);
+    return kb[slab] + off;
+  }
+  const T* value(const PrefillItem& it, int64_t j) const {
+    int64_t slab;
+    const int64_t off = at(it, j, slab);
+    return vb[slab] + off;
+  }
 };
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
@@ -746,7 +818,7 @@ constexpr int64_t kLayoutChunk = 64;
 std::vector<std::vector<int64_t>> deal_longest_first(const std::vector<PrefillItem>& items, int64_t n_bins) {
   std::vector<int64_t> order(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  auto cost = [&](int64_t i) { return (items[i].t0 + items[i].tq) * items[i].tq; };
+  auto cost = [&](int64_t i) { return (items[i].start + items[i].t0 + items[i].tq) * items[i].tq; };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
   std::vector<std::vector<int64_t>> bins(n_bins);
   std::vector<int64_t> load(n_bins, 0);
@@ -772,29 +844,36 @@ void for_each_item(const std::vector<PrefillItem>& items, Fn fn) {
   });
 }
 
-// fn(it, j0, j1) for every part of the per-segment layouts: tokens [j0, j1) of it's segment and kv head (`it` is
+// fn(it, j0, j1) for every part of the per-segment layouts: keys [j0, j1) of it's segment and kv head (`it` is
 // the segment's tile at position 0 for that kv head).
 template <class Fn>
 void for_each_layout_part(const std::vector<PrefillItem>& items, Fn fn) {
-  std::vector<std::pair<const PrefillItem*, int64_t>> parts;  // (item, first token)
+  std::vector<std::pair<const PrefillItem*, int64_t>> parts;  // (item, first key)
   for (const PrefillItem& it : items) {
     if (it.t0 != 0) continue;
-    for (int64_t j = 0; j < it.length; j += kLayoutChunk) parts.emplace_back(&it, j);
+    for (int64_t j = 0; j < it.keys(); j += kLayoutChunk) parts.emplace_back(&it, j);
   }
   at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t stop) {
     for (int64_t part = begin; part < stop; ++part) {
       const PrefillItem& it = *parts[part].first;
-      fn(it, parts[part].second, std::min(it.length, parts[part].second + kLayoutChunk));
+      fn(it, parts[part].second, std::min(it.keys(), parts[part].second + kLayoutChunk));
     }
   });
 }
 
-// The causal length of each of an item's rows: row t * g + h (position t0 + t, q head kh * g + h) sees its
-// segment's first t0 + t + 1 keys.
+// The causal length of each of an item's rows: row t * g + h (position start + t0 + t, q head kh * g + h) sees
+// its sequence's first start + t0 + t + 1 keys.
 inline void tile_lens(const PrefillItem& it, int64_t g, std::vector<int64_t>& lens) {
   lens.resize(g * it.tq);
-  for (int64_t t = 0; t < it.tq; ++t) std::fill(lens.begin() + t * g, lens.begin() + (t + 1) * g, it.t0 + t + 1);
+  for (int64_t t = 0; t < it.tq; ++t) {
+    std::fill(lens.begin() + t * g, lens.begin() + (t + 1) * g, it.start + it.t0 + t + 1);
+  }
 }
+
+// The items of segment `seg`: tokens [offset, offset + length) at positions [start, start + length), one per kv
+// head and tile; advances the layouts' running offsets past the segment's keys.
+void add_segment(std::vector<PrefillItem>& items, int64_t seg, int64_t offset, int64_t length, int64_t start,
+                 int64_t kv_heads, int64_t& keys_at, int64_t& pairs_at, int64_t& values_at);
 
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows' scores (rows d apart) against the 2 * W keys at kc (dims ldk apart), into s (rows lds apart).
@@ -926,36 +1005,33 @@ void prefill_values_dispatch(const float* p, int64_t rows, const int64_t* lens, 
   prefill_values_any(p, rows, lens, lds, vf, d, inv, out);
 }
 
-template <typename T>
-void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                  const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
-  const int64_t n_tokens = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1), g = heads / kv_heads;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+template <typename T, class Source>
+void prefill_rows(const torch::Tensor& q, const Source& src, int64_t kv_heads, const std::vector<PrefillItem>& items,
+                  double scale, torch::Tensor& out) {
+  const int64_t heads = q.size(1), d = q.size(2), g = heads / kv_heads;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   // Per kv head and segment, contiguous (a tile's keys and values are one block of memory): the segment's keys
-  // transposed and widened ([d][cols] floats, cols = key_cols(length), zero past its last key: a tile's keys
-  // are read in blocks of 2 * W, those past a row's length masked), and its values widened ([length][d]).
+  // transposed and widened ([d][cols] floats, cols = key_cols(keys), zero past its last key: a tile's keys
+  // are read in blocks of 2 * W, those past a row's length masked), and its values widened ([keys][d]).
   const PrefillItem& last = items.back();  // of the last segment: the layout's size
-  const int64_t total_cols = last.keys_at + key_cols(last.length);
-  std::unique_ptr<float[]> kt(new float[kv_heads * total_cols * d]), vf(new float[kv_heads * n_tokens * d]);
+  const int64_t total_cols = last.keys_at + key_cols(last.keys()), total_keys = last.values_at + last.keys();
+  std::unique_ptr<float[]> kt(new float[kv_heads * total_cols * d]), vf(new float[kv_heads * total_keys * d]);
   auto keys_of = [&](const PrefillItem& it) { return kt.get() + (it.kh * total_cols + it.keys_at) * d; };
-  auto values_of = [&](const PrefillItem& it) { return vf.get() + (it.kh * n_tokens + it.offset) * d; };
+  auto values_of = [&](const PrefillItem& it) { return vf.get() + (it.kh * total_keys + it.values_at) * d; };
   for_each_layout_part(items, [&](const PrefillItem& it, int64_t j0, int64_t j1) {
-    const int64_t cols = key_cols(it.length);
+    const int64_t cols = key_cols(it.keys());
     float* ktk = keys_of(it);
     for (int64_t j = j0; j < j1; ++j) {
-      const T* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
+      const T* kj = src.key(it, j);
       for (int64_t e = 0; e < d; ++e) ktk[e * cols + j] = to_float(kj[e]);
-      const T* vj = vp + (it.offset + j) * vs0 + it.kh * vs1;
+      const T* vj = src.value(it, j);
       float* vfj = values_of(it) + j * d;
       for (int64_t e = 0; e < d; ++e) vfj[e] = to_float(vj[e]);
     }
-    if (j1 == it.length) {
-      for (int64_t e = 0; e < d; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0.0f);
+    if (j1 == it.keys()) {
+      for (int64_t e = 0; e < d; ++e) std::fill(ktk + e * cols + it.keys(), ktk + (e + 1) * cols, 0.0f);
     }
   });
   struct Buffers {
@@ -966,7 +1042,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const float sc = static_cast<float>(scale);
   for_each_item<Buffers>(items, [&](const PrefillItem& it, Buffers& b) {
     const int64_t rows = g * it.tq;
-    const int64_t lds = round_up(it.t0 + it.tq, 32);
+    const int64_t lds = round_up(it.start + it.t0 + it.tq, 32);
     b.qf.resize(rows * d);
     b.s.resize(rows * lds);
     b.o.resize(rows * d);
@@ -980,7 +1056,7 @@ void prefill_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         for (int64_t e = 0; e < d; ++e) row[e] = to_float(src[e]) * sc;
       }
     }
-    prefill_scores_dispatch(b.qf.data(), rows, d, keys_of(it), key_cols(it.length), b.lens.data(), b.s.data(), lds);
+    prefill_scores_dispatch(b.qf.data(), rows, d, keys_of(it), key_cols(it.keys()), b.lens.data(), b.s.data(), lds);
     // The softmax's numerators weigh the values, and each row's sum is divided out of its output at the end
     // (as torch's flash attention divides), not out of every probability first.
     for (int64_t r = 0; r < rows; ++r) {
@@ -1104,23 +1180,20 @@ void prefill_values_bf16(const uint16_t* p, int64_t rows, int64_t ldp, const int
   for (; r < rows; ++r) prefill_values_bf16_rows<C, 1>(p + r * ldp, ldp, (lens[r] + 1) / 2, vp, inv + r, out + r);
 }
 
-template <int C>
-void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+template <int C, class Source>
+void prefill_rows_bf16(const torch::Tensor& q, const Source& src, int64_t kv_heads,
                        const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
   constexpr int64_t d = 32 * C, pairs = 16 * C;
-  const int64_t n_tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), g = heads / kv_heads;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t heads = q.size(1), g = heads / kv_heads;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const BF16* qp = q.data_ptr<BF16>();
-  const BF16* kp = k.data_ptr<BF16>();
-  const BF16* vp = v.data_ptr<BF16>();
   BF16* op = out.data_ptr<BF16>();
   // Per kv head and segment, contiguous (a tile's keys and values are one block of memory): its keys transposed
-  // in pairs of dims ([pairs][cols] words, cols = key_cols(length), zero past its last key: a tile's
-  // keys are read in blocks of 32), and its values in pairs of tokens ([pairs of tokens][d] words).
+  // in pairs of dims ([pairs][cols] words, cols = key_cols(keys), zero past its last key: a tile's
+  // keys are read in blocks of 32), and its values in pairs of keys ([pairs of keys][d] words).
   const PrefillItem& last = items.back();  // of the last segment: the layouts' sizes
-  const int64_t total_cols = last.keys_at + key_cols(last.length);
-  const int64_t total_pairs = last.pairs_at + (last.length + 1) / 2;
+  const int64_t total_cols = last.keys_at + key_cols(last.keys());
+  const int64_t total_pairs = last.pairs_at + (last.keys() + 1) / 2;
   std::unique_ptr<uint32_t[]> kt(new uint32_t[kv_heads * total_cols * pairs]);
   std::unique_ptr<uint32_t[]> vt(new uint32_t[kv_heads * total_pairs * d]);
   auto keys_of = [&](const PrefillItem& it) { return kt.get() + (it.kh * total_cols + it.keys_at) * pairs; };
@@ -1134,22 +1207,22 @@ void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const tor
   }
   const __m512i lo_pairs = _mm512_load_si512(interleave[0]), hi_pairs = _mm512_load_si512(interleave[1]);
   for_each_layout_part(items, [&](const PrefillItem& it, int64_t j0, int64_t j1) {
-    const int64_t cols = key_cols(it.length);
+    const int64_t cols = key_cols(it.keys());
     uint32_t* ktk = keys_of(it);
     for (int64_t j = j0; j < j1; ++j) {
-      const BF16* kj = kp + (it.offset + j) * ks0 + it.kh * ks1;
+      const BF16* kj = src.key(it, j);
       for (int64_t e = 0; e < pairs; ++e) std::memcpy(ktk + e * cols + j, kj + 2 * e, sizeof(uint32_t));
     }
-    if (j1 == it.length) {
-      for (int64_t e = 0; e < pairs; ++e) std::fill(ktk + e * cols + it.length, ktk + (e + 1) * cols, 0u);
+    if (j1 == it.keys()) {
+      for (int64_t e = 0; e < pairs; ++e) std::fill(ktk + e * cols + it.keys(), ktk + (e + 1) * cols, 0u);
     }
     uint32_t* vtk = values_of(it);
     for (int64_t m = j0 / 2; 2 * m < j1; ++m) {  // j0 is even
-      const BF16* a = vp + (it.offset + 2 * m) * vs0 + it.kh * vs1;
-      const bool pair = 2 * m + 1 < it.length;
+      const BF16* a = src.value(it, 2 * m);
+      const BF16* b = 2 * m + 1 < it.keys() ? src.value(it, 2 * m + 1) : nullptr;
       for (int c = 0; c < C; ++c) {
         const __m512i x = _mm512_loadu_si512(a + 32 * c);
-        const __m512i y = pair ? _mm512_loadu_si512(a + vs0 + 32 * c) : _mm512_setzero_si512();
+        const __m512i y = b != nullptr ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
         _mm512_storeu_si512(vtk + m * d + 32 * c, _mm512_permutex2var_epi16(x, lo_pairs, y));
         _mm512_storeu_si512(vtk + m * d + 32 * c + 16, _mm512_permutex2var_epi16(x, hi_pairs, y));
       }
@@ -1166,7 +1239,7 @@ void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const tor
   const float sc = static_cast<float>(scale);
   for_each_item<Buffers>(items, [&](const PrefillItem& it, Buffers& b) {
     const int64_t rows = g * it.tq;
-    const int64_t lds = round_up(it.t0 + it.tq, 32);
+    const int64_t lds = round_up(it.start + it.t0 + it.tq, 32);
     b.qt.resize(rows * pairs);
     b.s.resize(rows * lds);
     b.pb.resize(rows * lds);
@@ -1181,7 +1254,7 @@ void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const tor
       }
     }
     const int64_t* lens = b.lens.data();
-    prefill_scores_bf16(b.qt.data(), rows, pairs, keys_of(it), key_cols(it.length), lens, sc, b.s.data(), lds);
+    prefill_scores_bf16(b.qt.data(), rows, pairs, keys_of(it), key_cols(it.keys()), lens, sc, b.s.data(), lds);
     const int64_t longest = round_up(lens[rows - 1], 2);
     for (int64_t r = 0; r < rows; ++r) {
       uint16_t* pr = b.pb.data() + r * lds;
@@ -1194,16 +1267,44 @@ void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const tor
   });
 }
 
-void prefill_rows_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+template <class Source>
+void prefill_rows_bf16(const torch::Tensor& q, const Source& src, int64_t kv_heads,
                        const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
   switch (q.size(2) / 32) {
-    case 1: return prefill_rows_bf16<1>(q, k, v, items, scale, out);
-    case 2: return prefill_rows_bf16<2>(q, k, v, items, scale, out);
-    case 3: return prefill_rows_bf16<3>(q, k, v, items, scale, out);
-    default: return prefill_rows_bf16<4>(q, k, v, items, scale, out);
+    case 1: return prefill_rows_bf16<1>(q, src, kv_heads, items, scale, out);
+    case 2: return prefill_rows_bf16<2>(q, src, kv_heads, items, scale, out);
+    case 3: return prefill_rows_bf16<3>(q, src, kv_heads, items, scale, out);
+    default: return prefill_rows_bf16<4>(q, src, kv_heads, items, scale, out);
   }
 }
 #endif
+
+void add_segment(std::vector<PrefillItem>& items, int64_t seg, int64_t offset, int64_t length, int64_t start,
+                 int64_t kv_heads, int64_t& keys_at, int64_t& pairs_at, int64_t& values_at) {
+  for (int64_t kh = 0; kh < kv_heads; ++kh) {
+    for (int64_t t0 = 0; t0 < length; t0 += kTile) {
+      items.push_back({offset, length, kh, t0, std::min(kTile, length - t0), keys_at, pairs_at, values_at, start, seg});
+    }
+  }
+  keys_at += key_cols(start + length);
+  pairs_at += (start + length + 1) / 2;
+  values_at += start + length;
+}
+
+// The attention of a call's items, whichever the source of their keys (make_source(T{}): a Source of T's): on the
+// bfloat16 dot products where the CPU has them (head_dim a multiple of 32 up to 128), widened to float32 otherwise.
+template <class MakeSource>
+void prefill_dispatch(const torch::Tensor& q, MakeSource make_source, int64_t kv_heads,
+                      const std::vector<PrefillItem>& items, double scale, torch::Tensor& out) {
+  if (q.scalar_type() == torch::kBFloat16) {
+    const auto src = make_source(BF16{});
+#if defined(__AVX512BF16__)
+    if (q.size(2) % 32 == 0 && q.size(2) <= 128) return prefill_rows_bf16(q, src, kv_heads, items, scale, out);
+#endif
+    return prefill_rows<BF16>(q, src, kv_heads, items, scale, out);
+  }
+  prefill_rows<float>(q, make_source(float{}), kv_heads, items, scale, out);
+}
 
 }  // namespace
 
@@ -1348,39 +1449,71 @@ torch::Tensor prefill_attention(
   auto segs = segments.contiguous();
   const int64_t* sp = segs.data_ptr<int64_t>();
   std::vector<PrefillItem> items;
-  int64_t keys_at = 0, pairs_at = 0;
+  int64_t keys_at = 0, pairs_at = 0, values_at = 0;
   std::vector<char> covered(n_tokens, 0);
   for (int64_t i = 0; i < segs.size(0); ++i) {
     const int64_t offset = sp[2 * i], length = sp[2 * i + 1];
-    TORCH_CHECK(0 <= offset && 0 < length && offset + length <= n_tokens, "segment ", i, ": tokens [", offset, ", ",
-                offset + length, ") are not within the call's ", n_tokens);
-    for (int64_t j = offset; j < offset + length; ++j) {
-      TORCH_CHECK(!covered[j], "segment ", i, ": token ", j, " is in an earlier segment too");
-      covered[j] = 1;
-    }
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      for (int64_t t0 = 0; t0 < length; t0 += kTile) {
-        items.push_back({offset, length, kh, t0, std::min(kTile, length - t0), keys_at, pairs_at});
-      }
-    }
-    keys_at += key_cols(length);
-    pairs_at += (length + 1) / 2;
+    check_tokens(covered, offset, length, i);
+    add_segment(items, i, offset, length, 0, kv_heads, keys_at, pairs_at, values_at);
   }
-  const bool all_covered = std::all_of(covered.begin(), covered.end(), [](char c) { return c != 0; });
-  // Tokens in no segment read 0; where every token is in one, nothing is left to clear.
-  auto out = all_covered ? torch::empty({n_tokens, heads, d}, q.options()) : torch::zeros({n_tokens, heads, d}, q.options());
+  auto out = output_for(q, covered);
   if (items.empty()) return out;
-  if (dtype == torch::kBFloat16) {
-#if defined(__AVX512BF16__)
-    if (d % 32 == 0 && d <= 128) {
-      prefill_rows_bf16(q, k, v, items, scale, out);
-      return out;
-    }
-#endif
-    prefill_rows<BF16>(q, k, v, items, scale, out);
-  } else {
-    prefill_rows<float>(q, k, v, items, scale, out);
+  prefill_dispatch(q, [&](auto tag) { return TokenSource<decltype(tag)>(k, v); }, kv_heads, items, scale, out);
+  return out;
+}
+
+// The same for prompt chunks over a paged cache: segment s = (offset, length, start) is tokens [offset, offset +
+// length) of q at positions [start, start + length) of the sequence whose blocks tables[s] lists, and its query at
+// position p attends over that sequence's keys and values [0, p], read from its blocks (every one of them there
+// already: the chunk's own written by paged_write first). start = 0 is a whole prompt; start > 0 a chunk over its
+// cached prefix. q may be a strided view (the last dimension contiguous); the output is contiguous.
+torch::Tensor paged_prefill_attention(
+    const torch::Tensor& q,                     // [tokens, heads, head_dim]
+    const std::vector<torch::Tensor>& k_slabs,  // each [slab_blocks, kv_heads, block_size, head_dim]
+    const std::vector<torch::Tensor>& v_slabs,
+    const torch::Tensor& tables,    // int64 [segments, max_blocks]: physical block ids, -1 = none
+    const torch::Tensor& segments,  // int64 [segments, 3]: offset, length, start
+    double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu() && q.stride(2) == 1,
+              "q: [tokens, heads, head_dim] on the CPU, the last dimension contiguous");
+  const auto dtype = call_dtype(q);
+  const int64_t n_tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(!k_slabs.empty() && k_slabs.size() == v_slabs.size(), "as many k slabs as v slabs, at least one");
+  const auto slab_shape = k_slabs[0].sizes().vec();
+  TORCH_CHECK(slab_shape.size() == 4 && slab_shape[0] > 0 && slab_shape[2] > 0 && slab_shape[3] == d,
+              "slabs: [slab_blocks, kv_heads, block_size, head_dim] with the query's head_dim");
+  const int64_t kv_heads = slab_shape[1], block_size = slab_shape[2];
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads (", heads, ") must be a multiple of kv_heads (", kv_heads,
+              ")");
+  check_slabs(k_slabs, v_slabs, dtype);
+  const int64_t n_blocks = static_cast<int64_t>(k_slabs.size()) * slab_shape[0];
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == torch::kInt64 && tables.device().is_cpu(),
+              "tables: int64 [segments, max_blocks] on the CPU");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3 && segments.size(0) == tables.size(0) &&
+                  segments.scalar_type() == torch::kInt64 && segments.device().is_cpu(),
+              "segments: int64 [segments, 3] on the CPU, a row per row of tables");
+  auto tables_c = tables.contiguous();
+  auto segs = segments.contiguous();
+  const int64_t* table = tables_c.data_ptr<int64_t>();
+  const int64_t* sp = segs.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1);
+  std::vector<PrefillItem> items;
+  int64_t keys_at = 0, pairs_at = 0, values_at = 0;
+  std::vector<char> covered(n_tokens, 0);
+  // Every token and block a segment touches is checked here, so the loops read only inside q and the slabs.
+  for (int64_t i = 0; i < segs.size(0); ++i) {
+    const int64_t offset = sp[3 * i], length = sp[3 * i + 1], start = sp[3 * i + 2];
+    check_tokens(covered, offset, length, i);
+    TORCH_CHECK(0 <= start && start + length <= max_blocks * block_size, "segment ", i, ": bad positions [", start,
+                ", ", start + length, ") for ", max_blocks, " blocks of ", block_size);
+    check_blocks(table + i * max_blocks, 0, start + length, block_size, n_blocks, "segment", i);
+    add_segment(items, i, offset, length, start, kv_heads, keys_at, pairs_at, values_at);
   }
+  auto out = output_for(q, covered);
+  if (items.empty()) return out;
+  prefill_dispatch(
+      q, [&](auto tag) { return BlockSource<decltype(tag)>(k_slabs, v_slabs, table, max_blocks); }, kv_heads, items,
+      scale, out);
   return out;
 }
 
@@ -1613,13 +1746,15 @@ void rope_(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin, 
 // Segment s writes tokens [offset, offset + end - start) of k and v ([tokens, kv_heads, head_dim], strided views
 // whose last dimension is contiguous, as a fused QKV projection leaves them) at logical positions [start, end) of
 // row s of `tables`, each position into its block: what a prefill over a paged pool writes, layer by layer,
-// without a contiguous copy of the prompts' positions to scatter afterwards. A segment is a whole left-padded
-// prompt: the positions of its first block before `start` (padding) are cleared, as a contiguous cache's.
+// without a contiguous copy of the prompts' positions to scatter afterwards. With clear_before, a segment is a
+// whole left-padded prompt: the positions of its first block before `start` (padding) are cleared, as a contiguous
+// cache's; without, the positions before `start` are the sequence's cached prefix and are left as they are (a
+// prompt chunk, a decode step).
 namespace {
 template <typename T>
 void write_rows(const torch::Tensor& k, const torch::Tensor& v, const std::vector<torch::Tensor>& k_slabs,
                 const std::vector<torch::Tensor>& v_slabs, const int64_t* table, int64_t max_blocks,
-                const int64_t* place, int64_t n_segments) {
+                const int64_t* place, int64_t n_segments, bool clear_before) {
   const int64_t kv_heads = k.size(1), d = k.size(2);
   const int64_t slab_blocks = k_slabs[0].size(0), block_size = k_slabs[0].size(2);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
@@ -1642,7 +1777,7 @@ void write_rows(const torch::Tensor& k, const torch::Tensor& v, const std::vecto
       const int64_t p0 = std::max(start, lb * block_size), p1 = std::min(end, (lb + 1) * block_size);
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t cell = ((in_slab * kv_heads + h) * block_size + p0 % block_size) * d;
-        if (p0 % block_size) {  // the row's padding in its first block reads as zeros, as in a contiguous cache
+        if (clear_before && p0 == start && p0 % block_size) {  // the row's padding in its first block reads as 0
           const int64_t first = (in_slab * kv_heads + h) * block_size * d, cleared = (p0 % block_size) * d;
           std::memset(kb[slab] + first, 0, sizeof(T) * cleared);
           std::memset(vb[slab] + first, 0, sizeof(T) * cleared);
@@ -1663,7 +1798,8 @@ void paged_write(const torch::Tensor& k,                   // [tokens, kv_heads,
                  const std::vector<torch::Tensor>& k_slabs,  // each [slab_blocks, kv_heads, block_size, head_dim]
                  const std::vector<torch::Tensor>& v_slabs,
                  const torch::Tensor& tables,  // int64 [segments, max_blocks]: physical block ids, -1 = none
-                 const torch::Tensor& places) {  // int64 [segments, 3]: token offset, start, end (logical positions)
+                 const torch::Tensor& places,  // int64 [segments, 3]: token offset, start, end (logical positions)
+                 bool clear_before) {
   const auto dtype = call_dtype(k);
   check_dtype(v, dtype, "v");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v: [tokens, kv_heads, head_dim]");
@@ -1697,9 +1833,9 @@ void paged_write(const torch::Tensor& k,                   // [tokens, kv_heads,
     check_blocks(table + s * max_blocks, start, end, block_size, n_blocks, "segment", s);
   }
   if (dtype == torch::kFloat32)
-    write_rows<float>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments);
+    write_rows<float>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments, clear_before);
   else
-    write_rows<BF16>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments);
+    write_rows<BF16>(k, v, k_slabs, v_slabs, table, max_blocks, place, n_segments, clear_before);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1711,6 +1847,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of the last dimension, as transformers computes it");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [..., gate | up], as transformers computes it");
   m.def("rope_", &rope_, "rotary embedding of the first heads of [..., heads, head_dim] in place");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prompt chunks packed back to back, each over its sequence's blocks up to itself");
   m.def("paged_write", &paged_write, "a prefill's keys and values into their blocks of a paged cache");
 #if defined(__AVX512F__)
   m.attr("POINTWISE_FAST") = true;

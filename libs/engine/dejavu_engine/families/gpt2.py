@@ -20,6 +20,8 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
 
 
 class GPT2(Family):
+    transposed_roles = ("qkv", "proj", "fc", "fc_proj")  # Conv1D weights, stored [in, out]
+
     @classmethod
     def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
         if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):

@@ -1,0 +1,183 @@
+"""Quantized weights benchmark: accuracy and decode speed of the default model in each weight format.
+
+Usage: dejavu bench quant [--formats float32 int8 gguf] [--tokens 64] [--steps 24] [--rounds 3] [--threads 1]
+
+Formats (``model.weights``; each folder prepared once, :func:`dejavu_engine.checkpoint.ensure_default_model`):
+``float32`` the GGUF file dequantized by transformers (the reference), ``gguf`` the file as published (Q4_1
+layers, a Q8_0 embedding / tied head), kept quantized in memory, ``int8`` the float32 weights quantized to int8
+per output channel; ``bfloat16`` is the float32 folder computed in bfloat16.
+
+Accuracy, per format against float32:
+* perplexity of a fixed text (:data:`TEXT`, one prefill with every position's logits);
+* greedy agreement: float32 generates ``--tokens`` greedy tokens after each of :data:`PROMPTS`; the format reads
+  the same tokens (teacher forcing, one prefill) and the share of positions where its own argmax is float32's
+  token is reported, with the length of its own free greedy run before it first departs from float32's.
+
+Speed: ms per token of a batch-1 decode step after a 64-token prompt, every format timed in turn, ``--rounds``
+rounds (the median step of each round, then the median over rounds), with the bytes each holds. Prints a table
+and writes benchmarks/results/quant.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dejavu_common.settings import Settings
+from dejavu_common.tokenizer import Tokenizer
+from dejavu_engine.checkpoint import ensure_default_model
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_engine.threads import configure_torch_threads
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+RESULTS = Path(__file__).resolve().parent / "results" / "quant.json"
+FORMATS = ("float32", "bfloat16", "int8", "gguf")
+
+TEXT = (
+    "The history of computing is a story of abstraction. Early machines were programmed by rewiring panels, "
+    "then by punching cards, and later by writing instructions in assembly language. Each step moved the "
+    "programmer further from the hardware and closer to the problem. High-level languages such as Fortran "
+    "and Lisp appeared in the late 1950s, and with them the idea that a program could be written once and "
+    "run on many different machines. Operating systems took over the management of memory, files and "
+    "devices, so that several programs could share one computer safely. Networks then connected computers "
+    "to each other, and the problems of distributed systems appeared: messages are lost, machines fail, and "
+    "clocks disagree. Engineers answered with replication, consensus protocols and careful timeouts, so that "
+    "a service can keep running while some of its parts are broken."
+)
+PROMPTS = (
+    "Write a short poem about the sea.",
+    "Explain why the sky is blue in two sentences.",
+    "List three uses of a paperclip.",
+    "What is the capital of France, and what is it known for?",
+)
+
+
+def folders(formats: list[str]) -> dict[str, tuple[Path, str]]:
+    """format -> (checkpoint folder, stage dtype)."""
+    settings = Settings()
+    out = {}
+    for fmt in formats:
+        weights = {"float32": "float", "bfloat16": "float"}.get(fmt, fmt)
+        out[fmt] = (ensure_default_model(settings, weights=weights), "bfloat16" if fmt == "bfloat16" else "float32")
+    return out
+
+
+def forced_logits(stage: Stage, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of one prefill of ``ids`` (float32 ``[len, vocab]``)."""
+    cache = stage.allocate_cache(1, len(ids))
+    out = stage.prefill(
+        StageIO(input_ids=torch.tensor([ids])), cache, BatchGeometry.for_prompts([len(ids)]), all_logits=True
+    )
+    return out.logits[0].float()
+
+
+def perplexity(stage: Stage, ids: list[int]) -> float:
+    logits = forced_logits(stage, ids)
+    loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return math.exp(loss.item())
+
+
+def greedy(stage: Stage, ids: list[int], steps: int) -> list[int]:
+    cache = stage.allocate_cache(1, len(ids) + steps)
+    geometry = BatchGeometry.for_prompts([len(ids)])
+    out = stage.prefill(StageIO(input_ids=torch.tensor([ids])), cache, geometry)
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        geometry = geometry.advance()
+        out = stage.decode(StageIO(input_ids=torch.tensor([[tokens[-1]]])), cache, geometry)
+    return tokens
+
+
+def agreement(stage: Stage, prompt: list[int], reference: list[int]) -> tuple[int, int]:
+    """(positions whose argmax is the reference token, positions) under teacher forcing on the reference."""
+    logits = forced_logits(stage, prompt + reference)
+    picks = logits[len(prompt) - 1 : len(prompt) - 1 + len(reference)].argmax(-1).tolist()
+    return sum(p == r for p, r in zip(picks, reference, strict=True)), len(reference)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def decode_ms(stage: Stage, ids: list[int], steps: int) -> float:
+    """Median ms of ``steps`` batch-1 decode steps after a prefill of ``ids``."""
+    cache = stage.allocate_cache(1, len(ids) + steps + 1)
+    geometry = BatchGeometry.for_prompts([len(ids)])
+    stage.prefill(StageIO(input_ids=torch.tensor([ids])), cache, geometry)
+    times = []
+    for _ in range(steps):
+        geometry = geometry.advance()
+        start = time.perf_counter()
+        stage.decode(StageIO(input_ids=torch.tensor([[17]])), cache, geometry)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["float32", "int8", "gguf"])
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt for the agreement")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps a round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
+    args = parser.parse_args()
+    configure_torch_threads(args.threads)
+    formats = list(dict.fromkeys(["float32", *args.formats]))
+    where = folders(formats)
+    tokenizer = Tokenizer.from_pretrained(where["float32"][0])
+    stages = {fmt: Stage(folder, (0, 30), dtype=dtype) for fmt, (folder, dtype) in where.items()}
+    text = tokenizer.encode(TEXT)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    with torch.inference_mode():
+        reference = [greedy(stages["float32"], p, args.tokens) for p in prompts]
+        rows: dict[str, dict[str, Any]] = {}
+        for fmt, stage in stages.items():
+            hits = [agreement(stage, p, r) for p, r in zip(prompts, reference, strict=True)]
+            runs = [common_prefix(greedy(stage, p, args.tokens), r) for p, r in zip(prompts, reference, strict=True)]
+            rows[fmt] = {
+                "weights_mb": round(stage.param_bytes / 1e6, 1),
+                "perplexity": round(perplexity(stage, text), 4),
+                "greedy_agreement": round(sum(h for h, _ in hits) / sum(n for _, n in hits), 4),
+                "free_run_same_tokens": runs,
+                "decode_ms": [],
+            }
+        warm = tokenizer.encode(TEXT)[:64]
+        for _ in range(args.rounds):
+            for fmt, stage in stages.items():
+                rows[fmt]["decode_ms"].append(round(decode_ms(stage, warm, args.steps), 2))
+    print(f"{'format':10} {'MB':>7} {'ppl':>9} {'agree':>7} {'ms/token':>9}  free run (tokens equal to float32)")
+    for fmt, row in rows.items():
+        row["decode_ms_median"] = statistics.median(row["decode_ms"])
+        print(
+            f"{fmt:10} {row['weights_mb']:7.1f} {row['perplexity']:9.4f} {row['greedy_agreement']:7.2%} "
+            f"{row['decode_ms_median']:9.2f}  {row['free_run_same_tokens']} of {args.tokens}"
+        )
+    result = {
+        "host": platform.node(),
+        "threads": args.threads,
+        "load_average": os.getloadavg(),
+        "text_tokens": len(text),
+        "tokens": args.tokens,
+        "formats": rows,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

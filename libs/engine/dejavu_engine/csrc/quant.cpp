@@ -1,0 +1,342 @@
+// Weight-only quantized GEMMs: x (float32) times int8 weights with float32 scales (and offsets) per group.
+//
+// A weight W [N, K] is held as int8 values q [N, K], scales s [N, G] and optional offsets o [N, G], with G groups
+// of K / G consecutive values per output row: W[n, k] = s[n, g] * q[n, k] (+ o[n, g]), g = k / (K / G). One
+// group per row (G = 1) is symmetric int8 per output channel; groups of 32 are GGUF's blocks (Q8_0, Q4_0, Q5_0
+// symmetric; Q4_1, Q5_1 with a per-block minimum as offset), widened to int8 once at load.
+//
+// quant_linear widens each int8 weight to float32 in registers (16 lanes on AVX-512, 8 on AVX2) and multiplies it
+// into up to four rows of x at once, so a decode step reads each weight byte once from memory; a scale per row
+// applies to the row's sum (per channel), a scale per block to each weight as it is widened, and offsets as offset *
+// (sum of x over the block): x times the dequantized weight, distributed, in another summation order than a float
+// GEMM's, with subnormals flushed to zero while it runs (FlushSubnormals). quant_dequantize writes the float32
+// weight (rows [a, b)) for the GEMMs of many rows, which are compute-bound. Both run on torch's intra-op threads,
+// split over output rows.
+//
+// Registered as torch operators in this extension's own namespace (torch.ops.<extension name>.quant_linear),
+// beside the pybind11 module of kernels.cpp, by dejavu_quant_register.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+constexpr int kRowTile = 4;  // rows of x per pass over the weight rows (their bytes stay in L1 across the passes)
+
+// The weight lanes of one SIMD register: load `lanes` int8 values, widen to float32, dequantize.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kWeightRows = 4;  // output rows per block: 16 accumulators of the 32 registers
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vq(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr int kWeightRows = 2;  // 8 accumulators of the 16 registers
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vq(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int kLanes = 1;  // scalar build: the "register" is one float
+constexpr int kWeightRows = 1;
+using Vec = float;
+inline Vec vzero() { return 0.0f; }
+inline Vec vset(float v) { return v; }
+inline Vec vload(const float* p) { return *p; }
+inline void vstore(float* p, Vec v) { *p = v; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vq(const int8_t* p) { return static_cast<float>(*p); }
+inline float vsum(Vec v) { return v; }
+#endif
+
+// y[r, j] for rows r < R of x (row stride ldx) and output rows j < NT of a weight with one scale a row and no
+// offset (int8 per channel; q, s at row 0, rows K apart): the row's sum of x * q, times its scale once at the end.
+// Each x load feeds NT FMAs, each widened weight vector R.
+template <int R, int NT>
+inline void dot_channel(const float* x, int64_t ldx, const int8_t* q, const float* s, int64_t K, float* y,
+                        int64_t ldy) {
+  Vec acc[NT][R];
+  float tail[NT][R];
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) {
+      acc[j][r] = vzero();
+      tail[j][r] = 0.0f;
+    }
+  const int64_t body = K - K % kLanes;
+  for (int64_t k = 0; k < body; k += kLanes) {
+    Vec w[NT];
+    for (int j = 0; j < NT; ++j) w[j] = vq(q + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(x + r * ldx + k);
+      for (int j = 0; j < NT; ++j) acc[j][r] = vfma(xv, w[j], acc[j][r]);
+    }
+  }
+  for (int64_t k = body; k < K; ++k)  // the last values of a row of odd K
+    for (int j = 0; j < NT; ++j)
+      for (int r = 0; r < R; ++r) tail[j][r] += x[r * ldx + k] * static_cast<float>(q[j * K + k]);
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) y[r * ldy + j] = (vsum(acc[j][r]) + tail[j][r]) * s[j];
+}
+
+// The same with G groups of K / G values a row (GGUF's blocks), each with its scale and optional offset (rows G
+// scales apart): x . (s[g] * q) over the groups, each weight scaled in registers as it is widened, plus
+// sum_g o[g] * xsum[r, g], where xsum (row stride G) holds the sums of x over each group, made once a call.
+template <int R, int NT>
+inline void dot_groups(const float* x, int64_t ldx, const int8_t* q, const float* s, const float* o,
+                       const float* xsum, int64_t K, int64_t groups, float* y, int64_t ldy) {
+  Vec acc[NT][R];
+  float tail[NT][R];
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) {
+      acc[j][r] = vzero();
+      tail[j][r] = 0.0f;
+    }
+  const int64_t group = K / groups;
+  const int64_t body = group - group % kLanes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k0 = g * group;
+    Vec vs[NT];
+    for (int j = 0; j < NT; ++j) vs[j] = vset(s[j * groups + g]);
+    for (int64_t k = k0; k < k0 + body; k += kLanes) {
+      Vec w[NT];
+      for (int j = 0; j < NT; ++j) w[j] = vmul(vq(q + j * K + k), vs[j]);
+      for (int r = 0; r < R; ++r) {
+        const Vec xv = vload(x + r * ldx + k);
+        for (int j = 0; j < NT; ++j) acc[j][r] = vfma(xv, w[j], acc[j][r]);
+      }
+    }
+    for (int64_t k = k0 + body; k < k0 + group; ++k)  // a group's last values, where it is no whole register
+      for (int j = 0; j < NT; ++j) {
+        const float w = static_cast<float>(q[j * K + k]) * s[j * groups + g];
+        for (int r = 0; r < R; ++r) tail[j][r] += x[r * ldx + k] * w;
+      }
+  }
+  if (o != nullptr) {
+    for (int j = 0; j < NT; ++j)
+      for (int r = 0; r < R; ++r)
+        for (int64_t g = 0; g < groups; ++g) tail[j][r] += o[j * groups + g] * xsum[r * groups + g];
+  }
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) y[r * ldy + j] = vsum(acc[j][r]) + tail[j][r];
+}
+
+// Output rows j < NT (a block of the weight) for `rows` <= kRowTile rows of x.
+template <int NT>
+void dot_tile(int rows, const float* x, int64_t ldx, const int8_t* q, const float* s, const float* o,
+              const float* xsum, int64_t K, int64_t groups, float* y, int64_t ldy) {
+  if (groups == 1 && o == nullptr) {
+    switch (rows) {
+      case 4: dot_channel<4, NT>(x, ldx, q, s, K, y, ldy); break;
+      case 3: dot_channel<3, NT>(x, ldx, q, s, K, y, ldy); break;
+      case 2: dot_channel<2, NT>(x, ldx, q, s, K, y, ldy); break;
+      default: dot_channel<1, NT>(x, ldx, q, s, K, y, ldy); break;
+    }
+    return;
+  }
+  switch (rows) {
+    case 4: dot_groups<4, NT>(x, ldx, q, s, o, xsum, K, groups, y, ldy); break;
+    case 3: dot_groups<3, NT>(x, ldx, q, s, o, xsum, K, groups, y, ldy); break;
+    case 2: dot_groups<2, NT>(x, ldx, q, s, o, xsum, K, groups, y, ldy); break;
+    default: dot_groups<1, NT>(x, ldx, q, s, o, xsum, K, groups, y, ldy); break;
+  }
+}
+
+// Flushes subnormal inputs and results to zero on this thread while it lives (x86's MXCSR DAZ and FTZ bits), then
+// restores the mode. A subnormal operand (|v| < 2^-126; SwiGLU's output for very negative gates is one) costs an
+// FMA a microcode assist of ~100 cycles, which made whole projections 3-10x slower; as zero, it changes a result
+// by less than 2^-126 * |w| a term.
+class FlushSubnormals {
+ public:
+#if defined(__SSE2__)
+  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kDaz | kFtz); }
+  ~FlushSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kDaz = 0x0040, kFtz = 0x8000;
+  unsigned saved_;
+#endif
+};
+
+void check_weight(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset) {
+  TORCH_CHECK(q.device().is_cpu() && scale.device().is_cpu(), "quant: CPU tensors only");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "quant: q must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(0) == q.size(0) && scale.size(1) >= 1 && q.size(1) % scale.size(1) == 0,
+              "quant: scale must be a contiguous float32 [N, G] tensor with G dividing K, got ", scale.sizes(),
+              " for q ", q.sizes());
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->scalar_type() == at::kFloat && offset->is_contiguous() && offset->sizes() == scale.sizes(),
+                "quant: offset must be a contiguous float32 tensor shaped like scale");
+  }
+}
+
+}  // namespace
+
+// x [M, K] (float32, rows contiguous) @ W^T (+ bias [N]) -> [M, N] float32, W dequantized in registers.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias) {
+  check_weight(q, scale, offset);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "quant_linear: x must be a float32 [M, K] CPU tensor with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K, "quant_linear: x has ", K, " columns, the weight ", q.size(1));
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "quant_linear: bias must be a contiguous float32 [N] tensor");
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t groups = scale.size(1);
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Sums of x over each group, for the offsets' terms (offset * sum of x over its group).
+  std::vector<float> xsum(op != nullptr ? M * groups : 0);
+  const int64_t group = K / groups;
+  for (int64_t m = 0; m < static_cast<int64_t>(xsum.size()) / std::max<int64_t>(groups, 1); ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += xp[m * ldx + k];
+      xsum[m * groups + g] = sum;
+    }
+  const float* xs = xsum.empty() ? nullptr : xsum.data();
+  // Grain: enough output rows per task that a task streams at least ~64 KiB of weights.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
+  const int64_t blocks = (N + kWeightRows - 1) / kWeightRows;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, grain / kWeightRows), [&](int64_t b0, int64_t b1) {
+    const FlushSubnormals flush;  // each thread's own mode
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * kWeightRows;
+      const bool whole = n + kWeightRows <= N;  // the last block may hold fewer rows: one at a time
+      for (int64_t j = 0; j < (whole ? 1 : N - n); ++j) {
+        const int64_t nj = n + j;
+        const int8_t* qn = qp + nj * K;
+        const float* sn = sp + nj * groups;
+        const float* on = op != nullptr ? op + nj * groups : nullptr;
+        for (int64_t m = 0; m < M; m += kRowTile) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - m));
+          const float* xsm = xs != nullptr ? xs + m * groups : nullptr;
+          if (whole) {
+            dot_tile<kWeightRows>(rows, xp + m * ldx, ldx, qn, sn, on, xsm, K, groups, yp + m * N + nj, N);
+          } else {
+            dot_tile<1>(rows, xp + m * ldx, ldx, qn, sn, on, xsm, K, groups, yp + m * N + nj, N);
+          }
+        }
+      }
+      if (bp != nullptr) {
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t nj = n; nj < std::min(N, n + kWeightRows); ++nj) yp[m * N + nj] += bp[nj];
+      }
+    }
+  });
+  return y;
+}
+
+// Rows [first, last) of the float32 weight: s * q (+ o), each product rounded before the offset is added
+// (numpy's and torch's order, so the values are theirs bit for bit).
+__attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize(const at::Tensor& q, const at::Tensor& scale,
+                                                                          const std::optional<at::Tensor>& offset,
+                                                                          int64_t first, int64_t last) {
+  check_weight(q, scale, offset);
+  const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1), group = K / groups;
+  TORCH_CHECK(0 <= first && first <= last && last <= N, "quant_dequantize: rows [", first, ", ", last,
+              ") not within [0, ", N, ")");
+  at::Tensor w = at::empty({last - first, K}, scale.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
+  at::parallel_for(first, last, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* qn = qp + n * K;
+      float* wn = wp + (n - first) * K;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = sp[n * groups + g];
+        const float o = op != nullptr ? op[n * groups + g] : 0.0f;
+        const Vec vs = vset(s), vo = vset(o);
+        const int64_t k0 = g * group, body = k0 + (group - group % kLanes);
+        int64_t k = k0;
+        for (; k < body; k += kLanes) {
+          Vec p = vmul(vq(qn + k), vs);
+          if (op != nullptr) p = vadd(p, vo);
+          vstore(wn + k, p);
+        }
+        for (; k < k0 + group; ++k) {
+          const float p = static_cast<float>(qn[k]) * s;
+          wn[k] = op != nullptr ? p + o : p;
+        }
+      }
+    }
+  });
+  return w;
+}
+
+// The SIMD width the kernels were built with (16: AVX-512, 8: AVX2, 1: scalar).
+int64_t quant_lanes() { return kLanes; }
+
+// Registers the operators in namespace `ns` (the extension's name), once per library; called by Python through
+// ctypes when it first uses them (dejavu_engine.quant). Not a static initializer: a second copy of a build loaded
+// in one process (a build made ahead, tried beside this host's own) would register the same names again, and an
+// error thrown while a library loads aborts the process. Returns 0, or 1 with the reason in `error`.
+extern "C" __attribute__((visibility("default"))) int dejavu_quant_register(const char* ns, char* error,
+                                                                            int64_t error_size) {
+  static torch::Library* library = nullptr;
+  if (library != nullptr) return 0;
+  try {
+    auto* made = new torch::Library(torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
+    made->def("quant_linear(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor",
+              &quant_linear);
+    made->def("quant_dequantize(Tensor q, Tensor scale, Tensor? offset, int first, int last) -> Tensor",
+              &quant_dequantize);
+    made->def("quant_lanes() -> int", &quant_lanes);
+    library = made;
+    return 0;
+  } catch (const std::exception& exc) {
+    if (error != nullptr && error_size > 0) {
+      std::strncpy(error, exc.what(), static_cast<size_t>(error_size - 1));
+      error[error_size - 1] = '\0';
+    }
+    return 1;
+  }
+}

@@ -1,0 +1,348 @@
+"""Weight-only quantized weights, kept quantized in memory: int8 values with float32 scales per group.
+
+A :class:`QuantizedWeight` is a 2-D weight ``W`` held as int8 values ``q [N, K]``, float32 scales ``scale [N, G]``
+and optional float32 offsets ``offset [N, G]``: ``W[n, k] = scale[n, g] * q[n, k] (+ offset[n, g])`` with
+``g = k // (K // G)``. ``N`` is the output dimension (``F.linear``'s ``[out, in]``). Two formats use it:
+
+* **int8 per output channel** (``G = 1``, no offset): symmetric, ``scale = max|W[n]| / 127`` (:func:`quantize`);
+  a prepared ``int8`` checkpoint stores it (``<name>`` int8 and ``<name>_scale``: :mod:`dejavu_engine.weights`).
+* **GGUF blocks** of 32 (:mod:`dejavu_engine.gguf_file`): Q8_0, Q4_0, Q5_0 (symmetric) and Q4_1, Q5_1 (a
+  per-block minimum as offset), their 4/5/8-bit values widened to int8 at load, their float16 scales to
+  float32: lossless, so the weights are the published file's exactly (1.25 bytes a weight for Q4_1/Q5_1, 1.125
+  for the others, against 4 in float32).
+
+:func:`linear` multiplies rows by it in the native kernel (``csrc/quant.cpp``), which widens each weight in
+registers and reads each byte once: always for per-channel int8, up to :data:`DECODE_ROWS` rows (a decode step)
+for blocks; more rows of a weight of blocks (a prefill, compute-bound) dequantize it to float32 a tile of
+:data:`TILE_ROWS` output rows at a time and run torch's GEMM on each. Without the kernels every call
+dequantizes first. The arithmetic is that of ``x @ dequantize(W).T`` in float32 either way (the kernel distributes
+the scales and offsets; another summation order than a float GEMM's), and an activation of another dtype is
+multiplied in float32 and rounded back.
+
+A QuantizedWeight stands where a family has a dense weight: :mod:`dejavu_engine.gemm` routes ``linear`` /
+``residual_linear`` here, and it implements torch's ``__torch_function__`` protocol so the families' direct
+``F.linear``, ``torch.addmm`` (GPT-2's Conv1D, on a :attr:`transposed` weight), ``F.embedding`` (rows
+dequantized on lookup) and ``torch.cat`` (fusing projections: per-row scales concatenate) take it unchanged;
+any other torch function gets the dequantized tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch convention)
+
+from dejavu_engine import native
+
+log = logging.getLogger("dejavu.engine.quant")
+
+# Rows up to which a weight of blocks (GGUF) goes through the in-register kernel; more dequantize tiles for torch's
+# GEMM (measured, 1 thread: even at 32 rows, Q4_1 3072 x 576 kernel 1.55 ms, tiles 1.47 ms). Per-channel int8 always
+# takes the kernel (16 to 256 rows: 0.35 / 0.82, 1.45 / 2.59, 6.39 / 9.58 ms).
+DECODE_ROWS = 16
+TILE_ROWS = 256  # output rows of a weight dequantized at a time for many rows (a few hundred KiB: cache-resident)
+INT8_MAX = 127
+
+
+class QuantizedWeight:
+    """A 2-D weight kept as int8 values and float32 scales (and offsets) per group of each output row.
+
+    ``transposed``: the logical tensor is ``[K, N]`` (HF's Conv1D stores ``[in, out]``); ``q`` stays ``[N, K]``.
+    ``kind`` names the format (``"int8"``, ``"Q4_1"``, ...). Immutable; :meth:`t` and :meth:`split` share ``q``'s
+    memory.
+    """
+
+    _base = None  # no dense tensor underneath (what stages check of packed weights' views)
+    is_mkldnn = False
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor | None = None,
+        transposed: bool = False,
+        kind: str = "int8",
+    ) -> None:
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"quantized values must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
+        if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != q.shape[0]:
+            raise ValueError(f"scales must be float32 [{q.shape[0]}, groups], got {scale.dtype} {tuple(scale.shape)}")
+        if scale.shape[1] < 1 or q.shape[1] % scale.shape[1]:
+            raise ValueError(f"{scale.shape[1]} groups do not divide a row of {q.shape[1]} values")
+        if offset is not None and (offset.dtype != torch.float32 or offset.shape != scale.shape):
+            raise ValueError("offsets must be float32 and shaped like the scales")
+        self.q = q.contiguous()
+        self.scale = scale.contiguous()
+        self.offset = offset.contiguous() if offset is not None else None
+        self.transposed = transposed
+        self.kind = kind
+
+    @classmethod
+    def from_stored(cls, q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+        """An int8 per-channel weight as a checkpoint stores it: ``q`` in the weight's own layout and ``scale``
+        ``[out, 1]`` (``[out, in]`` weight) or ``[1, out]`` (``[in, out]``, transposed), ``W = q * scale``."""
+        scale = scale.to(torch.float32)
+        if q.dim() == 2 and scale.shape == (q.shape[0], 1):
+            return cls(q, scale)
+        if q.dim() == 2 and scale.shape == (1, q.shape[1]):
+            return cls(q.t().contiguous(), scale.t().contiguous(), transposed=True)
+        raise ValueError(
+            f"an int8 weight {tuple(q.shape)} needs a scale [out, 1] or [1, out], got {tuple(scale.shape)}"
+        )
+
+    def to_stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, scale)`` as :meth:`from_stored` reads them (int8 per channel only)."""
+        if self.offset is not None or self.scale.shape[1] != 1:
+            raise ValueError(f"only int8 per-channel weights are stored this way, not {self.kind}")
+        if self.transposed:
+            return self.q.t().contiguous(), self.scale.t().contiguous()
+        return self.q, self.scale
+
+    # --- the tensor facts stages and planners read ---------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        n, k = self.q.shape
+        return torch.Size((k, n) if self.transposed else (n, k))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it computes in (float32)."""
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: values, scales and offsets."""
+        extra = self.offset.nbytes if self.offset is not None else 0
+        return self.q.nbytes + self.scale.nbytes + extra
+
+    @property
+    def group(self) -> int:
+        """Values per scale along a row (``K`` for per-channel int8)."""
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def numel(self) -> int:
+        return self.q.numel()
+
+    def element_size(self) -> float:
+        """Bytes per weight, scales included, so ``numel() * element_size()`` is :attr:`nbytes`."""
+        return self.nbytes / max(self.numel(), 1)
+
+    def dim(self) -> int:
+        return 2
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def contiguous(self) -> QuantizedWeight:
+        return self
+
+    def t(self) -> QuantizedWeight:
+        return QuantizedWeight(self.q, self.scale, self.offset, not self.transposed, self.kind)
+
+    @property
+    def T(self) -> QuantizedWeight:  # noqa: N802 (torch's name)
+        return self.t()
+
+    def split(self, sizes: Sequence[int], dim: int = 0) -> tuple[QuantizedWeight, ...]:
+        """Output rows in parts (views of the same memory), as ``Tensor.split`` on a fused ``[out, in]`` weight."""
+        if self.transposed or dim != 0:
+            raise ValueError("a quantized weight splits along its output rows only")
+        parts = zip(self.q.split(list(sizes)), self.scale.split(list(sizes)), strict=True)
+        offsets = self.offset.split(list(sizes)) if self.offset is not None else [None] * len(sizes)
+        return tuple(QuantizedWeight(q, s, o, False, self.kind) for (q, s), o in zip(parts, offsets, strict=True))
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.kind}, shape={tuple(self.shape)}, group={self.group})"
+
+    # --- the math ------------------------------------------------------------------------------------------
+    def dequantize(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The float32 weight ``[N, K]`` (not transposed), or its output rows ``[a, b)``: each value ``scale * q``
+        rounded, then ``+ offset`` (numpy's and gguf's order: their values bit for bit)."""
+        first, last = rows if rows is not None else (0, self.q.shape[0])
+        op = _ops()
+        if op is not None and self.device.type == "cpu":
+            return op.quant_dequantize(self.q, self.scale, self.offset, first, last)
+        return _dequantize_rows(self.q[first:last], self.scale[first:last], _rows(self.offset, first, last))
+
+    def dense(self) -> torch.Tensor:
+        """The logical float32 tensor (``[K, N]`` when :attr:`transposed`)."""
+        w = self.dequantize()
+        return w.t() if self.transposed else w
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight (an embedding lookup), dequantized: the dense matrix's rows bit for bit."""
+        if self.transposed:
+            raise ValueError("an embedding is looked up by its rows; this quantized weight is transposed")
+        flat = ids.reshape(-1)
+        rows = _dequantize_rows(self.q[flat], self.scale[flat], self.offset[flat] if self.offset is not None else None)
+        return rows.view(*ids.shape, self.q.shape[1])
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            result = handler(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return func(*_dense_args(args), **_dense_args(kwargs))
+
+
+def quantize(weight: torch.Tensor, transposed: bool = False) -> QuantizedWeight:
+    """Symmetric int8 per output channel of a float weight ``[out, in]`` (``[in, out]`` when ``transposed``):
+    ``scale = max|row| / 127`` (1 for an all-zero row), ``q = round(W / scale)``."""
+    w = (weight.t() if transposed else weight).to(torch.float32)
+    if w.dim() != 2:
+        raise ValueError(f"only 2-D weights quantize, got {tuple(weight.shape)}")
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return QuantizedWeight(q.contiguous(), scale.contiguous(), None, transposed, "int8")
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` over the last dimension of ``x`` for a (not transposed) quantized ``[out, in]`` weight;
+    in float32, rounded to ``x``'s dtype. The native in-register kernel (per channel, or few rows), else dequantized
+    tiles and torch's GEMM."""
+    if weight.transposed:
+        raise ValueError("linear takes an [out, in] weight; this quantized weight is transposed")
+    n, k = weight.q.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+    op = _ops()
+    per_channel = weight.scale.shape[1] == 1 and weight.offset is None
+    if op is not None and x2.device.type == "cpu" and (x2.shape[0] <= DECODE_ROWS or per_channel):
+        y = op.quant_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight.q, weight.scale, weight.offset, b)
+    else:
+        y = _dequantized_linear(x2, weight)
+        if b is not None:
+            y += b
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x @ W.T`` for many rows: :data:`TILE_ROWS` output rows of ``W`` dequantized at a time into a scratch
+    that stays in cache, each multiplied by torch's GEMM into its columns of the result."""
+    n = weight.q.shape[0]
+    if n <= TILE_ROWS:
+        return torch.mm(x, weight.dequantize().t())
+    y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for first in range(0, n, TILE_ROWS):
+        last = min(n, first + TILE_ROWS)
+        torch.mm(x, weight.dequantize((first, last)).t(), out=y[:, first:last])
+    return y
+
+
+def residual_linear(
+    residual: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``residual + x @ W.T (+ bias)``."""
+    return residual + linear(x, weight, bias)
+
+
+@functools.cache
+def _ops() -> Any:
+    """The extension's quantized operators (``torch.ops.<extension>``), registered on first use; None where the
+    extension is not built or they do not register (the reason is logged)."""
+    module = native.load()
+    if module is None:
+        return None
+    library = ctypes.CDLL(module.__file__)  # the library Python loaded (dlopen of one path shares its handle)
+    error = ctypes.create_string_buffer(512)
+    if library.dejavu_quant_register(module.__name__.encode(), error, ctypes.c_int64(len(error))) != 0:
+        log.warning("quantized kernels unavailable, quantized weights are dequantized a call: %s", error.value)
+        return None
+    return getattr(torch.ops, module.__name__)
+
+
+def _rows(t: torch.Tensor | None, first: int, last: int) -> torch.Tensor | None:
+    return t[first:last] if t is not None else None
+
+
+def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """Torch's dequantization of rows (the kernel's arithmetic): ``scale * q``, rounded, then ``+ offset``."""
+    rows, k = q.shape
+    groups = scale.shape[1]
+    w = q.view(rows, groups, k // groups).to(torch.float32) * scale.unsqueeze(-1)
+    if offset is not None:
+        w = w + offset.unsqueeze(-1)
+    return w.view(rows, k)
+
+
+def _dense_args(value: Any) -> Any:
+    if isinstance(value, QuantizedWeight):
+        return value.dense()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_dense_args(v) for v in value)
+    if isinstance(value, dict):
+        return {key: _dense_args(v) for key, v in value.items()}
+    return value
+
+
+def _f_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> Any:
+    if isinstance(weight, QuantizedWeight) and not weight.transposed and isinstance(x, torch.Tensor):
+        return linear(x, weight, bias)
+    return NotImplemented
+
+
+def _addmm(bias: torch.Tensor, x: torch.Tensor, weight: Any, *, beta: float = 1, alpha: float = 1) -> Any:
+    """``bias + x @ W`` with ``W`` a transposed quantized weight (Conv1D's ``[in, out]``)."""
+    plain = beta == 1 and alpha == 1 and bias.dim() == 1 and x.dim() == 2
+    if isinstance(weight, QuantizedWeight) and weight.transposed and plain:
+        return linear(x, weight.t(), bias)
+    return NotImplemented
+
+
+def _mm(x: torch.Tensor, weight: Any) -> Any:
+    if isinstance(weight, QuantizedWeight) and weight.transposed and isinstance(x, torch.Tensor):
+        return linear(x, weight.t(), None)
+    return NotImplemented
+
+
+def _embedding(ids: torch.Tensor, weight: Any, padding_idx: Any = None, max_norm: Any = None, **_: Any) -> Any:
+    """A lookup (``padding_idx`` and the rest concern training; ``max_norm`` would renormalise rows in place)."""
+    if isinstance(weight, QuantizedWeight) and max_norm is None:
+        return weight.embedding(ids)
+    return NotImplemented
+
+
+def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
+    """Output rows of quantized weights of one format stacked (a fused projection)."""
+    parts = list(tensors)
+    if dim != 0 or not all(isinstance(t, QuantizedWeight) and not t.transposed for t in parts):
+        return NotImplemented
+    first = parts[0]
+    if any(t.kind != first.kind or t.scale.shape[1] != first.scale.shape[1] for t in parts):
+        return NotImplemented
+    if any((t.offset is None) != (first.offset is None) for t in parts):
+        return NotImplemented
+    offset = torch.cat([t.offset for t in parts]) if first.offset is not None else None  # type: ignore[misc]
+    return QuantizedWeight(
+        torch.cat([t.q for t in parts]), torch.cat([t.scale for t in parts]), offset, False, first.kind
+    )
+
+
+_HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.linear: _f_linear,
+    torch._C._nn.linear: _f_linear,
+    torch.addmm: _addmm,
+    torch.mm: _mm,
+    torch.matmul: _mm,
+    F.embedding: _embedding,
+    torch.cat: _cat,
+}

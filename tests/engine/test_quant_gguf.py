@@ -1,0 +1,191 @@
+"""GGUF weights read as published: block decoding against the ``gguf`` package's own dequantization (real tensors
+of the shipped file, and every supported block type), names and rows against transformers' conversion, and the
+default model served from its GGUF file against the same model dequantized by transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from pydantic import ValidationError
+from safetensors import safe_open
+
+from dejavu_common.settings import Settings
+from dejavu_engine import native
+from dejavu_engine.checkpoint import (
+    CheckpointError,
+    default_model_path,
+    ensure_default_model,
+    find_default_gguf,
+    is_complete,
+)
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.gguf_file import BLOCK_TYPES, GGUFTensors, decode_blocks
+from dejavu_engine.quant import QuantizedWeight
+from dejavu_engine.stage import Stage
+from dejavu_engine.stage_io import StageIO
+from dejavu_engine.weights import CheckpointReader
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> np.ndarray:
+    return QuantizedWeight(q, scale, offset).dequantize().numpy()
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+def test_every_block_type_decodes_to_gguf_values(kind: str) -> None:
+    rng = np.random.default_rng(len(kind))
+    data = rng.standard_normal((6, 96)).astype(np.float32)
+    data[2] = 0  # an all-zero row: scale 0
+    qtype = GGMLQuantizationType[kind]
+    blocks = quants.quantize(data, qtype)
+    q, scale, offset = decode_blocks(blocks, kind, 96)
+    assert q.dtype == torch.int8 and scale.shape == (6, 3) and (offset is not None) == BLOCK_TYPES[kind][1]
+    assert np.array_equal(_dequantized(q, scale, offset), quants.dequantize(blocks, qtype))
+
+
+def test_the_shipped_files_tensors_decode_to_gguf_values() -> None:
+    reader = GGUFReader(str(find_default_gguf()))
+    kinds = set()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind in kinds or kind not in BLOCK_TYPES:
+            continue
+        kinds.add(kind)
+        rows = np.asarray(tensor.data)[:512]  # token_embd has 49152 rows: its first 512 suffice
+        q, scale, offset = decode_blocks(rows, kind, int(tensor.shape[0]))
+        assert np.array_equal(_dequantized(q, scale, offset), quants.dequantize(rows, tensor.tensor_type)), kind
+    assert kinds == {"Q4_1", "Q8_0"}
+
+
+def test_an_unsupported_block_type_or_architecture_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="Q4_K is not supported"):
+        decode_blocks(np.zeros((1, 144), np.uint8), "Q4_K", 256)
+    writer = GGUFWriter(str(tmp_path / "model.gguf"), "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="architecture 'qwen2' is not supported"):
+        CheckpointReader(tmp_path)
+
+
+@pytest.mark.model
+def test_gguf_tensors_are_transformers_weights_bit_for_bit(smollm2: Path) -> None:
+    tensors = GGUFTensors(find_default_gguf())
+    names = [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_proj.weight",  # rows permuted back
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.7.self_attn.v_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+    ]
+    with safe_open(str(smollm2 / "model.safetensors"), framework="pt") as handle:
+        for name in names:
+            weight = tensors.load(name, torch.float32)
+            dense = weight.dense() if isinstance(weight, QuantizedWeight) else weight
+            assert torch.equal(dense, handle.get_tensor(name)), name
+
+
+@pytest.fixture(scope="module")
+def gguf_folder(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's config and tokenizer beside its GGUF file, as published."""
+    folder = tmp_path_factory.mktemp("gguf")
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(smollm2 / name, folder / name)
+    (folder / "model.gguf").symlink_to(find_default_gguf())
+    return folder
+
+
+def _greedy(stage: Stage, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
+    cache = stage.allocate_cache(1, ids.shape[1] + steps + 1)
+    geometry = BatchGeometry.for_prompts([ids.shape[1]])
+    out = stage.prefill(StageIO(input_ids=ids), cache, geometry)
+    first, tokens = out.logits[0, -1], []
+    for _ in range(steps):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        geometry = geometry.advance()
+        out = stage.decode(StageIO(input_ids=torch.tensor([[tokens[-1]]])), cache, geometry)
+    return first, tokens
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_default_model_served_from_its_gguf_file_is_its_dequantized_model(smollm2: Path, gguf_folder: Path) -> None:
+    if native.load() is None:
+        pytest.skip("native kernels cannot be built here")
+    quantized = Stage(gguf_folder, (0, 30))
+    kinds = {w.kind for w in quantized.weights.values() if isinstance(w, QuantizedWeight)}
+    assert kinds == {"Q4_1", "Q8_0"}
+    dense = Stage(smollm2, (0, 30))
+    assert quantized.param_bytes < 0.35 * dense.param_bytes  # ~1.25 bytes a weight held, not 4
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 378, 2520, 314]])  # a fixed prompt
+    first, tokens = _greedy(quantized, ids, 12)
+    float_first, float_tokens = _greedy(dense, ids, 12)
+    assert tokens == float_tokens
+    torch.testing.assert_close(first, float_first, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_model_prepare_keeps_the_gguf_file_as_published(smollm2: Path, tmp_path: Path) -> None:
+    settings = Settings(model={"cache_dir": tmp_path, "weights": "gguf"})
+    folder = ensure_default_model(settings)
+    assert folder == settings.model.folder and is_complete(folder)
+    assert (folder / "model.gguf").read_bytes() == find_default_gguf().read_bytes()
+    ours, theirs = (json.loads((f / "config.json").read_text()) for f in (folder, smollm2))
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "rope_parameters"):
+        assert ours[key] == theirs[key], key
+    assert not (tmp_path / "SmolLM2-135M-Instruct").exists()  # nothing dequantized
+
+
+def test_each_weight_format_has_its_own_folder(tmp_path: Path) -> None:
+    for weights, name in [("float", "SmolLM2-135M-Instruct"), ("int8", "SmolLM2-135M-Instruct-int8")]:
+        settings = Settings(model={"cache_dir": tmp_path, "weights": weights})
+        assert settings.model.folder == default_model_path(settings) == tmp_path / name
+    gguf = Settings(model={"cache_dir": tmp_path, "weights": "gguf"})
+    assert default_model_path(gguf) == default_model_path(gguf, "gguf") == tmp_path / "SmolLM2-135M-Instruct-gguf"
+    with pytest.raises(ValidationError):
+        Settings(model={"weights": "fp8"})
+    with pytest.raises(CheckpointError, match="unknown weight format"):
+        default_model_path(gguf, "fp8")
+
+
+@pytest.mark.model
+def test_the_int8_default_model_is_its_float_weights_to_half_a_step(smollm2: Path) -> None:
+    folder = ensure_default_model(Settings(), weights="int8")
+    names = ["model.embed_tokens.weight", "model.layers.4.self_attn.q_proj.weight", "model.layers.9.mlp.up_proj.weight"]
+    quantized = CheckpointReader(folder).load([*names, "model.norm.weight"], torch.float32, "cpu")
+    reference = CheckpointReader(smollm2).load([*names, "model.norm.weight"], torch.float32, "cpu")
+    assert torch.equal(quantized["model.norm.weight"], reference["model.norm.weight"])  # vectors stay float
+    for name in names:
+        weight = quantized[name]
+        assert isinstance(weight, QuantizedWeight) and weight.kind == "int8"
+        # half a step, and the rounding of scale * q (127 values of u each at most)
+        assert ((weight.dense() - reference[name]).abs() <= weight.scale * (0.5 + 1e-4)).all(), name
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_prepare_keeps_the_gguf_file_unless_asked_to_dequantize(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dejavu_cli", "model", "prepare", "--out", str(tmp_path), "--weights", "gguf"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    assert folder == tmp_path / "SmolLM2-135M-Instruct-gguf" and is_complete(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # nothing dequantized, no staging left
+    assert (folder / "model.gguf").stat().st_size == find_default_gguf().stat().st_size
