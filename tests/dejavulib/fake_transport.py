@@ -17,7 +17,14 @@ import numpy as np
 from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, IntegrityError, PeerError, TransferTimeout
 from dejavulib.handle import Handle
-from dejavulib.transport.base import MAX_HEADER_BYTES, MessageAdmit, MessageSink, MessageTransport, check_key
+from dejavulib.transport.base import (
+    MAX_HEADER_BYTES,
+    MessageAdmit,
+    MessageDrop,
+    MessageSink,
+    MessageTransport,
+    check_key,
+)
 
 
 class _Directory:
@@ -89,6 +96,7 @@ class FakeTransport(MessageTransport):
         self._peers: dict[str, bytes] = {}
         self._admit: MessageAdmit | None = None
         self._sink: MessageSink | None = None
+        self._drop: MessageDrop | None = None
         self._closed = False
         self._address = _DIRECTORY.register(self)
 
@@ -123,10 +131,12 @@ class FakeTransport(MessageTransport):
             admitted = peer._admit(bytes(header))
             if admitted is not None and admitted.nbytes == payload.nbytes:
                 peer._sink(admitted, np.array(payload, dtype=np.uint8, copy=True))
+            elif admitted is not None and peer._drop is not None:  # admitted, then a payload of another size
+                peer._drop(admitted)
         return Handle.completed(payload.nbytes)
 
-    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
-        self._admit, self._sink = admit, sink
+    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink, drop: MessageDrop | None = None) -> None:
+        self._admit, self._sink, self._drop = admit, sink, drop
 
     def discard(self, peer_id: str, key: int) -> None:
         check_key(key)

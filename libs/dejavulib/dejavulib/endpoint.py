@@ -10,9 +10,17 @@ channels at once; messages of one channel from one sender are received in send o
 Failure behaviour:
 
 * a message whose header MAC does not verify (wrong secret, corrupted header), whose epoch is older
-  than ``set_epoch``'s, whose (sender, epoch, seq) was seen before (a replay, :mod:`dejavulib.replay`)
-  or whose payload is over ``max_message_bytes`` is dropped, logged and counted in ``stats`` before the
-  transport sizes any buffer for its payload; it is never delivered;
+  than ``set_epoch``'s, whose (sender, epoch, seq) was seen before (a replay, :mod:`dejavulib.replay`),
+  whose payload is over ``max_message_bytes``, or that would take its channel's backlog past its bound
+  is dropped, logged and counted in ``stats`` before the transport sizes any buffer for its payload; it
+  is never delivered;
+* a channel's backlog is what was admitted on it and not yet taken by ``recv`` (payloads in flight
+  and queued): at most ``max_queued_messages`` messages and ``max_queued_bytes`` bytes (an empty
+  channel always admits one message up to ``max_message_bytes``), so a peer that sends faster than
+  this endpoint consumes, or floods it, costs bounded memory; what is over is dropped and counted
+  (``rejected_backlog``), and each consumer's deadline covers what it carried;
+* ``send`` refuses a payload over ``max_message_bytes`` with ``ValueError``: peers of one deployment
+  share the bound, so the receiver would drop it;
 * a payload that does not match its header's size and MAC raises ``IntegrityError`` from ``recv``,
   before any of its bytes is interpreted;
 * ``recv`` raises ``TransferTimeout`` past its deadline; ``send``'s handle fails with ``PeerError``
@@ -74,6 +82,9 @@ def describe(payload: Buffer) -> tuple[DType, tuple[int, ...]]:
 
 #: Largest payload an endpoint accepts by default (a whole stage's KV of a long microbatch fits).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
+#: Default bound of one channel's backlog in messages (admitted, not yet received); in bytes, by default
+#: twice ``max_message_bytes`` (a consumer one largest message behind loses nothing).
+DEFAULT_MAX_QUEUED_MESSAGES = 4096
 
 
 class Endpoint:
@@ -85,11 +96,21 @@ class Endpoint:
         secret: str | bytes,
         epoch: int = 0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_queued_bytes: int | None = None,
+        max_queued_messages: int = DEFAULT_MAX_QUEUED_MESSAGES,
     ) -> None:
+        if max_queued_bytes is None:
+            max_queued_bytes = 2 * max_message_bytes
+        if min(max_message_bytes, max_queued_bytes, max_queued_messages) < 1:
+            raise ValueError("max_message_bytes, max_queued_bytes and max_queued_messages must be positive")
         self.transport = transport
         self._key = secret_key(secret)
         self._epoch = epoch
         self.max_message_bytes = max_message_bytes
+        self.max_queued_bytes, self.max_queued_messages = max_queued_bytes, max_queued_messages
+        # Each channel's backlog (see the module docstring), kept under ``_cond``.
+        self._backlog_bytes: collections.Counter[Channel] = collections.Counter()
+        self._backlog_messages: collections.Counter[Channel] = collections.Counter()
         self._replay = ReplayGuard()
         self._queues: dict[Channel, collections.deque[tuple[Header, np.ndarray]]] = {
             c: collections.deque() for c in Channel
@@ -100,7 +121,7 @@ class Endpoint:
         self._seq = time.time_ns()
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
-        transport.set_message_sink(self._admit, self._on_message)
+        transport.set_message_sink(self._admit, self._on_message, self._on_drop)
 
     @property
     def self_id(self) -> str:
@@ -127,6 +148,9 @@ class Endpoint:
             self._epoch = epoch
             for channel, queue in self._queues.items():
                 kept = collections.deque(m for m in queue if m[0].epoch >= epoch)
+                for header, _payload in queue:
+                    if header.epoch < epoch:
+                        self._unqueue(header)
                 self.stats["rejected_stale_epoch"] += len(queue) - len(kept)
                 self._queues[channel] = kept
         self._replay.forget_before(epoch)
@@ -140,13 +164,18 @@ class Endpoint:
         if self._closed:
             raise ClosedError("endpoint closed")
         data = as_bytes(payload) if payload is not None else np.empty(0, np.uint8)
+        if data.nbytes > self.max_message_bytes:
+            raise ValueError(
+                f"a {header.channel.name} payload of {data.nbytes} bytes is over max_message_bytes "
+                f"({self.max_message_bytes}): peers drop it unread"
+            )
         if payload is not None and not header.shape and not isinstance(payload, bytes | bytearray | memoryview):
             dtype, shape = describe(payload)
             header = replace(header, dtype=dtype, shape=shape)
         with self._cond:
             seq, self._seq = self._seq, self._seq + 1
         sender = sender_field(self.self_id)
-        sealed = header.with_payload(memoryview(data), self._key, epoch=self._epoch, seq=seq, sender=sender)
+        sealed = header.with_payload(memoryview(data), self._key, epoch=self._epoch, seq=seq, sender=sender)  # type: ignore[arg-type]  # numpy arrays are buffers
         inner = self.transport.send_message(peer_id, sealed.pack(self._key), data)
         outer = Handle(data.nbytes, deadline_s)
         inner.add_done_callback(lambda h: outer.set_done(h.error))
@@ -166,8 +195,9 @@ class Endpoint:
                 self._cond.wait(left)
             queue = self._queues[channel]
             header, payload = queue.popleft()
+            self._unqueue(header)
         try:
-            header.verify_payload(memoryview(payload), self._key)
+            header.verify_payload(memoryview(payload), self._key)  # type: ignore[arg-type]  # numpy arrays are buffers
         except IntegrityError:
             self.stats["integrity_errors"] += 1
             raise
@@ -177,6 +207,11 @@ class Endpoint:
         """Messages waiting on ``channel``."""
         with self._cond:
             return len(self._queues[channel])
+
+    def backlog(self, channel: Channel) -> tuple[int, int]:
+        """``channel``'s backlog: (messages, payload bytes) admitted and not yet taken by ``recv``."""
+        with self._cond:
+            return self._backlog_messages[channel], self._backlog_bytes[channel]
 
     def close(self) -> None:
         """Wake every waiter with ``ClosedError`` and close the transport."""
@@ -204,18 +239,48 @@ class Endpoint:
             log.warning("dropped a %s message of %d bytes from %r (limit %d)", header.channel.name, header.nbytes,
                         header.sender, self.max_message_bytes)  # fmt: skip
             return None
+        if not self._enqueue(header):
+            self.stats["rejected_backlog"] += 1
+            log.warning("dropped a %s message of %d bytes from %r: the channel's backlog is full (%d messages, "
+                        "%d bytes)", header.channel.name, header.nbytes, header.sender,
+                        *self.backlog(header.channel))  # fmt: skip
+            return None
         if not self._replay.accept(header.sender, header.epoch, header.seq):
+            self._unqueue(header)
             self.stats["rejected_replay"] += 1
             log.warning("dropped a replayed %s message (seq %d, epoch %d) from %r", header.channel.name,
                         header.seq, header.epoch, header.sender)  # fmt: skip
             return None
         return header
 
+    def _enqueue(self, header: Header) -> bool:
+        """Count ``header``'s message into its channel's backlog if the bounds allow it."""
+        channel = header.channel
+        with self._cond:
+            messages, nbytes = self._backlog_messages[channel], self._backlog_bytes[channel]
+            if messages >= self.max_queued_messages or (messages and nbytes + header.nbytes > self.max_queued_bytes):
+                return False
+            self._backlog_messages[channel] += 1
+            self._backlog_bytes[channel] += header.nbytes
+            return True
+
+    def _unqueue(self, header: Header) -> None:
+        """``header``'s message leaves its channel's backlog (received or dropped)."""
+        with self._cond:
+            self._backlog_messages[header.channel] -= 1
+            self._backlog_bytes[header.channel] -= header.nbytes
+
+    def _on_drop(self, header: Header) -> None:
+        """Runs on the transport's thread for an admitted message that will never be delivered."""
+        self._unqueue(header)
+        self.stats["dropped_in_transfer"] += 1
+
     def _on_message(self, header: Header, payload: np.ndarray) -> None:
         """Runs on the transport's thread with an admitted header: fence by epoch (it may have moved
         since admission), enqueue. Never raises."""
         with self._cond:
             if header.epoch < self._epoch:
+                self._unqueue(header)
                 self.stats["rejected_stale_epoch"] += 1
                 return
             self._queues[header.channel].append((header, payload))

@@ -15,11 +15,12 @@ the transport may still read it), so a dead peer cannot hold the bound forever.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -74,6 +75,7 @@ class _Job:
     deadline_s: float
     handle: Handle
     deadline: float = 0.0  # monotonic, set when the send starts
+    queued_at: float = field(default_factory=time.monotonic)  # when it was submitted
     staging: StagingBuffer | None = None
     settled: bool = False  # completed, failed or expired: its bytes no longer count
 
@@ -88,6 +90,9 @@ class Streamer:
         self.max_inflight_bytes = max_inflight_bytes
         # Called on the streaming thread with each message's header and size as its send starts (accounting).
         self.observe: Callable[[Header, int], None] = lambda header, nbytes: None
+        # Called once per message when it is settled (sent, failed or past its deadline), on whichever thread
+        # settles it, with its peer, header, size, seconds since it was submitted and error (None: sent).
+        self.settled: Callable[[str, Header, int, float, BaseException | None], None] = _ignore_settled
         # Called on the streaming thread if the thread itself fails (not one job: those fail their handles);
         # a worker points it at ending its process, since nothing it sends would leave any more.
         self.on_failure: Callable[[BaseException], None] = lambda exc: log.critical("streamer is dead: %s", exc)
@@ -195,6 +200,7 @@ class Streamer:
             self._cond.notify_all()
         if reuse and job.staging is not None:
             self._pool.give(job.staging)
+        self.settled(job.peer_id, job.header, job.nbytes, time.monotonic() - job.queued_at, error)
         job.handle.set_done(error)
 
     def _expire(self) -> None:
@@ -208,7 +214,9 @@ class Streamer:
             self._inflight -= job.nbytes
             log.warning("a send of %d bytes to %s did not complete within %.1f s", job.nbytes, job.peer_id,
                         job.deadline_s)  # fmt: skip
-            job.handle.set_done(TransferTimeout(f"send of {job.nbytes} bytes to {job.peer_id} past its deadline"))
+            error = TransferTimeout(f"send of {job.nbytes} bytes to {job.peer_id} past its deadline")
+            self.settled(job.peer_id, job.header, job.nbytes, now - job.queued_at, error)
+            job.handle.set_done(error)
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -244,7 +252,10 @@ class Streamer:
                 continue
             with self._cond:
                 self._sending.append(job)
-            sent.add_done_callback(lambda h, job=job: self._on_sent(job, h.error))
+            sent.add_done_callback(functools.partial(self._sent, job))
+
+    def _sent(self, job: _Job, handle: Handle) -> None:
+        self._on_sent(job, handle.error)
 
     def _on_sent(self, job: _Job, error: BaseException | None) -> None:
         if error is not None:
@@ -252,6 +263,10 @@ class Streamer:
         # A failed send's buffer is not reused: the failure may be the transport giving up on a transfer
         # it still runs (a forgotten peer's), which may still read it.
         self._settle(job, error, reuse=error is None)
+
+
+def _ignore_settled(peer_id: str, header: Header, nbytes: int, seconds: float, error: BaseException | None) -> None:
+    pass
 
 
 def region_header(header: Header, cache: KVCache, region: Region) -> Header:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -46,8 +46,10 @@ class Admitted(Protocol):
     def nbytes(self) -> int: ...
 
 
-MessageAdmit = Callable[[bytes], Admitted | None]
-MessageSink = Callable[[Admitted, np.ndarray], None]
+A = TypeVar("A", bound=Admitted)
+MessageAdmit = Callable[[bytes], A | None]
+MessageSink = Callable[[A, np.ndarray], None]
+MessageDrop = Callable[[A], None]
 
 
 def check_key(key: int) -> None:
@@ -116,11 +118,15 @@ class MessageTransport(Transport):
         """
 
     @abc.abstractmethod
-    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
-        """Handle incoming messages with these callbacks, both called on the transport's own thread.
+    def set_message_sink(
+        self, admit: MessageAdmit[A], sink: MessageSink[A], drop: MessageDrop[A] | None = None
+    ) -> None:
+        """Handle incoming messages with these callbacks, all called on the transport's own thread.
 
         For each message, ``admit(header)`` runs before anything is allocated for its payload (a header
         over ``MAX_HEADER_BYTES`` is dropped unread); ``None`` drops the message. Otherwise exactly
         ``admitted.nbytes`` payload bytes are received (a payload of another size is dropped unread)
-        and delivered as ``sink(admitted, payload)``.
+        and delivered as ``sink(admitted, payload)``, or, if the message is dropped after all (a payload
+        of another size, one that never comes or never completes), ``drop(admitted)`` is called: each
+        admitted message ends in exactly one of the two.
         """

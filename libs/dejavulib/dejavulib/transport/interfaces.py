@@ -51,7 +51,7 @@ def interface_of(host: str) -> str | None:
         infos = socket.getaddrinfo(host.strip().strip("[]"), None, proto=socket.IPPROTO_TCP)
     except socket.gaierror as exc:
         raise TransportUnavailable(f"transport.host {host!r} does not resolve: {exc}") from exc
-    wanted = {ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos}
+    wanted = {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos}
     for name, addresses in sorted(local_addresses().items()):
         if wanted & addresses:
             return name

@@ -15,7 +15,10 @@ waits are still capped (20 ms idle, 2 ms with requests outstanding), so a UCX ev
 delays a transfer by milliseconds, never stalls it.
 
 Every request outstanding for over 5 s is logged once, with its peer and size. ``forget`` drops a peer
-that left (a dead one): its outstanding sends fail at once and stop counting as traffic.
+that left (a dead one): its outstanding sends fail at once and stop counting as traffic, and its endpoint is
+closed without waiting. What UCX may still read of it (sends not yet completed) stays referenced in
+``_abandoned`` until UCX settles each (it fails a dead local peer's sends within a second) and the close
+completes; then nothing of the peer is kept.
 ``receive_path_ok`` checks that messages sent to this worker still arrive: a peer killed while writing
 into this worker's shared-memory FIFO blocks it for good (see there).
 
@@ -31,6 +34,14 @@ order, but a small message completes long before a large one sent just ahead of 
 rendezvous), so each sender has an inbox: a message takes its place when its header is probed and is
 handed to the sink only once everything ahead of it was delivered or dropped. Every header, with a
 payload or not, has the one header kind, so headers are probed in the order they arrived.
+
+A message whose payload never completes (its sender died mid-message) is given up after
+``_INBOUND_GIVE_UP_S``. UCX cannot cancel a receive it has matched, so the receive stays posted and UCX
+keeps a pointer into its buffer: the buffer's pages are handed back to the kernel (:mod:`.pages`), the
+buffer itself stays referenced in ``_stranded`` until UCX completes the receive, if ever. ``held_bytes`` is
+the payload memory this transport holds for messages not yet handed to the sink; the sink's owner learns of
+each admitted message dropped instead of delivered (``set_message_sink``'s ``drop``), so its own accounting
+of what it admitted stays exact.
 """
 
 from __future__ import annotations
@@ -53,13 +64,25 @@ import numpy as np
 from dejavulib.buffers import Buffer, as_bytes
 from dejavulib.errors import ClosedError, PeerError, TransferTimeout, TransportUnavailable
 from dejavulib.handle import Handle
-from dejavulib.transport.base import MAX_HEADER_BYTES, Admitted, MessageAdmit, MessageSink, MessageTransport, check_key
+from dejavulib.transport.base import (
+    MAX_HEADER_BYTES,
+    Admitted,
+    MessageAdmit,
+    MessageDrop,
+    MessageSink,
+    MessageTransport,
+    check_key,
+)
 from dejavulib.transport.interfaces import interface_of
+from dejavulib.transport.pages import release_pages
 
 log = logging.getLogger(__name__)
 
 KIND_CHUNK, KIND_HEADER, KIND_PAYLOAD, KIND_HELLO, KIND_PROBE = 1, 2, 3, 4, 5
 _KIND_MASK = 0xF << 60
+_UNUSED_KINDS = (0, *range(6, 16))  # no sender of ours tags a message so: discarded as they come (``_sweep``)
+# At most this many stray messages are discarded per housekeeping pass (a flood costs each pass a bound).
+_SWEEP_LIMIT = 65536
 _IDLE_SPIN_S = 0.0002  # keep spinning this long after the last event: replies usually follow quickly
 _IDLE_SLEEP_MIN_S = 0.00005
 _IDLE_SLEEP_MAX_S = 0.0005  # bounds the extra latency of the first message after a quiet spell
@@ -117,6 +140,8 @@ class _Inbound:
     ready: bool = False  # header (and payload, if any) received: deliverable
     dropped: bool = False  # refused, failed or never completed: skipped
     since: float = field(default_factory=time.monotonic)
+    receive: _Pending | None = None  # the payload's receive, once posted
+    held: int = 0  # bytes of payload buffer counted in ``held_bytes`` for it
 
 
 @dataclass
@@ -128,6 +153,16 @@ class _Pending:
     peer: str = ""  # a send's destination ("" for receives)
     nbytes: int = 0
     reported: bool = False  # logged as stalled
+
+
+@dataclass
+class _Abandoned:
+    """What UCX may still use of a forgotten peer: its endpoint (closing) and its sends not yet settled."""
+
+    peer: str
+    endpoint: Any  # None: there was none
+    closing: Any  # the endpoint's close request (None: none started)
+    sends: list[_Pending]
 
 
 #: UCX transports a worker uses (``UCX_TLS``; the environment's wins). Cross-memory attach (``cma``) is
@@ -143,7 +178,9 @@ class UcxTransport(MessageTransport):
     """See the module docstring. ``require`` names a transport that every connection must select;
     ``host`` binds the data plane to the interface carrying that address (``UCX_NET_DEVICES``, unless
     the environment sets it already; None or a wildcard: every interface); ``tls`` is ``UCX_TLS``
-    (unless the environment sets it; None: UCX's choice, cma included)."""
+    (unless the environment sets it; None: UCX's choice, cma included). ``chunks``: whether this transport
+    serves ``flush``/``fetch``; without them (messages only, as workers use it) chunks that arrive are
+    discarded, instead of waiting in UCX's unexpected queue for a ``fetch`` that never comes."""
 
     def __init__(
         self,
@@ -152,6 +189,7 @@ class UcxTransport(MessageTransport):
         require: str | None = None,
         host: str | None = None,
         tls: str | None = DEFAULT_TLS,
+        chunks: bool = True,
     ) -> None:
         super().__init__(self_id)
         import ucxx._lib.libucxx as ucx_api
@@ -160,7 +198,7 @@ class UcxTransport(MessageTransport):
         if progress not in ("polling", "thread"):
             raise ValueError(f"progress must be 'polling' or 'thread', got {progress!r}")
         self._api, self._Array = ucx_api, Array
-        self.progress_mode, self.require = progress, require
+        self.progress_mode, self.require, self.chunks = progress, require, chunks
         self._hash = peer_hash(self_id)
         config = {"PROTO_INFO": "y"}
         if tls is not None and "UCX_TLS" not in os.environ:
@@ -183,9 +221,11 @@ class UcxTransport(MessageTransport):
         self._endpoints: dict[str, Any] = {}
         self._ops: collections.deque[tuple[Callable[[], None], Handle]] = collections.deque()
         self._pending: list[_Pending] = []
-        # What a forgotten peer's endpoint and outstanding requests hold: kept, never freed, since UCX may
-        # still touch them (destroying the endpoint would close it, which waits on the dead peer).
-        self._abandoned: list[Any] = []
+        # Forgotten peers' endpoints (closing) and unsettled sends, kept while UCX may still use them.
+        self._abandoned: list[_Abandoned] = []
+        # Payload receives given up while posted (UCX cannot cancel them), their buffers' pages released.
+        self._stranded: list[_Pending] = []
+        self.held_bytes = 0  # payload buffer bytes of messages not yet handed to the sink (I/O thread writes)
         self._housekept = time.monotonic()
         # Receive-path probes (``receive_path_ok``): a second UCX worker of this process sends to this one.
         self._prober: tuple[Any, Any] | None = None
@@ -194,10 +234,13 @@ class UcxTransport(MessageTransport):
         self._probes_seen = 0
         self._probe_lock = threading.Lock()
         self._awaiting_payload: list[tuple[int, int, _Inbound]] = []
+        self._admitting: set[tuple[int, int]] = set()  # (sender, seq) of headers received, not yet admitted
+        self.swept = 0  # stray messages discarded from UCX's unexpected queue (``_sweep``)
         self._inbox: dict[int, collections.deque[_Inbound]] = {}  # per sender, in the order sent
         self._refused: collections.deque[tuple[int, int, float]] = collections.deque(maxlen=_REFUSED_MEMORY)
         self._admit: MessageAdmit | None = None
         self._sink: MessageSink | None = None
+        self._drop: MessageDrop | None = None
         self._seq = 0
         self._seq_lock = threading.Lock()
         self.selected: dict[str, frozenset[str]] = {}
@@ -263,6 +306,8 @@ class UcxTransport(MessageTransport):
         """Receive into ``dst``; after a ``TransferTimeout`` the receive stays posted and ``dst`` may still be
         written if the chunk arrives later, so do not reuse ``dst`` for anything else."""
         check_key(key)
+        if not self.chunks:
+            raise ValueError("this transport takes no chunks (chunks=False)")
         out, done = as_bytes(dst), Handle(0)
         tag = self._api.UCXXTag(make_tag(KIND_CHUNK, peer_hash(peer_id), key))
 
@@ -300,8 +345,8 @@ class UcxTransport(MessageTransport):
             done.set_done(exc)
         return done
 
-    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink) -> None:
-        self._admit, self._sink = admit, sink
+    def set_message_sink(self, admit: MessageAdmit, sink: MessageSink, drop: MessageDrop | None = None) -> None:
+        self._admit, self._sink, self._drop = admit, sink, drop
 
     def receive_path_ok(self, deadline_s: float = 2.0) -> bool:
         """Whether a message sent to this worker over the host's transports still arrives.
@@ -345,6 +390,9 @@ class UcxTransport(MessageTransport):
             pending.on_done(ClosedError("transport closed"))
         self._worker.cancel_inflight_requests()
         self._pending.clear()
+        # Dropped unclosed, an endpoint would close itself blocking, flushing what a live peer never takes.
+        for peer_id, ep in self._endpoints.items():
+            self._abandoned.append(_Abandoned(peer_id, ep, self._start_close(peer_id, ep), []))
         self._endpoints.clear()
 
     # ---- helpers run on the I/O thread ----------------------------------------------------------
@@ -373,19 +421,32 @@ class UcxTransport(MessageTransport):
         self._probe_sends = [(r, b) for r, b in self._probe_sends if not r.completed] + [(request, buf)]
 
     def _forget(self, peer_id: str, error: BaseException) -> None:
-        """Drop ``peer_id``'s endpoint and fail its outstanding sends (their buffers kept: UCX may still
-        read them). On the I/O thread."""
+        """Drop ``peer_id``'s endpoint (closed without waiting) and fail its outstanding sends (their
+        buffers kept while UCX may still read them: ``_prune_abandoned``). On the I/O thread."""
         ep = self._endpoints.pop(peer_id, None)
         gone = [p for p in self._pending if p.peer == peer_id]
         if ep is None and not gone:
             return
         self._pending = [p for p in self._pending if p.peer != peer_id]
-        self._abandoned.append((ep, [(p.request, p.keepalive) for p in gone]))
+        self._abandoned.append(_Abandoned(peer_id, ep, self._start_close(peer_id, ep), gone))
         for p in gone:
             p.on_done(error)
         if gone:
             log.info("forgot peer %s with %d sends outstanding (%d bytes)", peer_id, len(gone),
                      sum(p.nbytes for p in gone))  # fmt: skip
+
+    def _start_close(self, peer_id: str, ep: Any) -> Any:
+        """Start closing ``ep`` without waiting: its close request, or None (no endpoint, or the close did not
+        start: the endpoint is then kept for good, since dropping it would close it blocking). A close that
+        flushes: endpoint error handling is off, so UCX allows no forced close; for a dead peer it completes
+        at once. On the I/O thread."""
+        if ep is None:
+            return None
+        try:
+            return ep.close()
+        except Exception as exc:
+            log.warning("could not start closing the endpoint to %s (kept): %s", peer_id, exc)
+            return None
 
     def _submit(self, op: Callable[[], None], handle: Handle) -> None:
         """Run ``op`` on the I/O thread; if it raises, ``handle`` fails with ``PeerError``."""
@@ -451,6 +512,8 @@ class UcxTransport(MessageTransport):
             self._housekept = now
             self._report_stalls(now)
             self._give_up_inbound(now)
+            self._prune_abandoned()
+            self._sweep()
         if busy or any(now - p.posted < _FRESH_S for p in self._pending):  # transfers in flight: full speed
             self._last_activity, self._idle_sleep = now, _IDLE_SLEEP_MIN_S
             time.sleep(0)
@@ -493,9 +556,33 @@ class UcxTransport(MessageTransport):
         for sender, inbox in list(self._inbox.items()):
             head = inbox[0]
             if not (head.ready or head.dropped) and now - head.since > _INBOUND_GIVE_UP_S:
-                log.warning("gave up a message from sender %07x incomplete after %.0f s; %d behind it flow again",
-                            sender, now - head.since, len(inbox) - 1)  # fmt: skip
+                log.warning("gave up a message from sender %07x incomplete after %.0f s (%d payload bytes); %d "
+                            "behind it flow again", sender, now - head.since, head.held, len(inbox) - 1)  # fmt: skip
+                self._strand(head)
                 self._settle(sender, head, dropped=True)
+
+    def _strand(self, slot: _Inbound) -> None:
+        """Take ``slot``'s posted payload receive off the outstanding requests and release its buffer's pages;
+        the buffer stays referenced in ``_stranded``, since UCX may still write into it."""
+        receive = slot.receive
+        if receive is None or not any(p is receive for p in self._pending):
+            return
+        self._pending = [p for p in self._pending if p is not receive]
+        for buffer in receive.keepalive:
+            release_pages(buffer)
+        self._stranded.append(receive)
+
+    def _prune_abandoned(self) -> None:
+        """Let go of what UCX has finished with: stranded receives it completed after all, forgotten peers'
+        sends it settled, and a forgotten peer's endpoint once its close completed and no send is left."""
+        self._stranded = [p for p in self._stranded if not p.request.completed]
+        kept = []
+        for entry in self._abandoned:
+            entry.sends = [p for p in entry.sends if not p.request.completed]
+            closed = entry.endpoint is None or (entry.closing is not None and entry.closing.completed)
+            if entry.sends or not closed:
+                kept.append(entry)
+        self._abandoned = kept
 
     def _run_ops(self) -> bool:
         ran = False
@@ -560,12 +647,54 @@ class UcxTransport(MessageTransport):
                 continue
             payload = np.empty(slot.admitted.nbytes, np.uint8)
             request = self._worker.tag_recv_with_handle(self._Array(payload), probe)
-            self._pending.append(
-                _Pending(request, self._payload_done(sender, slot, payload), (payload,), nbytes=payload.nbytes)
-            )
+            done = self._payload_done(sender, slot, payload)
+            slot.receive = _Pending(request, done, (payload,), nbytes=payload.nbytes)
+            slot.held = payload.nbytes
+            self.held_bytes += payload.nbytes
+            self._pending.append(slot.receive)
         self._awaiting_payload = still
         found |= self._discard_refused_payloads()
         return found
+
+    def _sweep(self) -> None:
+        """Discard what sits in UCX's unexpected queue that nothing will ever receive, so a peer cannot make it
+        grow for good: messages of kinds no sender of ours uses, chunks when this transport takes none,
+        receive-path probes when none is awaited, and payloads that no header claims. Headers are taken in
+        first: a payload arrives after its header, so once none is left every unclaimed payload is a stray
+        (its header was refused and forgotten, or never sent)."""
+        kinds = list(_UNUSED_KINDS)
+        if not self.chunks:
+            kinds.append(KIND_CHUNK)
+        if self._probes_seen >= self._probes_sent:
+            kinds.append(KIND_PROBE)
+        mask, swept = self._api.UCXXTagMask(_KIND_MASK), 0
+
+        def first(kind: int, remove: bool = True) -> Any:
+            return self._worker.tag_probe(self._api.UCXXTag(kind << 60), mask, remove=remove)
+
+        for kind in kinds:
+            while swept < _SWEEP_LIMIT and (probe := first(kind)).matched:
+                self._discard(probe)
+                swept += 1
+        for _ in range(_SWEEP_LIMIT):
+            if not (probe := first(KIND_HEADER)).matched:
+                break
+            self._receive_probed(KIND_HEADER, probe)
+        claimed = (
+            self._admitting | {(s, n) for s, n, _ in self._awaiting_payload} | {(s, n) for s, n, _ in self._refused}
+        )
+        while swept < _SWEEP_LIMIT and (probe := first(KIND_PAYLOAD, remove=False)).matched:
+            tag = probe.sender_tag.value
+            if ((tag >> 32) & 0x0FFFFFFF, tag & 0xFFFFFFFF) in claimed:
+                break  # received in its turn; strays behind it are swept next time
+            stray = self._worker.tag_probe(self._api.UCXXTag(tag), remove=True)  # the one just seen
+            if not stray.matched:
+                break
+            self._discard(stray)
+            swept += 1
+        if swept:
+            self.swept += swept
+            log.warning("discarded %d stray messages from UCX's unexpected queue (%d so far)", swept, self.swept)
 
     def _refuse(self, sender: int, seq: int) -> None:
         """Remember a refused header, so the payload that follows it is discarded unread."""
@@ -607,11 +736,13 @@ class UcxTransport(MessageTransport):
         if kind != KIND_HELLO:  # its place in the sender's order is taken now, in the order headers arrive
             slot = _Inbound()
             self._inbox.setdefault(sender, collections.deque()).append(slot)
+            self._admitting.add((sender, seq))
         request = self._worker.tag_recv_with_handle(self._Array(buf), probe)
 
         def on_done(error: BaseException | None) -> None:
             if slot is None:
                 return
+            self._admitting.discard((sender, seq))
             if error is not None or self._admit is None:
                 self._settle(sender, slot, dropped=True)
                 return
@@ -638,11 +769,23 @@ class UcxTransport(MessageTransport):
     def _settle(self, sender: int, slot: _Inbound, dropped: bool) -> None:
         """``slot`` is complete (or dropped): deliver the sender's messages that are now in order."""
         slot.ready, slot.dropped = not dropped, dropped
+        if dropped:
+            self._unhold(slot)
+            slot.payload = None
+            if slot.admitted is not None and self._drop is not None:
+                self._drop(slot.admitted)
         inbox = self._inbox.get(sender)
         while inbox and (inbox[0].ready or inbox[0].dropped):
             head = inbox.popleft()
-            if head.ready and self._sink is not None:
+            if head.ready:
                 assert head.admitted is not None and head.payload is not None
-                self._sink(head.admitted, head.payload)
+                self._unhold(head)
+                if self._sink is not None:
+                    self._sink(head.admitted, head.payload)
         if inbox is not None and not inbox:
             del self._inbox[sender]
+
+    def _unhold(self, slot: _Inbound) -> None:
+        """``slot``'s payload buffer is no longer this transport's: out of ``held_bytes``."""
+        self.held_bytes -= slot.held
+        slot.held = 0
