@@ -130,7 +130,8 @@ def test_signed_bytes_cover_a_domain_tag() -> None:
 def test_admin_tool_sends_signed_orders_and_reports_status(redis_url, monkeypatch, capsys) -> None:
     monkeypatch.setenv("DEJAVU_ADMIN__SIGNING_KEY", SIGNING)
     client = redis.Redis.from_url(redis_url)
-    info = WorkerInfo(worker_id="t0", role=WorkerRole.TOKEN, host="h", pid=1, instance="i", data_address="")
+    info = WorkerInfo(worker_id="t0", role=WorkerRole.TOKEN, host="h", pid=1, instance="i", data_address="",
+                      metrics_url="http://h:9400/metrics")  # fmt: skip
     client.hset(keys.worker("t0"), mapping={"info": info.encode(), "state": "serving", "epoch": 3})
     client.sadd(keys.WORKERS, "t0")
     client.set(keys.worker_lease("t0"), "1", px=5000)
@@ -158,6 +159,7 @@ def test_admin_tool_sends_signed_orders_and_reports_status(redis_url, monkeypatc
     status = json.loads(capsys.readouterr().out)
     assert status["epoch"] == 3
     assert status["workers"]["t0"]["stage"] == {"stage": 0, "layers": [0, 4]}
+    assert status["workers"]["t0"]["metrics_url"] == "http://h:9400/metrics"
     assert status["watermarks"] == {"0": {"7": 12}}
 
 

@@ -70,6 +70,11 @@ def watermark(stage: int) -> str:
     return f"{PREFIX}:wm:{stage}"
 
 
+def watermark_signatures(stage: int) -> str:
+    """Hash microbatch id -> the signature of its ``watermark(stage)`` field (``dejavu_common.signing``)."""
+    return f"{PREFIX}:wm:{stage}:sig"
+
+
 KV_BYTES = f"{PREFIX}:wm:kvbytes"  # hash purpose -> KV bytes the workers streamed (monotonic counters)
 CONTROLLER_LEADER = f"{PREFIX}:ctl:leader"  # "<identity>/<instance>" of the controller that acts (with a TTL)
 INCARNATION = f"{PREFIX}:ctl:incarnation"  # counter: each controller start takes the next id range

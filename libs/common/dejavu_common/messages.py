@@ -10,10 +10,11 @@ DejaVuLib, never through Redis.
 from __future__ import annotations
 
 import enum
+import hashlib
 import secrets
-from typing import Self
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +66,12 @@ class WorkerInfo(Message):
     data_address: str = Field(description="base64 of the DejaVuLib endpoint address")
     torch_threads: int = 1
     spare: bool = False
+    metrics_url: str | None = Field(None, description="where Prometheus scrapes it (None: not served)")
+    entry_key: str = Field("", description="base64 Ed25519 public key its token-stream entries are signed with")
+
+    def encode(self) -> bytes:
+        """Without ``metrics_url`` when it is None: the record then reads as it did before the field existed."""
+        return self.model_dump_json(exclude={"metrics_url"} if self.metrics_url is None else None).encode()
 
 
 class StageAssignment(Message):
@@ -100,37 +107,110 @@ def draw_seed() -> int:
     return secrets.randbits(SEED_BITS)
 
 
+#: Most alternatives a request may ask log probabilities of, per position (OpenAI's and vLLM's bound).
+MAX_LOGPROBS = 20
+#: Most entries of a request's ``logit_bias`` (OpenAI's bound).
+MAX_LOGIT_BIAS = 300
+#: A ``logit_bias`` of +-``LOGIT_BIAS_LIMIT`` forces (+) or bans (-) a token instead of shifting its logit.
+LOGIT_BIAS_LIMIT = 100.0
+
+
 class SamplingSpec(Message):
     """How one request generates, the one sampling spec from the API to the workers and ``dejavu generate``:
-    ``temperature == 0`` is greedy, ``top_k == 0`` and ``top_p == 1`` disable those filters; it stops at
-    ``max_tokens``, an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids`` (``stopping.StopCriteria``).
-    A request without a seed gets one at admission (:meth:`resolved`), so every row on the wire has one
-    and a resumed row draws what the failed worker would have drawn. Out-of-range values raise
+    ``temperature == 0`` is greedy, ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those filters;
+    it stops at ``max_tokens``, an EOS id (unless ``ignore_eos``) or one of ``stop_token_ids``
+    (``stopping.StopCriteria``), never before ``min_tokens``. The penalties are vLLM's (``repetition_penalty``
+    HF's, over the prompt and the generated tokens; ``presence_penalty`` and ``frequency_penalty`` OpenAI's,
+    over the generated tokens); ``logit_bias`` is ``(token id, bias)`` pairs in id order. ``logprobs``: report
+    the sampled token's log probability and that of the ``logprobs`` most likely tokens (None: report none),
+    from the processed logits (after ``min_tokens``, bias and penalties) or, with ``raw_logprobs``, the
+    model's own; ``prompt_logprobs`` the same for every prompt position (the model's: nothing processes a
+    prompt). A request without a seed gets one at admission (:meth:`resolved`), so every row on the wire
+    has one and a resumed row draws what the failed worker would have drawn. Out-of-range values raise
     ``pydantic.ValidationError`` (a ``ValueError``)."""
 
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # EOS ids do not stop the row (stop_token_ids still do); old messages lack it
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    logit_bias: tuple[tuple[int, float], ...] = Field((), max_length=MAX_LOGIT_BIAS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    raw_logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        ids = [token for token, _ in self.logit_bias]
+        if ids != sorted(set(ids)) or any(t < 0 for t in ids):
+            raise ValueError("logit_bias must list distinct non-negative token ids in increasing order")
+        if any(not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT for _, bias in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the model's logits before sampling (penalties, bias, ``min_tokens``)."""
+        return bool(
+            self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits, reporting nothing more: the argmax of the logits is the whole sampling."""
+        return self.greedy and not self.processes_logits and self.logprobs is None
+
     def resolved(self) -> SamplingSpec:
         """This spec with a seed: its own, or a random one drawn now (at admission)."""
         return self if self.seed is not None else self.model_copy(update={"seed": draw_seed()})
 
+    def for_choice(self, index: int) -> SamplingSpec:
+        """The spec of choice ``index`` of a request generating several (``n``): its own seed stream, a hash
+        of this seed and the index (choice 0 keeps this seed, so its tokens are the ``n = 1`` request's). A
+        spec without a seed stays without: each choice then draws its own at admission."""
+        if index == 0 or self.seed is None:
+            return self
+        digest = hashlib.blake2b(f"{self.seed}:choice:{index}".encode(), digest_size=8).digest()
+        return self.model_copy(update={"seed": int.from_bytes(digest, "little") >> (64 - SEED_BITS)})
+
+
+#: A W3C ``traceparent`` (version 00): version, trace id, parent span id, flags, in lowercase hex.
+TRACEPARENT = r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+
 
 class RowSpec(Message):
-    """One request as a row of a token microbatch."""
+    """One request as a row of a token microbatch. ``traceparent``: the W3C trace context of the request's span
+    at the controller, which the workers' spans of this row continue (None: the request is not traced)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingSpec
+    traceparent: str | None = Field(None, pattern=TRACEPARENT)
+
+    @model_serializer(mode="wrap")
+    def _untraced_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An untraced row is encoded without the field, as before it existed (older readers forbid extras)."""
+        data = handler(self)
+        if data.get("traceparent", "") is None:
+            del data["traceparent"]
+        return data
 
 
 class MicrobatchSpec(Message):
@@ -172,17 +252,42 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the serving runtime failed this request (the others go on)
 
 
+class Logprob(BaseModel):
+    """Log probabilities at one position: the chosen token's (``logprob``) and the ``top`` most likely
+    tokens' as ``(token id, logprob)``, most likely first. A token the sampling could not choose (banned,
+    or masked by ``min_tokens``) reports ``LOGPROB_FLOOR`` (JSON has no -inf)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+#: The log probability reported for a token of probability 0 (vLLM's floor).
+LOGPROB_FLOOR = -9999.0
+
+
 class TokenStep(Message):
     """The tokens of one step of a token microbatch (step 0: the first token, from the prompt).
 
     ``tokens[r]`` is -1 for a row that emitted nothing this step (it had already finished);
-    ``finished[r]`` is set on the step a row finishes.
+    ``finished[r]`` is set on the step a row finishes. ``logprobs[r]``: the log probabilities of row
+    ``r``'s token, for a row whose request asked for them (empty when no row did). ``prompt_logprobs[r]``
+    (step 0 only, for a row that asked): one entry per prompt position, None for the first.
     """
 
     mb_id: int
     step: int
     tokens: tuple[int, ...]
     finished: tuple[FinishReason | None, ...]
+    logprobs: tuple[Logprob | None, ...] = ()
+    prompt_logprobs: tuple[tuple[Logprob | None, ...] | None, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_per_row(self) -> Self:
+        rows = len(self.tokens)
+        if len(self.logprobs) not in (0, rows) or len(self.prompt_logprobs) not in (0, rows):
+            raise ValueError("a token step's log probabilities, if any, have one entry per row")
+        return self
 
 
 class PromptDone(Message):

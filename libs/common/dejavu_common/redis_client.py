@@ -14,6 +14,17 @@ from dejavu_common.settings import RedisSettings
 _RETRY_ON = (RedisConnectionError, RedisTimeoutError)
 
 
+def text(value: bytes | str) -> str:
+    """A Redis reply as text: the clients here return bytes (no ``decode_responses``); redis-py types replies
+    as bytes or str."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def data(value: bytes | str) -> bytes:
+    """A Redis reply as bytes (see :func:`text`)."""
+    return value if isinstance(value, bytes) else value.encode()
+
+
 def _kwargs(settings: RedisSettings) -> dict:
     kw: dict = {
         "socket_timeout": settings.socket_timeout_s,

@@ -16,6 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,11 +55,21 @@ class ModelSettings(BaseModel):
     dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$", description="Weights and KV dtype.")
     device: str = Field("cpu", description="torch device of stage weights and KV caches ('cpu', 'cuda', 'cuda:1').")
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Cache of prepared checkpoints.")
+    weights: str = Field(
+        "float",
+        pattern="^(float|int8|gguf)$",
+        description="How the prepared default model holds its weights: 'float' (dequantized to float32 "
+        "safetensors, computed in `dtype`), 'int8' (int8 per output channel), 'gguf' (the published GGUF file, "
+        "kept quantized). Quantized weights compute in float32 on CPU. A `path` folder is served in its own format.",
+    )
 
     @property
     def folder(self) -> Path:
-        """The checkpoint folder to serve: ``path``, or the prepared default model in the cache."""
-        return self.path if self.path is not None else self.cache_dir / self.name
+        """The checkpoint folder to serve: ``path``, or the prepared default model in the cache (one folder per
+        ``weights`` format)."""
+        if self.path is not None:
+            return self.path
+        return self.cache_dir / (self.name if self.weights == "float" else f"{self.name}-{self.weights}")
 
 
 class EngineSettings(BaseModel):
@@ -146,6 +157,14 @@ class EngineSettings(BaseModel):
         "next pass is one prefill of its prompt and every token it has generated, through every stage. "
         "None: 10% of the host memory available when the stage loads.",
     )
+    max_recomputes: int = Field(
+        8,
+        ge=0,
+        le=10_000,
+        description="How often one microbatch may be recomputed (its KV discarded to make room, then prefilled "
+        "again with its tokens) before it fails with an error instead: under memory pressure that never eases, "
+        "recomputing the same work again and again would make no progress (thrashing).",
+    )
 
     def packs_gemms(self, decodes: bool) -> bool:
         """Whether a stage that decodes (token or colocated: ``decodes``) or only prefills packs its GEMMs."""
@@ -159,6 +178,29 @@ class Mode(str, enum.Enum):
     COLOCATED = "colocated"
 
 
+class KeyLimits(BaseModel):
+    """What one API key may use of the gateway (all keyless clients together, when no keys are set).
+    A limit set to None is off."""
+
+    requests_per_second: float | None = Field(
+        100.0, gt=0, le=1e6, description="Requests a second, sustained; bursts of as many at once (a token bucket)."
+    )
+    requests_per_minute: float | None = Field(
+        3000.0, gt=0, le=1e8, description="Requests a minute, sustained; bursts of as many at once (a token bucket)."
+    )
+    tokens_per_minute: int | None = Field(
+        1_000_000,
+        ge=1,
+        le=1 << 40,
+        description="Tokens a minute (a token bucket): a request takes its prompt plus its generation budget "
+        "(max_tokens, or what the context leaves) when admitted, and gives back what it did not generate when "
+        "it ends. A request needing more than this at once is refused outright.",
+    )
+    max_concurrent: int | None = Field(
+        128, ge=1, le=1_000_000, description="Requests in flight at once (waiting or generating, streams included)."
+    )
+
+
 class ControllerSettings(BaseModel):
     """The REST gateway and the scheduler."""
 
@@ -169,7 +211,42 @@ class ControllerSettings(BaseModel):
         2 << 20, ge=1 << 10, le=1 << 30, description="Largest request body; a longer one is refused (413) unread."
     )
     max_connections: int = Field(
-        1024, ge=1, le=1_000_000, description="Concurrent connections and requests; more are answered 503."
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Connections with a request in progress (its header in, its answer not yet sent); a request "
+        "beyond this is answered 503. The probes (/health, /ready) are not counted and never refused. "
+        "Connections waiting for a request are bounded by `max_idle_connections` instead.",
+    )
+    max_idle_connections: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Connections waiting for a request (just opened, kept alive between requests, or with a "
+        "header still arriving). One more closes the one that has waited longest, so stalled connections "
+        "cannot take the place of clients that send requests.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="How long a request header may take to arrive, from the connection's opening or from the "
+        "first byte of a request on a kept-alive connection; then the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How long a request body may take to arrive after its header (all of it, not per chunk: a "
+        "body trickled a byte at a time is still bounded); then the connection is closed and the request dropped.",
+    )
+    probe_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of a second listener on `host` that serves only /health and /ready, with its own "
+        "connection bounds, so that the orchestrator's probes are answered however loaded the API port is "
+        "(0: any free port). None: no probe listener; the probes are answered on `port` only.",
     )
     keep_alive_s: float = Field(
         75.0,
@@ -198,6 +275,16 @@ class ControllerSettings(BaseModel):
         le=1 << 26,
         description="Longest prompt text (all chat messages together), checked before tokenizing (400 beyond).",
     )
+    key_limits: KeyLimits = Field(
+        default_factory=KeyLimits,
+        description="Limits of each API key (beyond them: 429 with Retry-After); without API keys, of all "
+        "clients together.",
+    )
+    key_limits_by_id: dict[str, KeyLimits] = Field(
+        default_factory=dict,
+        description="Limits of particular keys, by key id (the first 12 hex digits of the key's SHA-256, as "
+        "in the metrics' `key` label and the startup log); fields left out take `key_limits`'s.",
+    )
     mode: Mode = Field(Mode.DISAGGREGATED, description="Disaggregated prompt/token pipelines or colocated baseline.")
     prompt_depth: int = Field(1, ge=1, le=256, description="D_p: stages of the prompt pipeline.")
     token_depth: int = Field(1, ge=1, le=256, description="D_t: stages of the token pipeline.")
@@ -214,6 +301,16 @@ class ControllerSettings(BaseModel):
         "may run ahead (D_p prompt microbatches).",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one request end to end.")
+    progress_stall_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="How long dispatched requests may receive no token and no error, while the pipeline is "
+        "up and no repair runs, before the controller reports a stall (an error log, the "
+        "`dejavu_progress_stalled_seconds` gauge, and `/ready` answering 503 with code `stalled`). None: 12 "
+        "transport deadlines (twice stage 0's pass deadline). Raise it where one prompt's prefill alone can "
+        "take longer.",
+    )
     max_stalled_repairs: int = Field(
         3,
         ge=1,
@@ -222,6 +319,18 @@ class ControllerSettings(BaseModel):
         "between, is failed to its clients (with an error) and dropped: deterministic failures cannot loop.",
     )
     planner: str = Field("manual", pattern="^(manual|auto)$", description="'auto' splits workers by the planner.")
+    admin_key_ids: list[str] = Field(
+        default_factory=list,
+        description="Key ids (as in the startup log) of the API keys with the admin role: only they may open the "
+        "status page (/dashboard) and send its admin actions. Without API keys the page is open, as the rest "
+        "of the loopback-only API.",
+    )
+    admin_signing_key_file: Path | None = Field(
+        None,
+        description="File, readable by this user only, holding the admin signing key (base64, or the line "
+        "`DEJAVU_ADMIN__SIGNING_KEY=...` as in `dejavu up`'s admin.env): the status page signs its admin "
+        "actions (kill, pause heartbeats, drain) with it. None: the page shows them disabled.",
+    )
 
 
 class TransportSettings(BaseModel):
@@ -257,6 +366,21 @@ class TransportSettings(BaseModel):
         ge=1 << 16,
         le=1 << 40,
         description="Largest payload a worker accepts from an authenticated peer (larger: dropped unread).",
+    )
+    max_queued_bytes: int | None = Field(
+        None,
+        ge=1 << 16,
+        le=1 << 42,
+        description="Bound on the payload bytes a worker has admitted on one channel and not yet consumed "
+        "(in flight and queued); a message past it is dropped unread and counted, and the consumer's deadline "
+        "covers it. An empty channel always takes one message. None: twice max_message_bytes.",
+    )
+    max_queued_messages: int = Field(
+        4096,
+        ge=16,
+        le=1 << 20,
+        description="Bound on the messages a worker has admitted on one channel and not yet consumed; past "
+        "it, as for max_queued_bytes.",
     )
     secret: SecretStr = Field(
         SecretStr(DEV_DATA_PLANE_SECRET),
@@ -301,6 +425,62 @@ class RecoverySettings(BaseModel):
         le=3600,
         description="How long a draining worker (SIGTERM, `dejavu admin drain`) keeps serving while the "
         "controller hands its stage to a replacement; it leaves after this even without one.",
+    )
+    prompt_reclaim_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="A prompt task its last stage has not finished this long after it was claimed (a stage "
+        "stalled, or its activations were lost, without a change of topology) is claimed again by prompt "
+        "stage 0 and re-run; token stage 0 fails a microbatch announced only in part for twice this. Keep "
+        "it above the time a prompt microbatch takes through the whole prompt pipeline under full load.",
+    )
+
+
+class TracingSettings(BaseModel):
+    """Request traces (OpenTelemetry spans, ``dejavu_common.tracing``): on when an exporter is set, off and free
+    (no SDK, the no-op tracer) otherwise."""
+
+    otlp_endpoint: str | None = Field(
+        None,
+        pattern=r"^https?://",
+        description="OTLP/HTTP traces endpoint spans are exported to (e.g. http://collector:4318/v1/traces), as "
+        "vLLM's --otlp-traces-endpoint. None: no OTLP export.",
+    )
+    file: Path | None = Field(
+        None,
+        description="Also write every finished span as one JSON line (the SDK's span JSON) to this file, appended "
+        "by every process given it: for tests and debugging without a collector.",
+    )
+    service_name: str | None = Field(
+        None,
+        max_length=128,
+        description="The service name of this process's spans; None: dejavu-controller, dejavu-prompt-worker or "
+        "dejavu-token-worker.",
+    )
+    sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="Share of requests traced (decided at the controller; workers follow it)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None or self.file is not None
+
+
+class WorkerSettings(BaseModel):
+    """What every worker process serves besides its stage (``dejavu_worker.metrics``)."""
+
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of this worker's Prometheus metrics (GET /metrics); 0: any free port; None: not served. "
+        "The URL is published in the worker's registry record (`dejavu admin status --json`).",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Bind address of the metrics port ('0.0.0.0' in containers, for the scraper). Bound to a "
+        "wildcard, the published URL names transport.host.",
     )
 
 
@@ -355,8 +535,15 @@ class Settings(BaseSettings):
     transport: TransportSettings = Field(default_factory=TransportSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     swap: SwapSettings = Field(default_factory=SwapSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
     log_level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="Log level of every service.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines of every service: plain text, or one JSON object per line with the service, worker "
+        "and request ids as fields (dejavu_common.logs).",
+    )
 
     def to_env(self) -> dict[str, str]:
         """These settings as ``DEJAVU_*`` variables, so a launcher can hand them to child processes."""

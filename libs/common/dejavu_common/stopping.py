@@ -20,6 +20,7 @@ class StopCriteria:
     eos_token_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    min_tokens: int = 0  # no stop token ends the sequence before this many tokens (the budget still does)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -29,11 +30,16 @@ class StopCriteria:
     def of(cls, sampling: SamplingSpec, eos_token_ids: Iterable[int]) -> StopCriteria:
         """The rules of a request served with ``sampling`` on a model whose EOS ids are ``eos_token_ids``."""
         stop_ids = frozenset(sampling.stop_token_ids)
-        return cls(sampling.max_tokens, frozenset(eos_token_ids), stop_ids, sampling.ignore_eos)
+        return cls(sampling.max_tokens, frozenset(eos_token_ids), stop_ids, sampling.ignore_eos, sampling.min_tokens)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end the sequence: its stop tokens, and the EOS ids unless ``ignore_eos``."""
+        return self.stop_token_ids if self.ignore_eos else self.stop_token_ids | self.eos_token_ids
 
     def check(self, token_id: int, generated: int) -> FinishReason | None:
         """The finish reason after emitting ``token_id`` as the ``generated``-th token, or None."""
-        if token_id in self.stop_token_ids or (not self.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in self.stop_ids and generated > self.min_tokens:
             return FinishReason.STOP
         if generated >= self.max_tokens:
             return FinishReason.LENGTH
