@@ -124,6 +124,7 @@ class Ready:
     def __init__(self, pipeline: Pipeline, schedule: list[tuple[int, int]]) -> None:
         self.pipeline = pipeline
         self.schedule = deque(sorted(schedule, key=lambda x: x[1]))
+        self.ended: deque[int] = deque()  # none here ends before its announcement
 
     def pop(self, block_ms=None):
         if self.schedule and self.schedule[0][1] <= len(self.pipeline.passes):
@@ -337,13 +338,23 @@ class Colocated(Pipeline):
         return super().run(pos, members, kind, io, cohort, next_mb)
 
 
-def _colocated(arrivals: dict[int, int], mixes: bool = False, refuse: frozenset[int] = frozenset()) -> Colocated:
+def _colocated(
+    arrivals: dict[int, int],
+    mixes: bool = False,
+    refuse: frozenset[int] = frozenset(),
+    scored: frozenset[int] = frozenset(),
+) -> Colocated:
     """A colocated stage whose prompt ``mb`` (one row, four steps) can be claimed once ``arrivals[mb]``
-    passes have run; driven for nine passes or until all is done."""
+    passes have run; driven for nine passes or until all is done. The rows of ``scored`` ask for their
+    prompt's log probabilities."""
     from dejavu_common.messages import PromptPiece, PromptTask
 
     p = Colocated(dict.fromkeys(arrivals, 4), dict.fromkeys(arrivals, 1), mixes)
     p.refuse = set(refuse)
+    for mb in scored:
+        row = p.specs[mb].rows[0]
+        wants = row.model_copy(update={"sampling": row.sampling.model_copy(update={"prompt_logprobs": 1})})
+        p.specs[mb] = p.specs[mb].model_copy(update={"rows": (wants,)})
     queue = [PromptTask(task_id=mb, pieces=(PromptPiece(mb_id=mb, dst_rows=(0, 1)),)) for mb in sorted(arrivals)]
 
     def claim(block: bool) -> PromptTask | None:
@@ -404,6 +415,19 @@ def test_where_passes_mix_arrivals_are_prefilled_in_the_streaming_rows_decode_st
     assert not p.failed
 
 
+def test_where_passes_mix_a_prompt_scored_at_every_position_is_prefilled_in_a_pass_of_its_own() -> None:
+    """Its prompt's log probabilities need logits at every position, which a mixed pass does not compute."""
+    p = _colocated({1: 0, 2: 3, 3: 3}, mixes=True, scored=frozenset({2}))
+    assert p.kinds[:5] == [
+        ("PREFILL", (1,)),
+        ("DECODE", (1,)),
+        ("DECODE", (1,)),
+        ("PREFILL", (2,)),  # not mixed with microbatch 1's step
+        ("MIXED", (1, 2, 3)),  # the next arrival mixes again
+    ]
+    assert not p.failed
+
+
 def test_where_passes_mix_a_burst_decodes_from_the_second_prefill_on() -> None:
     p = _colocated({1: 0, 2: 0, 3: 0}, mixes=True)
     assert p.kinds[:4] == [("PREFILL", (1,)), ("MIXED", (1, 2)), ("MIXED", (1, 2, 3)), ("DECODE", (1, 2, 3))]
@@ -435,3 +459,136 @@ def test_a_colocated_task_that_is_not_one_whole_microbatch_fails_its_microbatche
     driver.run(lambda: len(p.kinds) >= 3 or (bool(p.kinds) and not queue and not driver.cohorts[0].members))
     assert p.failed == [1, 2, 2, 3, 4]
     assert p.kinds == [("PREFILL", (3,)), ("DECODE", (3,)), ("DECODE", (3,))]
+
+
+OOM = "OOM command not allowed when used memory > 'maxmemory'."
+
+
+class Publishing(Pipeline):
+    """:class:`Pipeline` whose last stage publishes each step's tokens on the microbatch's stream in Redis
+    (token ``step`` for every row, finishes where rows end), and checks that each decode step is fed the
+    tokens of the step before (step 1: the prompt's first tokens, 7). ``breaks`` maps a pass number to
+    how many of its members' entries Redis takes before it refuses the rest (a write at ``maxmemory``):
+    that pass raises, and does not leave stage 0."""
+
+    def __init__(self, client, depth: int, finish: dict[int, int], rows: dict[int, int]) -> None:
+        super().__init__(depth, finish, {mb: _spec(mb, n) for mb, n in rows.items()})
+        self.client = client
+        self.breaks: dict[int, int] = {}
+        self.broken: list[tuple[int, ...]] = []  # the members of each pass that broke
+
+    def run(self, pos, members, kind, io, cohort=-1, next_mb=None):
+        import redis as redis_lib
+
+        from dejavu_common import keys
+        from dejavu_common.messages import FinishReason, TokenStep
+
+        row = 0
+        for m in members:
+            fed = io.input_ids[row : row + len(m.rows), 0].tolist()
+            assert fed == [m.step - 1 if m.step > 1 else 7] * len(m.rows), (m.state.mb_id, m.step, fed)
+            row += len(m.rows)
+        published = self.breaks.pop(len(self.passes) + len(self.broken), None)
+        for i, m in enumerate(members):
+            if published is not None and i >= published:
+                self.broken.append(tuple(x.state.spec.mb_id for x in members))
+                raise redis_lib.ResponseError(OOM)
+            n = len(self.specs[m.state.spec.mb_id].rows)
+            ends = [m.step >= self.finish[m.state.spec.mb_id]] * n
+            fin = tuple(FinishReason.LENGTH if end else None for end in ends)
+            step = TokenStep(mb_id=m.state.spec.mb_id, step=m.step, tokens=(m.step,) * n, finished=fin)
+            self.client.xadd(keys.tokens(m.state.spec.mb_id), {"step": step.encode()})
+        return super().run(pos, members, kind, io, cohort, next_mb)
+
+    def release(self, mb: int, finished: bool = True) -> None:  # as the worker's release calls it
+        super().release(mb)
+
+
+def _published(client, mb: int) -> list[int]:
+    from dejavu_common import keys
+    from dejavu_common.messages import TokenStep
+
+    return [TokenStep.decode(f[b"step"]).step for _id, f in client.xrange(keys.tokens(mb))]
+
+
+def _serve_through_errors(driver: Driver, p: Pipeline, rows: dict[int, int]) -> int:
+    """Run the driver as the token worker does: after an error, it serves the same epoch again and runs
+    the same driver again. Returns how many errors left the driver."""
+    import redis as redis_lib
+
+    errors, rounds = 0, iter(range(10_000))
+    while True:
+        try:
+            driver.run(lambda: set(p.released) >= set(rows) or next(rounds) >= 9_999)
+            return errors
+        except redis_lib.ResponseError:
+            errors += 1
+
+
+def test_a_pass_broken_by_a_redis_error_runs_again_from_the_token_streams_and_nothing_is_forgotten(
+    redis_url,
+) -> None:
+    """Depth 1 (stage 0 samples and publishes): Redis takes microbatch 1's tokens of the pass, then refuses
+    2's (OOM at ``maxmemory``). The error leaves the driver (the worker pauses and serves the epoch again);
+    run again, the driver resumes both from their streams: 1 after the step it published, 2 at the step
+    that was lost. Every step of every microbatch is published exactly once, each fed the token before it,
+    and no microbatch fails or is left behind."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    rows = {1: 1, 2: 2, 3: 1}
+    p = Publishing(client, 1, dict.fromkeys(rows, 6), rows)
+    p.breaks = {3: 1}  # the 4th pass: microbatches 1 and 2 at step 4
+    pos = Position(0, 1, None, "t0", colocated=False)
+    ready = Ready(p, [(1, 0), (2, 0), (3, 5)])
+    driver = Driver(p, p, client, "t0", pos, ready, 1.0)  # type: ignore[arg-type]
+    assert _serve_through_errors(driver, p, rows) == 1
+    assert p.broken == [(1, 2)] and p.failed == []
+    assert sorted(p.released) == [1, 2, 3]
+    for mb in rows:
+        assert _published(client, mb) == [1, 2, 3, 4, 5, 6], mb
+    steps = [dict(s) for _, s in p.passes]
+    assert [s[1] for s in steps if 1 in s] == [1, 2, 3, 5, 6]  # its step 4 was published before the error
+    assert [s[2] for s in steps if 2 in s] == [1, 2, 3, 4, 5, 6]  # 2's step 4 runs again
+
+
+def test_a_pass_that_cannot_leave_stage_0_runs_again_and_the_other_cohort_goes_on(redis_url) -> None:
+    """Depth 2: the send of cohort 0's pass fails (back-pressure, or Redis refusing a write on the way):
+    the pass never left stage 0. Its microbatches run that step again; cohort 1's never stopped being
+    served; nothing fails."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    rows = {1: 1, 2: 1, 3: 1, 4: 1}
+    p = Publishing(client, 2, dict.fromkeys(rows, 5), rows)
+    p.breaks = {4: 0}
+    pos = Position(0, 2, "t1", "t0", colocated=False)
+    driver = Driver(p, p, client, "t0", pos, Ready(p, [(mb, 0) for mb in rows]), 1.0, max_running=4)  # type: ignore[arg-type]
+    assert _serve_through_errors(driver, p, rows) == 1
+    assert len(p.broken) == 1 and p.failed == [] and sorted(p.released) == [1, 2, 3, 4]
+    for mb in rows:
+        assert _published(client, mb) == [1, 2, 3, 4, 5], mb
+
+
+def test_failing_a_lost_pass_that_redis_interrupts_is_finished_when_the_driver_runs_again() -> None:
+    """A pass is lost on the way; when its deadline fails its microbatches, Redis refuses the first error
+    entry. The error leaves the driver; run again, the driver fails that pass's microbatches (none is left
+    waiting for a return that never comes) and serves the others to their end."""
+    import redis as redis_lib
+
+    class RefusingOnce(Pipeline):
+        def fail(self, mb: int, step: int, error: Exception) -> None:
+            if not self.errors:
+                self.errors.append(redis_lib.ResponseError(OOM))
+                raise self.errors[-1]
+            super().fail(mb, step, error)
+
+    rows = {1: 1, 2: 1, 3: 1}
+    p = RefusingOnce(2, dict.fromkeys(rows, 4), {mb: _spec(mb, 1) for mb in rows})
+    p.lose = {(2, 2)}
+    pos = Position(0, 2, "t1", "t0", colocated=False)
+    ready = Ready(p, [(1, 0), (2, 0), (3, 6)])
+    driver = Driver(p, p, None, "t0", pos, ready, 1.0, pass_deadline_s=1.0)  # type: ignore[arg-type]
+    assert _serve_through_errors(driver, p, rows) == 1
+    assert p.failed == [2] and sorted(p.released) == [1, 2, 3]
+    assert isinstance(p.errors[1], DeadlineExceeded)

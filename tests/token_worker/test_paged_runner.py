@@ -274,3 +274,34 @@ def test_a_pass_that_cannot_fit_the_pool_sets_its_latest_members_aside_first_in_
     cohort.members.pop(1)
     assert driver._room_for(3, driver._waiting[0][1])  # ... and once microbatch 1 is gone, it does
     client.close()
+
+
+def test_a_microbatch_recomputed_past_the_cap_fails_instead_of_thrashing(redis_url: str) -> None:
+    """Memory pressure that never eases would discard and recompute the same microbatch for ever: past
+    ``engine.max_recomputes`` recomputes it fails with an error to its requests, and the cohort serves on."""
+    from dejavu_common.messages import FinishReason, TokenStep
+    from dejavu_token_worker.driver import Driver, Member
+    from dejavu_token_worker.runner import Position, StageRunner
+
+    client = redis.Redis.from_url(redis_url)
+    pool = BlockPool(BlockGeometry.of(Stage().kv_layout(1, 1), block_size=4), max_blocks=12, slab_blocks=4)
+    row = RowSpec(request_id="r", prompt_ids=(1,) * 4, sampling=SamplingSpec(max_tokens=8, seed=0))
+    client.set(keys.microbatch(1), MicrobatchSpec(mb_id=1, rows=(row, row), prompt_len=4, max_len=12).encode())
+    client.delete(keys.tokens(1))
+    runner = StageRunner(Stage(), client, None, 1.0, pool=pool)  # type: ignore[arg-type]
+    state = runner.state(1)
+    state.mark_complete()
+    driver = Driver(runner, None, client, "t0", Position(0, 1, None, "t0", True), None, 1.0, max_recomputes=2)  # type: ignore[arg-type]
+    cohort = driver.cohorts[0]
+    cohort.members[1] = Member(2, (7, 7), (0, 1))
+    recomputed: list[int] = []
+    driver._prefill_pass = lambda cohort, member, ids: recomputed.append(member.state.mb_id)  # type: ignore[method-assign]
+    driver.runnable.clear()
+    for _ in range(2):
+        driver._recompute(cohort, state)
+    assert recomputed == [1, 1] and 1 in cohort.members
+    driver._recompute(cohort, state)  # the third time: past the cap
+    assert recomputed == [1, 1] and 1 not in cohort.members and list(driver.runnable) == [0]
+    (entry,) = [TokenStep.decode(fields[b"step"]) for _, fields in client.xrange(keys.tokens(1))]
+    assert entry.finished == (FinishReason.ERROR, FinishReason.ERROR)
+    client.close()

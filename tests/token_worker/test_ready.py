@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from dejavu_common import keys
-from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptDone, RowSpec, SamplingSpec
+from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptDone, RowSpec, SamplingSpec, TokenStep
 from dejavu_token_worker.ready import ReadyMicrobatch, ReadyPrompts
 
 
@@ -74,6 +74,10 @@ def test_an_announcement_of_a_microbatch_that_ended_is_dropped_without_waiting(c
     got, logged = _pop_logged(ready, caplog)
     assert got is not None and got.spec.mb_id == 4
     assert sum("it has ended" in m for m in logged) == 3
+    # The driver frees what the stages hold of each (their prompt KV can arrive before the microbatch ends).
+    assert list(ready.ended) == [1, 2, 3]
+    _announce(client, 1)  # another piece of one that ended: ignored, not freed twice
+    assert ready.pop() is None and list(ready.ended) == [1, 2, 3]
 
 
 def test_taking_stage_0_over_again_skips_what_was_announced_meanwhile(client) -> None:
@@ -126,3 +130,43 @@ def test_announcements_of_an_older_epoch_are_dropped_and_of_a_newer_one_wait_for
     ready.serving(6)
     assert ready.pop().spec.mb_id == 3
     assert ready.pop() is None
+
+
+def test_a_microbatch_announced_in_part_fails_after_the_partial_deadline(client) -> None:
+    """The prompt task of its other rows was lost (and its re-run too): without a deadline the announced
+    rows would wait for the others forever, and their clients until their request timeout."""
+    now = [100.0]
+    ready = ReadyPrompts(client, partial_deadline_s=120.0, clock=lambda: now[0])
+    _spec(client, 1, rows=2)
+    _spec(client, 2, rows=2)
+    _announce(client, 1, (0, 1), token=5)
+    assert ready.pop() is None
+    now[0] += 60.0
+    _announce(client, 2, (0, 1), token=6)  # a younger partial
+    assert ready.pop() is None
+    now[0] += 60.5  # microbatch 1 is past its deadline, 2 is not
+    got = ready.pop()
+    assert got is not None and got.spec.mb_id == 1
+    assert got.all_finished and got.finished == (FinishReason.ERROR, FinishReason.ERROR)  # the driver frees it
+    ((_, fields),) = client.xrange(keys.tokens(1))  # the controller fails both rows' requests
+    step = TokenStep.decode(fields[b"step"])
+    assert step.step == 0 and step.finished == (FinishReason.ERROR, FinishReason.ERROR)
+    _announce(client, 1, (1, 2), token=7)  # the lost rows after all: too late, ignored
+    assert ready.pop() is None
+    _announce(client, 2, (1, 2), token=8)  # completed within its deadline: admitted
+    got = ready.pop()
+    assert got is not None and got.spec.mb_id == 2 and got.first_tokens == (6, 8) and got.finished == (None, None)
+    assert client.xlen(keys.tokens(2)) == 0
+
+
+def test_a_partial_of_a_microbatch_that_ended_expires_without_writing_its_stream(client) -> None:
+    now = [0.0]
+    ready = ReadyPrompts(client, partial_deadline_s=1.0, clock=lambda: now[0])
+    _spec(client, 1, rows=2)
+    _announce(client, 1, (0, 1))
+    assert ready.pop() is None
+    client.delete(keys.microbatch(1))  # the controller gave up on it meanwhile
+    now[0] = 2.0
+    got = ready.pop()
+    assert got is not None and got.all_finished
+    assert not client.exists(keys.tokens(1))  # no stream left behind for a microbatch nobody reads

@@ -164,16 +164,15 @@ def test_a_repair_order_is_written_before_the_topology_that_needs_it(redis_url) 
 
     async def scenario() -> None:
         client, r, backend, _repairs = _backend(redis_url)
-        seen: list[tuple[int, bytes | None]] = []  # (epoch published, the recovery order at that moment)
-        real_set = r.set
+        seen: list[tuple[int, bytes | None]] = []  # (epoch published, the recovery order just before it)
+        real_fenced = backend.leadership.fenced
 
-        async def watching_set(name, value, *args, **kwargs):
-            if name == keys.TOPOLOGY:
-                epoch = Topology.decode(value).epoch
-                seen.append((epoch, client.get(keys.RECOVERY)))
-            return await real_set(name, value, *args, **kwargs)
+        async def watching_fenced(queue_writes, tries: int = 5) -> None:  # the topology's (fenced) write
+            order = client.get(keys.RECOVERY)
+            await real_fenced(queue_writes, tries)
+            seen.append((Topology.decode(client.get(keys.TOPOLOGY)).epoch, order))
 
-        r.set = watching_set  # type: ignore[method-assign]
+        backend.leadership.fenced = watching_fenced  # type: ignore[method-assign]
         epoch = await _serving(client, backend)
         assert seen[-1][1] is None  # a fresh pipeline: no order
         _register(client, "s0", WorkerRole.TOKEN, "idle", 0, spare=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dejavu_common.messages import FinishReason, MicrobatchSpec, RowSpec, SamplingSpec
+import pytest
+
+from dejavu_common.messages import FinishReason, Logprob, MicrobatchSpec, RowSpec, SamplingSpec, TokenStep
 from dejavu_worker.rows import RowTracker
 
 EOS = 2
@@ -47,7 +49,19 @@ def test_replay_rebuilds_state() -> None:
     b = RowTracker(spec, eos_ids=frozenset({EOS}))
     b.replay(history)
     assert b.generated == a.generated and b.finished == a.finished
+    assert b.outputs == a.outputs == [[5, 5], [6, 6]]  # what the rows' penalties read
     assert b.step(2, [7, 7]) == a.step(2, [7, 7])
+
+
+def test_entries_carry_log_probabilities_of_the_rows_that_emit() -> None:
+    t = RowTracker(_spec([4, 4, 4]), eos_ids=frozenset({EOS}))
+    lp = [Logprob(logprob=-0.5, top=((5, -0.5),)), Logprob(logprob=-1.0), None]
+    prompt = [(None, Logprob(logprob=-2.0)), None, None]
+    e = t.step(0, [5, 6, 7], cancelled={1}, logprobs=lp, prompt_logprobs=prompt)
+    assert e.logprobs == (lp[0], None, None) and e.prompt_logprobs == (prompt[0], None, None)
+    assert TokenStep.decode(e.encode()) == e
+    plain = t.step(1, [5, 7], rows=[0, 2])
+    assert plain.logprobs == () and plain.prompt_logprobs == ()  # no row reports any: the old entry shape
 
 
 def test_ignore_eos_keeps_the_row_going_but_stop_tokens_still_stop() -> None:
@@ -74,3 +88,10 @@ def test_sampling_spec_carries_ignore_eos_and_old_messages_decode() -> None:
     assert SamplingSpec.decode(spec.encode()) == spec
     old = b'{"v": 1, "max_tokens": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 1, "stop_token_ids": []}'
     assert SamplingSpec.decode(old).ignore_eos is False
+
+
+def test_a_step_with_log_probabilities_for_other_rows_than_its_tokens_is_malformed() -> None:
+    with pytest.raises(ValueError):
+        TokenStep(mb_id=1, step=0, tokens=(5, 6), finished=(None, None), logprobs=(Logprob(logprob=-1.0),))
+    with pytest.raises(ValueError):
+        TokenStep.decode(b'{"mb_id": 1, "step": 0, "tokens": [5], "finished": [null], "prompt_logprobs": [null, null]}')

@@ -3,7 +3,8 @@
 Peers' endpoint addresses come from the registry in Redis (``WorkerInfo.data_address``). Payloads
 are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVuLib adds the sealed
 header (size, payload MAC, epoch fencing, replay refusal, sender authentication with the deployment
-secret) and bounds payloads by ``transport.max_message_bytes``.
+secret) and bounds payloads: by ``transport.max_message_bytes``, and once the worker holds a stage by the
+deployment's largest legitimate message (:func:`largest_message`, :meth:`DataEndpoint.bound_messages`).
 
 Every message leaves through one DejaVuLib :class:`Streamer` (one thread, FIFO across channels): a
 send returns once the message is queued; KV regions (:meth:`send_region`) are packed there, off the
@@ -19,6 +20,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import redis
@@ -27,14 +29,16 @@ import torch
 from dejavu_common import keys
 from dejavu_common.exposure import check_data_plane
 from dejavu_common.fatal import die
-from dejavu_common.messages import WorkerInfo
-from dejavu_common.settings import TransportSettings
+from dejavu_common.messages import Topology, WorkerInfo
+from dejavu_common.settings import Settings, TransportSettings
+from dejavu_worker.metrics import DataPlaneMetrics
 from dejavulib.endpoint import Endpoint, Message
-from dejavulib.errors import PeerError, TransferError, TransferTimeout, TransportUnavailable
+from dejavulib.errors import IntegrityError, PeerError, TransferError, TransferTimeout, TransportUnavailable
 from dejavulib.header import Channel, Header
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import Region
 from dejavulib.streamer import Streamer
+from dejavulib.transport.base import MessageTransport
 
 __all__ = ["Channel", "DataEndpoint"]
 
@@ -60,29 +64,82 @@ def _transport(settings: TransportSettings, worker_id: str):
         require=settings.ucx_require,
         host=settings.host,
         tls=settings.ucx_tls,
+        chunks=False,  # workers exchange messages only: chunks a peer sends are discarded, never queued
     )
     # A worker without its I/O thread can neither send nor receive: end it, so its lease expires.
     transport.on_failure = lambda exc: die(f"UCX I/O thread of {worker_id}", exc)
     return transport
 
 
+# What ``largest_message`` adds on top of the largest tensor: a share for the meta JSON of the largest pass
+# (per row: its microbatch, step and row index in ``members``) and the framing, and a relative margin.
+_META_BYTES, _META_BYTES_PER_ROW, MESSAGE_MARGIN = 1 << 20, 64, 1.25
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class ModelShape(Protocol):
+    """The checkpoint's shape facts a message's size depends on (``dejavu_engine.family.ModelSpec``)."""
+
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def largest_message(topology: Topology, settings: Settings, model: ModelShape) -> int:
+    """The bound on a data-plane payload in this deployment: its largest legitimate message, with a margin.
+
+    Every worker of a deployment computes the same number (from the topology, the shared settings and the
+    checkpoint), so what one sends another accepts. The largest messages are, with ``rows`` the larger
+    microbatch and ``positions`` ``engine.max_context``:
+
+    - a KV region (prompt KV, replica, restore, swap): K and V of at most one microbatch, ``rows`` x
+      ``positions``, over at most the layers of the largest stage of either pipeline (a stage replicates
+      to its successor, whose own span may be smaller);
+    - a PREFILL pass: hidden states of one microbatch, ``rows`` x ``positions`` x ``hidden_size``;
+    - a DECODE pass: one position of every row of a cohort, at most ``controller.max_running`` rows (stage 0
+      forms cohorts within it);
+
+    activations counted as float32 whatever the model's dtype, plus a share for the meta of the largest
+    pass, the whole times ``MESSAGE_MARGIN``. ``transport.max_message_bytes`` stays the upper limit."""
+    stages = (*topology.prompt_stages, *topology.token_stages)
+    layers = max((a.layers[1] - a.layers[0] for a in stages), default=topology.n_layers)
+    rows = max(topology.prompt_microbatch, topology.token_microbatch)
+    positions = settings.engine.max_context
+    cohort = max(rows, settings.controller.max_running)
+    kv = 2 * layers * rows * model.num_kv_heads * positions * model.head_dim * _ITEMSIZE[settings.model.dtype]
+    activations = max(rows * positions, cohort) * model.hidden_size * _ITEMSIZE["float32"]
+    meta = _META_BYTES + _META_BYTES_PER_ROW * cohort
+    return int(max(kv, activations) * MESSAGE_MARGIN) + meta
+
+
 class DataEndpoint:
-    def __init__(self, settings: TransportSettings, worker_id: str) -> None:
+    def __init__(self, settings: TransportSettings, worker_id: str, transport: MessageTransport | None = None) -> None:
+        """``transport``: the one to use instead of UCX (tests pass DejaVuLib's in-process fake)."""
         check_data_plane(settings)  # no public default secret beyond loopback
         self.settings = settings
         self.worker_id = worker_id
         self._ep = Endpoint(
-            _transport(settings, worker_id),
+            transport if transport is not None else _transport(settings, worker_id),
             settings.secret.get_secret_value(),
             max_message_bytes=settings.max_message_bytes,
+            max_queued_bytes=settings.max_queued_bytes,
+            max_queued_messages=settings.max_queued_messages,
         )
         self._addresses: dict[str, bytes] = {}
+        # Received payloads dropped because they failed their MAC or size check, by channel name.
+        self.corrupt: collections.Counter[str] = collections.Counter()
         self.streamer = Streamer(self._ep, settings.max_inflight_bytes)
         self.streamer.observe = self._observe
         # A worker whose messages can no longer leave must end, so its lease expires and it is replaced.
         self.streamer.on_failure = lambda exc: die(f"streaming thread of {worker_id}", exc)
         # Called with (purpose, bytes) for every KV payload sent; the worker points it at its heartbeat.
         self.count_kv: Callable[[str, int], None] = lambda purpose, nbytes: None
+        self.metrics: DataPlaneMetrics | None = None  # see :meth:`record_to`
+
+    def record_to(self, metrics: DataPlaneMetrics) -> None:
+        """Count what this endpoint sends (when each send settles), receives and drops in ``metrics``."""
+        self.metrics = metrics
+        self.streamer.settled = metrics.settled
 
     @property
     def address(self) -> bytes:
@@ -91,6 +148,22 @@ class DataEndpoint:
     @property
     def stats(self) -> collections.Counter[str]:
         return self._ep.stats
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest payload this endpoint sends or accepts now (larger ones a receiver drops unread)."""
+        return self._ep.max_message_bytes
+
+    def bound_messages(self, nbytes: int) -> None:
+        """Accept and send payloads of at most ``nbytes`` from now on (:func:`largest_message`), never more
+        than ``transport.max_message_bytes``; the per-channel backlog bound follows it where the settings
+        leave that to the default (twice the largest message)."""
+        bound = min(nbytes, self.settings.max_message_bytes)
+        if bound != self._ep.max_message_bytes:
+            log.info("data plane of %s: payloads up to %.1f MB", self.worker_id, bound / 1e6)
+        self._ep.max_message_bytes = bound
+        if self.settings.max_queued_bytes is None:
+            self._ep.max_queued_bytes = 2 * bound
 
     def set_epoch(self, epoch: int) -> None:
         self._ep.set_epoch(epoch)
@@ -156,7 +229,15 @@ class DataEndpoint:
         """Queue ``region`` of ``cache`` to ``peer``: packed on the streaming thread, with ``header``
         (channel and destination place; see :meth:`Streamer.submit_region`). The region must not be
         written again (past positions are not)."""
-        self.streamer.submit_region(peer, header, cache, region, self.settings.deadline_s)
+        replica = self.metrics is not None and header.channel is Channel.KV_REPLICA
+        if replica:  # settled by the streamer's hook, which counts it down
+            self.metrics.submitted_replica(region.nbytes(cache.layout))  # type: ignore[union-attr]
+        try:
+            self.streamer.submit_region(peer, header, cache, region, self.settings.deadline_s)
+        except Exception:
+            if replica:
+                self.metrics.submitted_replica(-region.nbytes(cache.layout))  # type: ignore[union-attr]
+            raise
 
     def send_packed(self, peer: str, header: Header, packed: torch.Tensor) -> None:
         """Queue an already packed region (``header`` describes it, as ``streamer.region_header`` makes it)."""
@@ -168,11 +249,34 @@ class DataEndpoint:
         return None if message is None else memoryview(message.payload)
 
     def recv_message(self, channel: Channel, timeout_s: float) -> Message | None:
-        """The next message on ``channel`` (its verified header and payload), or None after ``timeout_s``."""
-        try:
-            return self._ep.recv(channel, timeout_s)
-        except TransferTimeout:
-            return None
+        """The next message on ``channel`` (its verified header and payload), or None after ``timeout_s``.
+
+        A payload that fails its header's size or MAC check (a flipped byte on the way, or a forgery) is
+        dropped: logged with its channel and sender, counted in :attr:`corrupt`, and the wait goes on for
+        what is left of ``timeout_s``. One bad message never ends a receiving loop; what it carried is
+        lost, and each consumer's own deadline covers that (prompt KV that never completes fails its
+        microbatch, a replica step past a hole is not served, a restore missing a cache fails)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                message = self._ep.recv(channel, max(0.0, end - time.monotonic()))
+            except TransferTimeout:
+                return None
+            except IntegrityError as exc:
+                self.corrupt[channel.name] += 1
+                if self.metrics is not None:
+                    self.metrics.corrupt(channel)
+                log.error(
+                    "dropped a corrupt %s message on %s (%d on this channel so far): %s",
+                    channel.name,
+                    self.worker_id,
+                    self.corrupt[channel.name],
+                    exc,
+                )
+                continue
+            if self.metrics is not None:
+                self.metrics.received(message.header)
+            return message
 
     def _observe(self, header: Header, nbytes: int) -> None:
         purpose = _KV_PURPOSE.get(header.channel)

@@ -23,8 +23,10 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
 from dejavu_common.redis_client import sync_client
 from dejavu_common.settings import Settings
+from dejavu_common.signing import EntrySigner
 from dejavu_worker.endpoint import DataEndpoint
 from dejavu_worker.heartbeat import Heartbeat
+from dejavu_worker.metrics import StageSnapshot, WorkerMetrics, metrics_url
 from dejavulib.errors import IntegrityError, ProtocolError, TransferError, TransportUnavailable
 
 log = logging.getLogger("dejavu.worker")
@@ -60,9 +62,11 @@ class WorkerProcess(abc.ABC):
         self.assignment: StageAssignment | None = None
         self.endpoint: DataEndpoint | None = None
         self.info: WorkerInfo | None = None
+        self.signer = EntrySigner(worker_id)  # signs its token-stream entries (dejavu_common.signing)
         self._reported: tuple[WorkerState, int] = (WorkerState.IDLE, 0)  # last state and epoch written
         self._min_epoch = 0  # after a Redis outage: serve only topologies newer than the last one served
         self._unassigned_at = 0  # the last epoch whose topology named this worker for no stage
+        self.metrics = WorkerMetrics(worker_id, self.role.value)
 
     # -- hooks -------------------------------------------------------------------------------
     def open_data_plane(self) -> bytes:
@@ -76,7 +80,11 @@ class WorkerProcess(abc.ABC):
 
     @abc.abstractmethod
     def serve(self, topology: Topology) -> None:
-        """Serve until ``self.epoch_changed()`` or ``self.stopping``; must return promptly then."""
+        """Serve until ``self.epoch_changed()`` or ``self.stopping``; must return promptly then.
+
+        After a :data:`SERVE_RETRYABLE` error it is called again with the same topology (see :meth:`run`):
+        what the worker held when the error came is still its own, and the epoch's work is continued, not
+        started over (nor forgotten): whatever the error broke is run again or failed to its clients."""
 
     def unassigned(self, epoch: int) -> None:
         """The topology of ``epoch`` gives this worker no stage (it was fenced, or its stage handed over):
@@ -84,6 +92,11 @@ class WorkerProcess(abc.ABC):
         a subclass frees it here."""
         if self.assignment is not None:
             log.info("the topology of epoch %d gives %s no stage: it stands by", epoch, self.worker_id)
+
+    def snapshot(self) -> StageSnapshot:
+        """What this worker holds now, for its metrics; called on the scraping thread, so it reads without
+        waiting on the serving loop. A subclass adds what its stage holds."""
+        return StageSnapshot(stage=self.assignment.stage if self.assignment else None, epoch=self._reported[1])
 
     def close_data_plane(self) -> None:
         """Release the data plane; safe when ``open_data_plane`` never ran."""
@@ -97,7 +110,8 @@ class WorkerProcess(abc.ABC):
         Redis lost (connection or timeout errors): wait for it, register again as a new instance
         (the controller then treats this worker like a restarted one) and wait for a newer topology.
         A failure of one epoch's serving that is not this process's own (:data:`SERVE_RETRYABLE`: a
-        peer that can't be reached, a Redis reply it didn't expect): report it, back off, serve again.
+        peer that can't be reached, a Redis reply it didn't expect): report it, back off, serve the same
+        epoch again (``serve`` continues it), or the newer one that came meanwhile.
         Anything else is a local, fatal error and propagates.
         """
         if threading.current_thread() is threading.main_thread():  # tests run workers as threads
@@ -148,6 +162,7 @@ class WorkerProcess(abc.ABC):
     def _start(self) -> None:
         self.redis = sync_client(self.settings.redis)
         address = self.open_data_plane()
+        url = self._serve_metrics()
         self.info = WorkerInfo(
             worker_id=self.worker_id,
             role=self.role,
@@ -157,6 +172,8 @@ class WorkerProcess(abc.ABC):
             data_address=base64.b64encode(address).decode(),
             torch_threads=self.torch_threads,
             spare=self.spare,
+            metrics_url=url,
+            entry_key=self.signer.public_key,
         )
         self.register()
         self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id, self.info.instance)
@@ -166,6 +183,19 @@ class WorkerProcess(abc.ABC):
         self.heartbeat.beat()  # the lease exists before anyone reads the registry
         self.heartbeat.start()
         log.info("registered as %s worker %s (spare=%s)", self.role.value, self.worker_id, self.spare)
+
+    def _serve_metrics(self) -> str | None:
+        """Count the data plane's traffic and serve the metrics on ``worker.metrics_port`` (when set); the
+        URL published in the registry record, or None."""
+        if self.endpoint is not None:
+            self.endpoint.record_to(self.metrics.dataplane)
+        endpoint = self.endpoint
+        self.metrics.watch(self.snapshot, lambda: dict(endpoint.stats) if endpoint is not None else {})
+        port = self.settings.worker.metrics_port
+        if port is None:
+            return None
+        host = self.settings.worker.metrics_host
+        return metrics_url(host, self.settings.transport.host, self.metrics.serve(host, port))
 
     def register(self) -> None:
         """Write this worker's registry record (info, current state and epoch) and index entry.
@@ -275,4 +305,5 @@ class WorkerProcess(abc.ABC):
         except Exception as exc:  # Redis may be gone already at shutdown
             log.warning("could not deregister: %s", exc)
         self.close_data_plane()
+        self.metrics.close()
         log.info("worker %s stopped", self.worker_id)

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from dejavu_common import keys
+from dejavu_common import keys, logs, tracing
 from dejavu_common.redis_client import sync_client
 from dejavu_common.settings import Settings
 from dejavu_engine.process import describe_runtime, sweep_openmp_registrations
@@ -35,10 +35,8 @@ def worker_main(role: str, worker_class: str, argv: list[str] | None = None) -> 
         except Exception as exc:
             print(f"check failed: {exc}", file=sys.stderr)
             return 1
-    logging.basicConfig(
-        level=settings.log_level,
-        format=f"%(asctime)s {role}-worker {args.worker_id} %(name)s %(levelname)s %(message)s",
-    )
+    logs.configure(settings.log_level, f"{role}-worker", args.worker_id, settings.log_format)
+    tracing.configure(settings.tracing, f"dejavu-{role}-worker", args.worker_id)
     if settings.engine.cpu_affinity:
         os.sched_setaffinity(0, settings.engine.cpu_affinity)  # before torch starts its thread pool
     module, name = worker_class.split(":")

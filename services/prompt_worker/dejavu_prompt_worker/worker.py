@@ -18,10 +18,11 @@ import redis
 import torch
 from pydantic import ValidationError
 
-from dejavu_common import keys
+from dejavu_common import keys, tracing
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import (
     FinishReason,
+    Logprob,
     MicrobatchSpec,
     PromptDone,
     PromptTask,
@@ -30,14 +31,18 @@ from dejavu_common.messages import (
     Topology,
     WorkerRole,
 )
+from dejavu_common.signing import token_entry
+from dejavu_common.stopping import StopCriteria
+from dejavu_common.tracing import RowSpans
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.sampling import sample
+from dejavu_engine.sampling import RowContext, prompt_logprobs, sample_rows
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_worker.dataplane import Kind, StageMessage
-from dejavu_worker.endpoint import Channel
+from dejavu_worker.endpoint import Channel, largest_message
 from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.metrics import PassKind
 from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavulib.streaming import LayerStreamer
@@ -48,6 +53,9 @@ log = logging.getLogger("dejavu.prompt_worker")
 # What one prompt task can raise that concerns its requests alone (values that break the computation,
 # a spec that is gone): the task's rows are failed to their clients and the stage serves the next task.
 TASK_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, IndexError, RuntimeError)
+# XAUTOCLAIM calls of one look for unfinished tasks (each looks at up to 10 pending entries; the next look
+# goes on where this one stopped).
+_RECLAIM_CALLS = 100
 
 
 class PromptWorker(WorkerProcess):
@@ -56,7 +64,10 @@ class PromptWorker(WorkerProcess):
     def __init__(self, settings, worker_id: str, spare: bool = False) -> None:
         super().__init__(settings, worker_id, spare, configure_torch_threads(settings.engine.torch_threads))
         self.stage: Stage | None = None
+        self.stage_index = 0  # this worker's prompt stage at the epoch it serves
         self._held: tuple[str, PromptTask, StageIO] | None = None  # a task of an epoch not served yet
+        self._reclaim_at = 0.0  # when stage 0 next looks for claimed tasks nobody finished (time.monotonic)
+        self._reclaim_cursor = "0-0"  # where that look goes on in the queue's pending entries
 
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         m = self.settings.model
@@ -69,6 +80,8 @@ class PromptWorker(WorkerProcess):
             engine.packs_gemms(decodes=False),
             ragged_prefill=engine.ragged_prefill,
         )
+        if self.endpoint is not None:
+            self.endpoint.bound_messages(largest_message(topology, self.settings, self.stage.spec))
         log.info(
             "loaded layers %s (%.1f MB, packed GEMMs %s)",
             assignment.layers,
@@ -82,6 +95,7 @@ class PromptWorker(WorkerProcess):
         assert me is not None
         stages = topology.prompt_stages
         self.next_peer = stages[me.stage + 1].worker_id if me.stage + 1 < len(stages) else None
+        self.stage_index = me.stage
         self.token_stages = topology.token_stages
         peers = [a.worker_id for a in self.token_stages] + ([self.next_peer] if self.next_peer else [])
         self.endpoint.set_epoch(topology.epoch)
@@ -131,6 +145,9 @@ class PromptWorker(WorkerProcess):
     # -- input --------------------------------------------------------------------------------
     def _claim(self) -> tuple[str, PromptTask, StageIO] | None:
         assert self.redis is not None
+        reclaimed = self._reclaim()
+        if reclaimed is not None:
+            return reclaimed
         resp = self.redis.xreadgroup(keys.PROMPT_GROUP, self.worker_id, {keys.PROMPT_QUEUE: ">"}, count=1, block=50)
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
@@ -143,6 +160,53 @@ class PromptWorker(WorkerProcess):
                     continue
                 return entry_id.decode(), task, StageIO(input_ids=ids)
         return None
+
+    def _reclaim(self) -> tuple[str, PromptTask, StageIO] | None:
+        """A task claimed ``recovery.prompt_reclaim_s`` ago or more that no last stage has finished (a stage
+        stalled, or the task's activations were lost on the way, and no change of topology re-runs it),
+        taken over (XAUTOCLAIM) to run again; looked for every quarter of that at most, through the whole
+        list of pending entries (in calls that each look at a few). Should the first run finish after all,
+        its output is a duplicate (same seed, same step): the controller and token stage 0 keep the first."""
+        assert self.redis is not None
+        reclaim_s = self.settings.recovery.prompt_reclaim_s
+        now = time.monotonic()
+        if now < self._reclaim_at:
+            return None
+        self._reclaim_at = now + reclaim_s / 4
+        for _ in range(_RECLAIM_CALLS):
+            cursor, entries, *_ = self.redis.xautoclaim(
+                keys.PROMPT_QUEUE, keys.PROMPT_GROUP, self.worker_id, int(reclaim_s * 1000), self._reclaim_cursor, 1
+            )
+            self._reclaim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            for entry_id, fields in entries:
+                claimed = self._rerun(entry_id, fields)
+                if claimed is not None:
+                    log.warning("prompt task %d was claimed %.0f s ago or more and is not finished: running it "
+                                "again", claimed[1].task_id, reclaim_s)  # fmt: skip
+                    self._reclaim_at = now  # there may be more
+                    return claimed
+            if self._reclaim_cursor == "0-0":  # every pending entry was looked at
+                return None
+        return None
+
+    def _rerun(self, entry_id: bytes, fields: dict[bytes, bytes]) -> tuple[str, PromptTask, StageIO] | None:
+        """A reclaimed entry to run again, or None: dropped (and acknowledged) if malformed, queued before
+        the epoch this worker serves (the repair that began the epoch re-ran or failed its microbatches), or
+        of a microbatch that has ended (no spec)."""
+        assert self.redis is not None
+        try:
+            task = PromptTask.decode(fields[b"task"])
+        except (KeyError, TypeError, ValidationError) as exc:
+            log.error("dropped prompt task %s: %s", entry_id, exc)
+            self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry_id)
+            return None
+        ended = [p.mb_id for p in task.pieces if not self.redis.exists(keys.microbatch(p.mb_id))]
+        if task.epoch < self.serve_epoch or ended:
+            why = f"microbatches {ended} ended" if ended else f"of epoch {task.epoch}, before this one"
+            log.info("dropped unfinished prompt task %d: %s", task.task_id, why)
+            self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry_id)
+            return None
+        return entry_id.decode(), task, StageIO(input_ids=self._input_ids(task))
 
     def _receive(self) -> tuple[str, PromptTask, StageIO] | None:
         assert self.endpoint is not None
@@ -178,8 +242,28 @@ class PromptWorker(WorkerProcess):
 
     # -- one prompt microbatch ----------------------------------------------------------------
     def _process(self, entry: str, task: PromptTask, io: StageIO) -> None:
-        assert self.stage is not None and self.endpoint is not None and self.redis is not None
+        """Run ``task`` on this stage (:meth:`_compute`), within a ``dejavu.prompt`` span per traced row (the
+        last stage adds the event ``first_token``); a failure ends them with its error, and propagates."""
         specs = self._specs(task)
+        spans = None
+        if tracing.enabled():
+            rows = [specs[mb].rows[r] for mb, r in self._rows(task)]
+            attributes = {tracing.STAGE: self.stage_index, "dejavu.task": task.task_id, "dejavu.epoch": task.epoch}
+            spans = RowSpans.start("dejavu.prompt", rows, attributes)
+        if spans is None:
+            return self._compute(entry, task, io, specs)
+        try:
+            self._compute(entry, task, io, specs)
+        except BaseException as exc:
+            spans.fail(exc)
+            raise
+        if self.next_peer is None:
+            spans.event("first_token")
+        spans.end()
+
+    def _compute(self, entry: str, task: PromptTask, io: StageIO, specs: dict[int, MicrobatchSpec]) -> None:
+        assert self.stage is not None and self.endpoint is not None and self.redis is not None
+        started = time.perf_counter()
         rows = self._rows(task)
         lens = [len(specs[mb].rows[r].prompt_ids) for mb, r in rows]
         geometry = BatchGeometry.for_prompts(lens)
@@ -199,13 +283,18 @@ class PromptWorker(WorkerProcess):
         transfers = plan_pieces(pieces, geometry.cur_len, self.stage.layers, [a.layers for a in stages])
         peers = {a.stage: a.worker_id for a in stages}
         streamer = LayerStreamer(self.endpoint.streamer, cache, transfers, peers, self.settings.transport.deadline_s)
-        out = self.stage.prefill(io, cache, geometry, on_layer_done=streamer.on_layer_done)
+        # Rows that ask for their prompt's log probabilities need logits at every position (on every stage: an
+        # earlier stage then does not pack the prompts, which would leave only the last position's).
+        all_logits = any(specs[mb].rows[r].sampling.prompt_logprobs is not None for mb, r in rows)
+        out = self.stage.prefill(io, cache, geometry, on_layer_done=streamer.on_layer_done, all_logits=all_logits)
         if self.next_peer is not None:
             msg = StageMessage(Kind.PREFILL, task.task_id, 0, out.hidden, task=task, entry=entry)
             self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
+            self.metrics.observe_pass(PassKind.PREFILL, time.perf_counter() - started, sum(lens))
             return
-        self._first_tokens(task, specs, out.logits[:, -1])
+        self._first_tokens(task, specs, out.logits, geometry)
         self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
+        self.metrics.observe_pass(PassKind.PREFILL, time.perf_counter() - started, sum(lens))
 
     def _fail_task(self, entry: str, task: PromptTask, error: Exception) -> None:
         """Fail every row of ``task``: an ERROR finish at step 0 on each token stream (the controller
@@ -223,7 +312,7 @@ class PromptWorker(WorkerProcess):
             rows = range(*piece.dst_rows)
             failed = tuple(FinishReason.ERROR if r in rows else None for r in range(len(spec.rows)))
             step = TokenStep(mb_id=piece.mb_id, step=0, tokens=(-1,) * len(spec.rows), finished=failed)
-            pipe.xadd(keys.tokens(piece.mb_id), {"step": step.encode()})
+            pipe.xadd(keys.tokens(piece.mb_id), token_entry(self.signer, keys.tokens(piece.mb_id), step.encode()))
             done = PromptDone(
                 mb_id=piece.mb_id,
                 dst_rows=piece.dst_rows,
@@ -235,19 +324,41 @@ class PromptWorker(WorkerProcess):
         pipe.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
         pipe.execute()
 
-    def _first_tokens(self, task: PromptTask, specs: dict[int, MicrobatchSpec], logits: torch.Tensor) -> None:
-        """Sample step 0 for every row, publish it, and announce the rows to token stage 0."""
+    def _first_tokens(
+        self, task: PromptTask, specs: dict[int, MicrobatchSpec], logits: torch.Tensor, geometry: BatchGeometry
+    ) -> None:
+        """Sample step 0 for every row from ``logits`` (``[rows, 1 or every position, vocab]``), with the
+        log probabilities (the prompt's too) of the rows that ask, publish it, and announce the rows to
+        token stage 0."""
         assert self.redis is not None and self.stage is not None
         rows = self._rows(task)
-        sampled = sample(logits, [specs[mb].rows[r].sampling for mb, r in rows], [0] * len(rows))
+        eos = self.stage.spec.eos_token_ids
+        params = [specs[mb].rows[r].sampling for mb, r in rows]
+        contexts = [
+            RowContext(specs[mb].rows[r].prompt_ids, (), StopCriteria.of(params[i], eos).stop_ids)
+            for i, (mb, r) in enumerate(rows)
+        ]
+        sampled = sample_rows(logits[:, -1], params, [0] * len(rows), contexts)
+        prompts: list[tuple[Logprob | None, ...] | None] = []
+        for i, (mb, r) in enumerate(rows):
+            ids, top = specs[mb].rows[r].prompt_ids, params[i].prompt_logprobs
+            first = geometry.pad_lens[i]
+            prompts.append(None if top is None else prompt_logprobs(logits[i, first:], ids, top))
         pipe = self.redis.pipeline(transaction=False)
         src = 0
         for piece in task.pieces:
             n = piece.dst_rows[1] - piece.dst_rows[0]
-            tracker = RowTracker(specs[piece.mb_id], self.stage.spec.eos_token_ids)
-            entry = tracker.step(0, sampled[src : src + n], rows=range(*piece.dst_rows))
+            tracker = RowTracker(specs[piece.mb_id], eos)
+            mine = sampled[src : src + n]
+            entry = tracker.step(
+                0,
+                [s.token for s in mine],
+                rows=range(*piece.dst_rows),
+                logprobs=[s.logprob for s in mine],
+                prompt_logprobs=prompts[src : src + n] if any(p is not None for p in prompts) else (),
+            )
             src += n
-            pipe.xadd(keys.tokens(piece.mb_id), {"step": entry.encode()})
+            pipe.xadd(keys.tokens(piece.mb_id), token_entry(self.signer, keys.tokens(piece.mb_id), entry.encode()))
             done = PromptDone(
                 mb_id=piece.mb_id,
                 dst_rows=piece.dst_rows,

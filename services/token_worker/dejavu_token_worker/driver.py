@@ -10,15 +10,22 @@ member is at its own step; one pass batches every member's active rows, each att
 cache and length. New members go to the cohort with the fewest rows, up to ``cohort_rows`` rows each
 (balanced cohorts keep every stage busy); with swapping a cohort holds one microbatch, whose cache is
 prefetched while another cohort computes.
+
+An error that leaves :meth:`Driver.run` (Redis refusing a write, back-pressure past its deadline; the
+worker pauses and serves the same epoch again) never forgets a microbatch: the driver keeps its cohorts
+and waiting line, and the next :meth:`Driver.run` first settles what the error interrupted (see
+:meth:`Driver._settle`): the microbatches of a pass the error broke run again from where their token
+streams end (as after a recovery), everything else carries on where it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import redis
@@ -30,13 +37,26 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.ready import ReadyPrompts
-from dejavu_token_worker.runner import STEP_FAILURES, PassMember, Position, PrefillRefused, StageRunner, history
+from dejavu_token_worker.runner import (
+    STEP_FAILURES,
+    PassMember,
+    Position,
+    PrefillRefused,
+    StageRunner,
+    history,
+    wants_prompt_logprobs,
+)
+from dejavu_token_worker.traces import MemberTrace
 from dejavu_worker.dataplane import Kind, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.metrics import Occupancy
 from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
 from dejavulib.paged import PagedKVCache, PoolExhausted
 
 log = logging.getLogger("dejavu.token_worker.driver")
+
+# Transport deadlines after which stage 0 takes a pass that is not back for lost, and fails its microbatches.
+PASS_DEADLINES = 6
 
 
 @dataclass
@@ -48,6 +68,7 @@ class Member:
     feed: tuple[int, ...]
     live: tuple[int, ...]
     since: float = field(default_factory=time.monotonic, compare=False)  # when it was admitted
+    trace: MemberTrace | None = field(default=None, compare=False)  # its requests' spans here, when traced
 
     @property
     def rows(self) -> int:
@@ -105,8 +126,11 @@ class Driver:
         epoch: int = 0,
         held: list[PromptTask] | None = None,
         pass_deadline_s: float | None = None,
+        max_recomputes: int = 8,
     ) -> None:
         self.runner = runner
+        self.max_recomputes = max_recomputes
+        self._recomputes: dict[int, int] = {}  # microbatch -> recompute passes so far
         self.epoch = epoch  # the topology epoch this driver serves
         # Colocated tasks queued under a newer epoch than this driver's (a repair's re-runs, claimed in the
         # moment before this worker saw that epoch): kept by the worker across epochs, run at theirs.
@@ -119,7 +143,7 @@ class Driver:
         self.ready = ready
         self.deadline_s = deadline_s
         # A pass not back this long after it started was lost on the way (see :meth:`_expire_passes`).
-        self.pass_deadline_s = pass_deadline_s if pass_deadline_s is not None else 6 * deadline_s
+        self.pass_deadline_s = pass_deadline_s if pass_deadline_s is not None else PASS_DEADLINES * deadline_s
         self._expiry_checked = time.monotonic()
         self.cohorts = [Cohort(i) for i in range(pos.depth)]
         self.cohort_rows = max(1, math.ceil(max_running / pos.depth))
@@ -127,6 +151,18 @@ class Driver:
         self.max_members = 1 if runner.swap is not None else 1 << 30
         self.runnable: deque[int] = deque(c.index for c in self.cohorts)  # cohorts at their boundary, in turn
         self._waiting: deque[tuple[int, Member]] = deque()  # microbatches not yet in a cohort, in order
+        # What an error leaving run() interrupted, settled when run() is called again (_settle):
+        self._resuming: dict[int, int] = {}  # resume points not yet re-admitted
+        self._unreleased: set[int] = set()  # microbatches freed here whose release is not on its way yet
+        self._interrupted: tuple[Cohort, Exception] | None = None  # a cohort whose pass an error broke
+        self._returning: TokenReturn | None = None  # a return being applied when an error came
+
+    def occupancy(self) -> Occupancy:
+        """Rows and microbatches in the cohorts (running) and in the waiting line. Safe from another thread
+        (the metrics scrape): it reads snapshots of the books, taken atomically, and no lock."""
+        running = [m for c in self.cohorts for m in list(c.members.values())]
+        waiting = [m for _, m in list(self._waiting)]
+        return Occupancy(sum(m.rows for m in running), len(running), sum(m.rows for m in waiting), len(waiting))
 
     # -- membership -----------------------------------------------------------------------------
     def resume(self, points: dict[int, int]) -> None:
@@ -137,28 +173,40 @@ class Driver:
         duplicate tokens). One with no tokens on its stream cannot resume: it is failed if the controller
         still waits for it, and freed along the pipeline, which kept it for this resume. (Seen when it
         finished while the repair was planned: the controller deleted its spec and stream, and every stage
-        kept its caches.)"""
-        for mb, step in sorted(points.items()):
-            entries = history(self.redis, mb, before_step=step)
-            if entries and entries[-1].step < step - 1:
-                log.warning("microbatch %d: tokens of steps %d..%d are not on its stream: resuming at step %d",
-                            mb, entries[-1].step + 1, step - 1, entries[-1].step + 1)  # fmt: skip
-                step = entries[-1].step + 1
-            if not entries or entries[-1].step != step - 1:
-                if self.redis.exists(keys.microbatch(mb)):  # the controller still waits for it: fail it
-                    error = RuntimeError(f"no tokens of step {step - 1} for microbatch {mb}: cannot resume it")
-                    self.runner.fail(mb, step, error)
-                else:  # ended (its spec and stream are gone): nothing to fail, only caches to free
-                    log.info("microbatch %d ended while its resume was planned: freeing it", mb)
-                self._release_everywhere(mb)
-                continue
-            n_rows = len(entries[-1].tokens)
-            live = tuple(r for r in range(n_rows) if all(e.finished[r] is None for e in entries))
-            if not live:
-                self._release_everywhere(mb)
-                continue
-            self._waiting.append((mb, Member(step, tuple(self._latest_tokens(entries)), live)))
+        kept its caches.) A point whose re-admission an error interrupted stays pending until :meth:`run`."""
+        self._resuming.update(points)
+        self._resume_pending()
         log.info("resumed microbatches %s", {mb: m.step for mb, m in self._waiting})
+
+    def _resume_pending(self) -> None:
+        """Re-admit each pending resume point (:meth:`resume`), in order; one stays pending until its
+        history is read and, if it cannot resume, its failure published."""
+        for mb in sorted(self._resuming):
+            member = self._resumed(mb, self._resuming[mb])
+            del self._resuming[mb]
+            if member is None:
+                self._release_everywhere(mb)
+            else:
+                self._waiting.append((mb, member))
+
+    def _resumed(self, mb: int, step: int) -> Member | None:
+        """``mb`` as it resumes at ``step`` (or earlier: see :meth:`resume`); None when it cannot resume
+        (failed to its clients here, if the controller still waits for it) or has no row left to run."""
+        entries = history(self.redis, mb, before_step=step)
+        if entries and entries[-1].step < step - 1:
+            log.warning("microbatch %d: tokens of steps %d..%d are not on its stream: resuming at step %d",
+                        mb, entries[-1].step + 1, step - 1, entries[-1].step + 1)  # fmt: skip
+            step = entries[-1].step + 1
+        if not entries or entries[-1].step != step - 1:
+            if self.redis.exists(keys.microbatch(mb)):  # the controller still waits for it: fail it
+                error = RuntimeError(f"no tokens of step {step - 1} for microbatch {mb}: cannot resume it")
+                self.runner.fail(mb, step, error)
+            else:  # ended (its spec and stream are gone): nothing to fail, only caches to free
+                log.info("microbatch %d ended while its resume was planned: freeing it", mb)
+            return None
+        n_rows = len(entries[-1].tokens)
+        live = tuple(r for r in range(n_rows) if all(e.finished[r] is None for e in entries))
+        return Member(step, tuple(self._latest_tokens(entries)), live) if live else None
 
     @staticmethod
     def _latest_tokens(entries) -> list[int]:
@@ -193,7 +241,7 @@ class Driver:
             if not self._room_for(mb, member):
                 return  # a paged pool without room for it yet: it waits in its place in the line
             del self._waiting[index]
-            cohort.members[mb] = member
+            self._join(cohort, mb, member)
 
     def _arrived(self, mb: int) -> bool:
         """Whether ``mb``'s KV is complete on this stage (prompt KV, a prefill or a restore)."""
@@ -209,8 +257,8 @@ class Driver:
             state = self.runner.states.get(mb)
             got = f"{len(state.cells)}/{state.expected_cells} cells" if state is not None else "none of it"
             error = DeadlineExceeded(f"prompt KV of microbatch {mb} incomplete after {self.deadline_s} s ({got})")
+            self.runner.fail(mb, member.step, error)  # first: an error here leaves it waiting, to fail again
             self._waiting.remove((mb, member))
-            self.runner.fail(mb, member.step, error)
             self._release_everywhere(mb)
 
     def _room_for(self, mb: int, member: Member) -> bool:
@@ -253,10 +301,13 @@ class Driver:
             log.info("KV pool short: microbatch %d leaves cohort %d until there is room", mb, cohort.index)
 
     def _poll_ready(self) -> bool:
-        """Move one newly ready microbatch to the waiting line; False when there is none."""
+        """Move one newly ready microbatch to the waiting line; False when there is none. Microbatches
+        announced after they ended are freed along the pipeline (their prompt KV may be here already)."""
         if self.pos.colocated or self.ready is None:
             return False
         ready = self.ready.pop()
+        while self.ready.ended:
+            self._release_everywhere(self.ready.ended.popleft())
         if ready is None:
             return False
         if ready.all_finished:
@@ -268,14 +319,18 @@ class Driver:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
+        """Serve until ``stop()``. An error it does not handle (see the module docstring) leaves with the
+        driver's books in order for the next call, which settles what the error interrupted first."""
+        self._settle()
         while not stop():
             started = False
             for _ in range(len(self.runnable)):  # each cohort at its boundary, in turn
                 cohort = self.cohorts[self.runnable.popleft()]
-                if self._start_pass(cohort):
-                    started = True
-                else:
-                    self.runnable.append(cohort.index)
+                with self._interrupting(cohort):
+                    if self._start_pass(cohort):
+                        started = True
+                    else:
+                        self.runnable.append(cohort.index)
             if self.pos.depth == 1:
                 if not started and not self.pos.colocated and self.ready is not None:
                     self.ready.poll(block_ms=5)  # nothing to run: wait briefly for a prompt to be done
@@ -287,10 +342,47 @@ class Driver:
                 except ValueError as exc:  # authenticated, yet not a token return of this version
                     log.error("dropped a malformed token return: %s", exc)
                 else:
+                    self._returning = returned  # applied again by _settle if an error interrupts it
                     self._returned(returned)
+                    self._returning = None
             if time.monotonic() - self._expiry_checked > 1.0:
                 self._expiry_checked = time.monotonic()
                 self._expire_passes()
+
+    @contextlib.contextmanager
+    def _interrupting(self, cohort: Cohort, failing: Exception | None = None) -> Iterator[None]:
+        """Work on ``cohort``; an error leaving it marks the cohort for :meth:`_settle`, which fails a pass
+        still in flight with ``failing`` (the pass's own error, when failing it was interrupted) or the error."""
+        try:
+            yield
+        except Exception as exc:
+            self._interrupted = (cohort, failing or exc)
+            raise
+
+    def _settle(self) -> None:
+        """Put right what an error leaving :meth:`run` interrupted, before serving on (nothing to do on
+        the first call): microbatches waiting to resume (after a recovery, or from a pass the runner broke:
+        :meth:`_run_again`) join the waiting line; releases not yet sent to the later stages are sent; a
+        token return half applied is applied (applying one is idempotent); a cohort whose failing an error
+        interrupted (its pass lost: :meth:`_expire_passes`) fails the rest of its pass; and every cohort at
+        its boundary is runnable again. What raises again here leaves the rest for the next call: no
+        microbatch is forgotten."""
+        self._resume_pending()
+        for mb in sorted(self._unreleased):
+            self._release_everywhere(mb)
+        if self._returning is not None:
+            self._returned(self._returning)
+            self._returning = None
+        if self._interrupted is not None:
+            cohort, error = self._interrupted
+            if cohort.in_flight:
+                log.error("failing the rest of the pass of cohort %d (microbatches %s): %r",
+                          cohort.index, list(cohort.pass_members or ()), error)  # fmt: skip
+                self._fail_pass(cohort, error)
+            self._interrupted = None
+        for cohort in self.cohorts:
+            if not cohort.in_flight and cohort.index not in self.runnable:
+                self.runnable.append(cohort.index)
 
     def _expire_passes(self) -> None:
         """Fail the microbatches of a pass still not back long after it started: ``pass_deadline_s``, or
@@ -306,7 +398,9 @@ class Driver:
                 continue
             log.error("the pass of cohort %d (microbatches %s) is not back after %.0f s: failing its microbatches",
                       cohort.index, list(cohort.pass_members), now - cohort.pass_since)  # fmt: skip
-            self._fail_pass(cohort, DeadlineExceeded(f"no tokens back from the token pipeline within {limit:.0f} s"))
+            lost = DeadlineExceeded(f"no tokens back from the token pipeline within {limit:.0f} s")
+            with self._interrupting(cohort, failing=lost):
+                self._fail_pass(cohort, lost)
 
     @property
     def mixes(self) -> bool:
@@ -332,7 +426,42 @@ class Driver:
             and (self.mixes or not (cohort.prefilled and cohort.streaming))
         ):
             task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
-            if task is not None and not self._room_for_prompt(task):
+        try:
+            return self._run_pass(cohort, task)
+        except Exception:
+            if cohort.in_flight:
+                self._run_again(cohort, task)
+            joined = task is not None and any(p.mb_id in c.members for p in task.pieces for c in self.cohorts)
+            if task is not None and not joined and task not in self.held:
+                self.held.insert(0, task)  # claimed, not begun (or begun and broken): prefilled again
+            raise
+
+    def _run_again(self, cohort: Cohort, task: PromptTask | None) -> None:
+        """The pass of ``cohort`` broke on this stage: the runner raised (Redis refused its tokens, a send
+        found no room), so the pass did not leave this stage, or its tokens were not all published. Its
+        members leave the cohort and run again where their token streams end, as after a recovery
+        (:meth:`resume`): each at the step after the newest one on its stream, fed the tokens there (a step
+        published before the error runs no second time; one that was not runs again, and rewrites the same
+        KV), sampling from trackers rebuilt from the stream. A colocated prefill's microbatch (``task``'s,
+        at step 0) leaves too; its task is prefilled again."""
+        prefilling = {p.mb_id for p in task.pieces} if task is not None else set()
+        for mb in cohort.pass_members or ():
+            member = cohort.members.pop(mb, None)
+            if member is None:
+                continue
+            state = self.runner.states.get(mb)
+            if state is not None:
+                state.tracker = None
+            if not (member.step == 0 and mb in prefilling):
+                self._resuming[mb] = member.step + 1
+        log.warning("the pass of cohort %d broke here: microbatches %s run again from their token streams",
+                    cohort.index, list(cohort.pass_members or ()))  # fmt: skip
+        cohort.pass_members = None
+
+    def _run_pass(self, cohort: Cohort, task: PromptTask | None) -> bool:
+        """The rest of :meth:`_start_pass`, with ``task`` the colocated task claimed for this pass, if any."""
+        if task is not None:
+            if not self._room_for_prompt(task):
                 task = None  # held until running requests return blocks (or failed: it can never fit)
             if task is not None and not (self.mixes and cohort.members):
                 cohort.prefilled = True
@@ -517,12 +646,16 @@ class Driver:
     def _mixed(self, cohort: Cohort, members: list[PassMember], ids: torch.Tensor, task: PromptTask) -> bool:
         """The cohort's next pass decodes ``members`` and prefills ``task``'s microbatch, which then joins the
         cohort. False when nothing ran (the task was stale, or its prompt could not have its blocks and
-        failed alone): the caller runs the decode step by itself."""
+        failed alone): the caller runs the decode step by itself. A microbatch with a row that asks for its
+        prompt's log probabilities is prefilled in a pass of its own instead (the members skip that pass)."""
         state = self._prompt_state(task)
         if state is None:
             return False
         every_row = tuple(range(len(state.spec.rows)))
-        cohort.members[state.mb_id] = Member(0, (), every_row)
+        self._join(cohort, state.mb_id, Member(0, (), every_row))
+        if wants_prompt_logprobs(state.spec):  # its prompt's logits at every position: a prefill pass of its own
+            self._prefill_pass(cohort, PassMember(state, 0, every_row), lambda: self._prompt_ids(state))
+            return True
         cohort.begin((*(m.state.mb_id for m in members), state.mb_id))
         try:
             ret = self.runner.run_mixed(
@@ -551,7 +684,7 @@ class Driver:
             self.runnable.append(cohort.index)
             return
         every_row = tuple(range(len(state.spec.rows)))
-        cohort.members[state.mb_id] = Member(0, (), every_row)
+        self._join(cohort, state.mb_id, Member(0, (), every_row))
         self._prefill_pass(cohort, PassMember(state, 0, every_row), lambda: self._prompt_ids(state))
 
     def _prefill_pass(self, cohort: Cohort, member: PassMember, ids: Callable[[], torch.Tensor]) -> None:
@@ -573,7 +706,22 @@ class Driver:
         room (its other members skip this pass): one PREFILL pass, through every stage, of its prompt and
         the tokens of every step before the one it is at, which produces that step's tokens."""
         member = cohort.members[state.mb_id]
+        count = self._recomputes.get(state.mb_id, 0) + 1
+        if count > self.max_recomputes:
+            self._fail(
+                cohort,
+                state.mb_id,
+                RuntimeError(
+                    f"microbatch {state.mb_id} had its KV discarded for room {count} times (engine.max_recomputes "
+                    f"{self.max_recomputes}): the KV pool is too small for the work admitted"
+                ),
+            )
+            self.runnable.append(cohort.index)
+            return
+        self._recomputes[state.mb_id] = count
         log.info("recomputing microbatch %d: its prompt and %d steps in one pass", state.mb_id, member.step)
+        if member.trace is not None:
+            member.trace.event("recompute")
         self._prefill_pass(
             cohort, PassMember(state, member.step, member.live), lambda: self._recompute_ids(state, member.step)
         )
@@ -627,32 +775,56 @@ class Driver:
                 member.step, member.feed = r.step + 1, r.tokens
                 if r.live:  # finished rows are no longer computed
                     member.live = r.live
+                if member.trace is not None:
+                    member.trace.stepped(member.step, member.live)
         cohort.pass_members = None
         self.runnable.append(cohort.index)
 
     def _fail_pass(self, cohort: Cohort, error: Exception) -> None:
         """``cohort``'s pass failed as a whole: each of its microbatches still in the cohort fails (one a
         later stage failed meanwhile is gone already), and the cohort is at its boundary again."""
-        passed, cohort.pass_members = cohort.pass_members or (), None
-        for mb in passed:
+        for mb in cohort.pass_members or ():
             if mb in cohort.members:
-                self._fail(cohort, mb, error)
+                self._fail(cohort, mb, error)  # an error here leaves the rest in flight, failed by _settle
+        cohort.pass_members = None
         self.runnable.append(cohort.index)
 
     def _fail(self, cohort: Cohort, mb_id: int, error: Exception) -> None:
         """One microbatch failed: fail its requests, free it everywhere, serve the others."""
         member = cohort.members.get(mb_id)
         self.runner.fail(mb_id, member.step if member is not None else 0, error)
+        if member is not None and member.trace is not None:
+            member.trace.left(member.step, error)
         self._leave(cohort, mb_id)
 
+    def _join(self, cohort: Cohort, mb_id: int, member: Member) -> None:
+        """``mb_id`` joins ``cohort`` (its spans start, when its requests are traced)."""
+        cohort.members[mb_id] = member
+        state = self.runner.states.get(mb_id)
+        if member.trace is None and state is not None:
+            member.trace = MemberTrace.start(state.spec, member.step, member.live, self.epoch)
+
+    def end_traces(self) -> None:
+        """This driver's epoch is over: the spans of its members end (a resumed member opens new ones)."""
+        members = [m for c in self.cohorts for m in c.members.values()] + [m for _, m in self._waiting]
+        for member in members:  # a member back in line (preempted) keeps its spans too
+            if member.trace is not None:
+                member.trace.left(member.step)
+                member.trace = None
+
     def _leave(self, cohort: Cohort, mb_id: int) -> None:
-        cohort.members.pop(mb_id, None)
+        member = cohort.members.pop(mb_id, None)
+        if member is not None and member.trace is not None:
+            member.trace.left(member.step)
+        self._recomputes.pop(mb_id, None)
         self._release_everywhere(mb_id)
 
     def _release_everywhere(self, mb_id: int) -> None:
         self.release(mb_id)
         if self.pos.next_peer is not None:
+            self._unreleased.add(mb_id)  # until the release is on its way (sent again by _settle)
             self.endpoint.send(self.pos.next_peer, Channel.ACTIVATION, StageMessage(Kind.RELEASE, mb_id, 0).encode())
+            self._unreleased.discard(mb_id)
 
 
 def ensure_group(client: redis.Redis, stream: str, group: str) -> None:

@@ -26,6 +26,7 @@ import torch
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import RecoveryOrder, ResumePoint, StageProgress
+from dejavu_common.signing import EntrySigner, seal
 from dejavu_worker.dataplane import frame, unframe
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavulib.endpoint import Message
@@ -47,9 +48,12 @@ def recovery_order(client: redis.Redis, epoch: int) -> RecoveryOrder | None:
     return order if order.epoch == epoch else None
 
 
-def report_progress(client: redis.Redis, epoch: int, stage: int, worker_id: str, done: dict[int, int]) -> None:
-    msg = StageProgress(epoch=epoch, stage=stage, worker_id=worker_id, done=done)
-    client.set(keys.progress(epoch, stage), msg.encode(), ex=3600)
+def report_progress(client: redis.Redis, epoch: int, stage: int, signer: EntrySigner, done: dict[int, int]) -> None:
+    """Report what this stage holds at ``epoch``, sealed with its worker's key (the controller resumes each
+    microbatch from these reports, and accepts one only from the stage's holder: dejavu_common.signing)."""
+    msg = StageProgress(epoch=epoch, stage=stage, worker_id=signer.worker_id, done=done)
+    key = keys.progress(epoch, stage)
+    client.set(key, seal(signer, key, msg.encode()), ex=3600)
 
 
 # Which cache a restore message carries, in its header's ``user`` field.

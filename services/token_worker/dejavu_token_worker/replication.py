@@ -29,6 +29,7 @@ from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.private import ensure_private_dir
 from dejavu_common.settings import Replication
+from dejavu_common.signing import EntrySigner, sign_watermark
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.endpoint import Message
@@ -132,6 +133,8 @@ class ReplicaStore:
         memory_bytes: int = 1 << 30,
     ) -> None:
         self.redis = client
+        # Signs the watermarks it publishes (the worker's key, dejavu_common.signing; None: unsigned).
+        self.signer: EntrySigner | None = None
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         self.endpoint = endpoint
         self.source_stage = source_stage
@@ -212,7 +215,16 @@ class ReplicaStore:
             before = replica.step
             held = replica.record(region.positions, step)
             if held != before:
-                self.redis.hset(keys.watermark(self.source_stage), mb, held)
+                self._publish_watermark(mb, held)
+
+    def _publish_watermark(self, mb_id: int, step: int) -> None:
+        """Record in Redis that the replica of ``mb_id`` holds ``step``, signed with this worker's key (the
+        signature first: a reader that finds the watermark without its signature does not trust it)."""
+        key = keys.watermark(self.source_stage)
+        if self.signer is not None:
+            signature = sign_watermark(self.signer, key, mb_id, step)
+            self.redis.hset(keys.watermark_signatures(self.source_stage), mb_id, signature)
+        self.redis.hset(key, mb_id, step)
 
     def _replica(self, mb_id: int, chunk_positions: tuple[int, int]) -> Replica | None:
         """The replica of ``mb_id``, holding at least the chunk's positions: in memory, its paged cache
@@ -328,6 +340,7 @@ class ReplicaStore:
                 for key, _ in replica.chunks:
                     self.disk.discard(self.disk.self_id, key)
         self.redis.hdel(keys.watermark(self.source_stage), mb_id)
+        self.redis.hdel(keys.watermark_signatures(self.source_stage), mb_id)
 
     def close(self) -> None:
         """Forget every replica and remove this worker's replica folder (its chunks are of no use to a

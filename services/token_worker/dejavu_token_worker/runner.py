@@ -14,20 +14,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import redis
 import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
-from dejavu_common.messages import FinishReason, TokenStep
-from dejavu_engine.sampling import sample
+from dejavu_common.messages import FinishReason, Logprob, MicrobatchSpec, TokenStep
+from dejavu_common.signing import EntrySigner, token_entry
+from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.sampling import RowContext, prompt_logprobs, sample_rows
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.metrics import PassKind, Preemption, WorkerMetrics
 from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavu_worker.swap import SwapManager, SwapState
@@ -95,8 +98,11 @@ class StageRunner:
         abandon: Callable[[], bool] | None = None,
         pool: BlockPool | None = None,
         mixed_passes: bool = True,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.stage = stage
+        # Where passes and preemptions are recorded (the worker's; a runner of its own in tests).
+        self.metrics = metrics if metrics is not None else WorkerMetrics("standalone", "token")
         # Decode steps and prefills in one pass (run_mixed): a one-stage pipeline over a paged pool whose
         # stage runs both attentions natively.
         self.mixes = mixed_passes and pool is not None and swap is None and stage.mixes
@@ -104,6 +110,8 @@ class StageRunner:
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
         self.swap = swap  # microbatch swapping: caches live in host memory, two device buffers
         self.redis = client
+        # Signs the token-stream entries it writes (the worker's key, dejavu_common.signing; None: unsigned).
+        self.signer: EntrySigner | None = None
         self.endpoint = endpoint
         self.deadline_s = deadline_s
         self.states: dict[int, MicrobatchState] = {}
@@ -176,7 +184,7 @@ class StageRunner:
             return  # the controller has already forgotten it
         n = len(spec.rows)
         entry = TokenStep(mb_id=mb_id, step=step, tokens=(-1,) * n, finished=(FinishReason.ERROR,) * n)
-        self.redis.xadd(keys.tokens(mb_id), {"step": entry.encode()})
+        self.redis.xadd(keys.tokens(mb_id), token_entry(self.signer, keys.tokens(mb_id), entry.encode()))
 
     def progress(self) -> dict[int, int]:
         """Per microbatch, the last step whose KV this stage holds (-1: prompt KV incomplete, or discarded)."""
@@ -207,6 +215,7 @@ class StageRunner:
         the pass to be recomputed, handed on to the last stage, which returns them to stage 0. Returns the pass's
         :class:`TokenReturn` on the last stage (also sent to stage 0 when this is not stage 0).
         """
+        started = time.perf_counter()
         if kind is Kind.PREFILL:
             if len(members) != 1:
                 raise ValueError("a prefill pass runs one microbatch")
@@ -228,8 +237,11 @@ class StageRunner:
         ]
         if next_mb is not None:
             self.prefetch(next_mb)
+        # A prompt whose log probabilities a row asks for is computed with logits at every position (on every
+        # stage: an earlier stage then does not pack the prompts, which would leave only the last position's).
+        all_logits = kind is Kind.PREFILL and members[0].step == 0 and wants_prompt_logprobs(members[0].state.spec)
         if kind is Kind.PREFILL:
-            out = self.stage.prefill(io, caches[0], geometries[0])
+            out = self.stage.prefill(io, caches[0], geometries[0], all_logits=all_logits)
         else:
             out = self.stage.decode_groups(io, list(zip(caches, geometries, strict=True)))
         self._commit(
@@ -243,12 +255,26 @@ class StageRunner:
             assert pos.next_peer is not None and out.hidden is not None
             msg = StageMessage(kind, cohort, 0, out.hidden, members=steps, deferred=deferred, next_mb=next_mb)
             self.endpoint.send(pos.next_peer, Channel.ACTIVATION, msg.encode())
+            self._observe_pass(kind, members, geometries, started)
             return None
         assert out.logits is not None
         logits = out.logits
         if kind is Kind.PREFILL and len(members[0].rows) != geometries[0].batch:
             logits = logits[list(members[0].rows)]  # a recompute samples the rows still running only
-        return self._publish(pos, members, logits, cohort, deferred)
+        ret = self._publish(pos, members, logits, cohort, deferred)
+        self._observe_pass(kind, members, geometries, started)
+        return ret
+
+    def _observe_pass(
+        self, kind: Kind, members: list[PassMember], geometries: list[BatchGeometry], started: float
+    ) -> None:
+        """Record a pass that began at ``started`` (``time.perf_counter``): its kind, duration and tokens."""
+        if kind is Kind.PREFILL:
+            pass_kind = PassKind.RECOMPUTE if members[0].step > 0 else PassKind.PREFILL
+            tokens = prompt_tokens(geometries[0])
+        else:
+            pass_kind, tokens = PassKind.DECODE, sum(len(m.rows) for m in members)
+        self.metrics.observe_pass(pass_kind, time.perf_counter() - started, tokens)
 
     def follow(self, pos: Position, msg: StageMessage) -> None:
         """Run one pass of a cohort that arrived from the previous stage. A member whose prompt KV never
@@ -302,6 +328,7 @@ class StageRunner:
         rows get their next token in the pass that prefills, instead of waiting for it. Raises
         :class:`PrefillRefused` (nothing ran) when the prompt's blocks cannot be had, and what a DECODE pass
         raises otherwise."""
+        started = time.perf_counter()
         if not self.mixes or pos.depth != 1:
             raise ValueError("mixed passes run on a one-stage pipeline over a paged pool with native kernels")
         geometries = [m.state.geometry(m.step).only(m.rows) for m in members]
@@ -318,7 +345,10 @@ class StageRunner:
         written = [(m.state, m.step, (g.cur_len - 1, g.cur_len)) for m, g in zip(members, geometries, strict=True)]
         self._commit([*written, (prefill.state, 0, (0, prompt_geometry.cur_len))])
         assert out.logits is not None
-        return self._publish(pos, [*members, prefill], out.logits, cohort)
+        ret = self._publish(pos, [*members, prefill], out.logits, cohort)
+        tokens = sum(len(m.rows) for m in members) + prompt_tokens(prompt_geometry)
+        self.metrics.observe_pass(PassKind.MIXED, time.perf_counter() - started, tokens)
+        return ret
 
     def _begin_pass(self, members: list[PassMember]) -> None:
         """Mark ``members`` as the pass being set up (preemption leaves them) and as the most recently computed."""
@@ -356,7 +386,10 @@ class StageRunner:
         returned, entries, row = [], [], 0
         for (state, step, rows), cancelled in zip(members, cancels, strict=True):
             n = len(rows)
-            entry = self._sample(state, step, logits[row : row + n, -1], {int(x) for x in cancelled}, rows)
+            prompt = None  # a prefill's logits at every prompt position, when a row asks for their log probabilities
+            if step == 0 and wants_prompt_logprobs(state.spec) and logits.shape[1] == state.spec.prompt_len:
+                prompt = logits[row : row + n]
+            entry = self._sample(state, step, logits[row : row + n, -1], {int(x) for x in cancelled}, rows, prompt)
             entries.append(entry)
             row += n
             feed = tuple(t if t >= 0 else 0 for t in entry.tokens)
@@ -365,7 +398,7 @@ class StageRunner:
             returned.append(Returned(state.mb_id, step, feed, tracker.done, tuple(tracker.active_rows)))
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
-            pipe.xadd(keys.tokens(entry.mb_id), {"step": entry.encode()})
+            pipe.xadd(keys.tokens(entry.mb_id), token_entry(self.signer, keys.tokens(entry.mb_id), entry.encode()))
         pipe.execute()
         returned += [Returned(mb, step, (), False, None, recompute=True) for mb, step in deferred]
         ret = TokenReturn(cohort, tuple(returned))
@@ -446,11 +479,13 @@ class StageRunner:
             if self.host_budget is not None and self.host_held() + st.cache.nbytes > self.host_budget:
                 freed = st.discard()
                 if freed:
+                    self.metrics.count_preemption(Preemption.RECOMPUTE)
                     log.info("KV pool full and host memory short: microbatch %d discarded (%d blocks), to be "
                              "recomputed", st.mb_id, freed)  # fmt: skip
                 continue
             freed = st.preempt()
             if freed:
+                self.metrics.count_preemption(Preemption.SWAP)
                 log.info("KV pool full: microbatch %d moved to host memory (%d blocks)", st.mb_id, freed)
 
     def prefetch(self, mb_id: int) -> None:
@@ -471,28 +506,77 @@ class StageRunner:
             state.prompt_replicated = True
 
     def _sample(
-        self, state: MicrobatchState, step: int, logits: torch.Tensor, cancelled: set[int], rows: tuple[int, ...]
+        self,
+        state: MicrobatchState,
+        step: int,
+        logits: torch.Tensor,
+        cancelled: set[int],
+        rows: tuple[int, ...],
+        prompt: torch.Tensor | None = None,
     ) -> TokenStep:
         """Sample ``step``'s tokens of ``rows`` (``logits[i]`` is row ``rows[i]``'s) and track finishes
         (``cancelled``: rows the controller cancelled); the caller publishes the returned entry on the
-        token stream."""
+        token stream. Each row's penalties see its prompt and the tokens it emitted before (the tracker's,
+        rebuilt from the token stream after recovery). ``prompt``: the step-0 logits at every prompt
+        position (``[len(rows), prompt_len, vocab]``), whose log probabilities the rows asking for them get."""
         spec = state.spec
         tracker = state.tracker
         if tracker is None:
             tracker = state.tracker = RowTracker(spec, self.stage.spec.eos_token_ids)
             tracker.replay(history(self.redis, spec.mb_id, before_step=step))
-        sampled = sample(logits, [spec.rows[i].sampling for i in rows], [step] * len(rows))
-        return tracker.step(step, sampled, cancelled, rows)
+        params = [spec.rows[i].sampling for i in rows]
+        contexts = None
+        if not all(p.plain_greedy for p in params):
+            contexts = [
+                RowContext(spec.rows[i].prompt_ids, tracker.outputs[i], tracker.stops[i].stop_ids) for i in rows
+            ]
+        sampled = sample_rows(logits, params, [step] * len(rows), contexts)
+        prompts = row_prompt_logprobs(spec, rows, prompt) if prompt is not None else ()
+        return tracker.step(step, [s.token for s in sampled], cancelled, rows, [s.logprob for s in sampled], prompts)
+
+
+def prompt_tokens(geometry: BatchGeometry) -> int:
+    """Tokens a prefill over ``geometry`` computes: each of its rows' positions but the left padding."""
+    return sum(geometry.cur_len - pad for pad in geometry.pad_lens)
+
+
+def wants_prompt_logprobs(spec: MicrobatchSpec) -> bool:
+    """Whether a row of ``spec`` asks for its prompt's log probabilities (its prefill computes every logit)."""
+    return any(row.sampling.prompt_logprobs is not None for row in spec.rows)
+
+
+def row_prompt_logprobs(
+    spec: MicrobatchSpec, rows: tuple[int, ...], logits: torch.Tensor
+) -> list[tuple[Logprob | None, ...] | None]:
+    """Per row of ``rows``, its prompt's log probabilities where it asks for them (None elsewhere), from
+    ``logits`` ``[len(rows), prompt_len, vocab]`` of the left-padded prompts."""
+    out: list[tuple[Logprob | None, ...] | None] = []
+    for i, r in enumerate(rows):
+        row = spec.rows[r]
+        top = row.sampling.prompt_logprobs
+        ids = row.prompt_ids
+        out.append(None if top is None else prompt_logprobs(logits[i, spec.prompt_len - len(ids) :], ids, top))
+    return out
 
 
 def history(client: redis.Redis, mb_id: int, before_step: int) -> list[TokenStep]:
     """The published entries of ``mb_id`` with step < ``before_step``, one per step in order (partial
     entries of one step — step 0 arrives per prompt piece — and re-executed duplicates are merged)."""
     seen: dict[int, TokenStep] = {}
-    for _id, fields in client.xrange(keys.tokens(mb_id)):
-        entry = TokenStep.decode(fields[b"step"])
+    for entry_id, fields in client.xrange(keys.tokens(mb_id)):
+        try:
+            entry = TokenStep.decode(fields[b"step"])
+        except (KeyError, ValueError) as exc:  # any worker may append to a stream: one bad entry is skipped
+            log.error("skipping malformed entry %r of microbatch %d's token stream: %s", entry_id, mb_id, exc)
+            continue
+        if entry.mb_id != mb_id or len(entry.finished) != len(entry.tokens):
+            log.error("skipping entry %r of microbatch %d's token stream: not one of its steps", entry_id, mb_id)
+            continue
         if entry.step < before_step:
             prev = seen.get(entry.step)
+            if prev is not None and len(prev.tokens) != len(entry.tokens):
+                log.error("skipping entry %r of microbatch %d's token stream: its rows differ", entry_id, mb_id)
+                continue
             seen[entry.step] = entry if prev is None else merge(prev, entry)
     return [seen[s] for s in sorted(seen)]
 
@@ -500,4 +584,18 @@ def history(client: redis.Redis, mb_id: int, before_step: int) -> list[TokenStep
 def merge(a: TokenStep, b: TokenStep) -> TokenStep:
     tokens = tuple(x if x >= 0 else y for x, y in zip(a.tokens, b.tokens, strict=True))
     finished = tuple(x if x is not None else y for x, y in zip(a.finished, b.finished, strict=True))
-    return TokenStep(mb_id=a.mb_id, step=a.step, tokens=tokens, finished=finished)
+    return TokenStep(
+        mb_id=a.mb_id,
+        step=a.step,
+        tokens=tokens,
+        finished=finished,
+        logprobs=_merged(a.logprobs, b.logprobs),
+        prompt_logprobs=_merged(a.prompt_logprobs, b.prompt_logprobs),
+    )
+
+
+def _merged(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Per row, ``a``'s value or else ``b``'s (either may be empty: no row of it had one)."""
+    if not a or not b:
+        return a or b
+    return tuple(x if x is not None else y for x, y in zip(a, b, strict=True))

@@ -4,32 +4,44 @@ Per epoch, :meth:`TokenWorker.serve` connects to its peers, starts the receivers
 prompt pipeline; the replica of its predecessor's cache), takes part in recovery when the epoch
 follows a failure, and then runs stage 0's :class:`Driver` or the follower loop of later stages.
 Microbatch caches and replicas survive an epoch change: that is what recovery resumes from.
+
+An epoch served again after an error (:data:`SERVE_RETRYABLE`: Redis refusing a write, back-pressure,
+a peer's message failing its check) is continued, never started over: its recovery ran already (running
+it again would forget every microbatch admitted since). Stage 0 runs the same :class:`Driver` again, whose
+microbatches of the pass the error broke run again from where their token streams end; a later stage
+handles the message the error broke again, then follows on with the caches it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import redis
 
-from dejavu_common import keys
+from dejavu_common import keys, tracing
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.fatal import guarded
 from dejavu_common.messages import PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
 from dejavu_common.settings import Mode, Replication, Settings
+from dejavu_common.tracing import RowSpans
 from dejavu_engine.stage import Stage
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
-from dejavu_token_worker.driver import Driver, ensure_group
+from dejavu_token_worker.driver import PASS_DEADLINES, Driver, ensure_group
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
 from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
-from dejavu_worker.endpoint import Channel
-from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.endpoint import Channel, largest_message
+from dejavu_worker.lifecycle import SERVE_RETRYABLE, WorkerProcess
+from dejavu_worker.metrics import PoolUsage, RepairRole, StageSnapshot
+from dejavu_worker.microbatch import KVStatus, MicrobatchState
 from dejavu_worker.swap import SwapManager
 from dejavulib.errors import DejaVuLibError, IntegrityError, ProtocolError
 from dejavulib.paged import BlockGeometry
@@ -47,6 +59,9 @@ class TokenWorker(WorkerProcess):
         self.replica: ReplicaStore | None = None
         self.ready: ReadyPrompts | None = None
         self.held_tasks: list[PromptTask] = []  # colocated tasks of an epoch this worker does not serve yet
+        self.recovered_epoch: int | None = None  # the epoch whose recovery (or fresh start) this stage did
+        self.driver: Driver | None = None  # stage 0's driver of ``recovered_epoch``
+        self._broken: tuple[memoryview | bytes, float] | None = None  # a later stage's message an error broke
 
     # -- lifecycle hooks ----------------------------------------------------------------------
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
@@ -62,6 +77,7 @@ class TokenWorker(WorkerProcess):
             engine.native_attention,
             engine.ragged_prefill,
         )
+        self.endpoint.bound_messages(largest_message(topology, self.settings, stage.spec))
         swap = None
         if self.settings.swap.enabled:
             # Device buffers sized for the largest microbatch this pipeline admits.
@@ -96,14 +112,17 @@ class TokenWorker(WorkerProcess):
             abandon=self.epoch_changed,
             pool=pool,
             mixed_passes=engine.mixed_passes,
+            metrics=self.metrics,
         )
+        self.runner.signer = self.signer
         if self.replica is not None:
             self.replica.close()  # of the previous assignment
         self.replica = None
         self.ready = None
+        self.recovered_epoch, self.driver, self._broken = None, None, None  # a new stage holds nothing to continue
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
-            self.ready = ReadyPrompts(self.redis)
+            self.ready = ReadyPrompts(self.redis, signer=self.signer)
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
@@ -169,6 +188,7 @@ class TokenWorker(WorkerProcess):
                 block_size=self.settings.engine.kv_block_size or 16,
                 memory_bytes=self._replica_bytes(),
             )
+            self.replica.signer = self.signer
             if self.replica.pool is not None:
                 log.info(
                     "replicas of stage %d: a host pool of up to %d blocks of %d positions (%.1f GB)",
@@ -195,28 +215,25 @@ class TokenWorker(WorkerProcess):
         for t in threads:
             t.start()
         try:
-            resume = self._recover(topology, pos)
-            if resume is None:
-                return
+            if self.recovered_epoch == topology.epoch:
+                log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
+            else:
+                resume = self._recover(topology, pos)
+                if resume is None:
+                    return
+                self.recovered_epoch, self._broken = topology.epoch, None
+                if self.driver is not None:
+                    self.driver.end_traces()
+                self.driver = self._driver(topology, pos) if pos.is_first else None
+                if self.driver is not None:
+                    self.driver.resume(resume)  # what an error interrupts here, the driver's run settles
             recovered.set()
             if pos.is_first:
                 if pos.colocated:
                     ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
-                driver = Driver(
-                    self.runner,
-                    self.endpoint,
-                    self.redis,
-                    self.worker_id,
-                    pos,
-                    self.ready,
-                    self.settings.transport.deadline_s,
-                    self.settings.controller.max_running,
-                    self.release,
-                    topology.epoch,
-                    self.held_tasks,
-                )
-                driver.resume(resume)
-                driver.run(self.epoch_changed)
+                if self.driver is None:  # stage 0 at this epoch without its driver: none held anything
+                    self.driver = self._driver(topology, pos)
+                self.driver.run(self.epoch_changed)
             else:
                 self._follow(pos)
         finally:
@@ -224,8 +241,29 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
+    def _driver(self, topology: Topology, pos: Position) -> Driver:
+        """Stage 0's driver of ``topology``'s epoch."""
+        assert self.runner is not None and self.endpoint is not None and self.redis is not None
+        return Driver(
+            self.runner,
+            self.endpoint,
+            self.redis,
+            self.worker_id,
+            pos,
+            self.ready,
+            self.settings.transport.deadline_s,
+            self.settings.controller.max_running,
+            self.release,
+            topology.epoch,
+            self.held_tasks,
+            max_recomputes=self.settings.engine.max_recomputes,
+        )
+
     def unassigned(self, epoch: int) -> None:
         super().unassigned(epoch)
+        if self.driver is not None:
+            self.driver.end_traces()
+        self.recovered_epoch, self.driver, self._broken = None, None, None
         if self.runner is not None:
             self._release_all_but(set())
 
@@ -259,6 +297,49 @@ class TokenWorker(WorkerProcess):
             caches += self.replica.memory_caches()  # a replica on disk holds no memory
         return sum(c.nbytes for c in caches), len(caches)
 
+    def snapshot(self) -> StageSnapshot:
+        """What this stage holds now (see :class:`StageSnapshot`): read on the scraping thread from snapshots
+        of the runner's, the replica store's and the driver's books (taken without their locks), the pools'
+        and the swap manager's counts (each under its own lock, held for a count, as a receiver thread taking
+        blocks holds it), and the watermarks of this stage's replicas (one Redis read)."""
+        base = super().snapshot()
+        runner, replica, driver = self.runner, self.replica, self.driver
+        if runner is None:
+            return base
+        states = list(runner.states.values())
+        pools: dict[str, PoolUsage] = {}
+        if runner.pool is not None:
+            pools["stage"] = PoolUsage(runner.pool.used_blocks, runner.pool.max_blocks)
+        if replica is not None and replica.pool is not None:
+            pools["replica"] = PoolUsage(replica.pool.used_blocks, replica.pool.max_blocks)
+        preempted = [st.cache.nbytes for st in states if st.status is KVStatus.PREEMPTED]
+        replicating = runner.replicas is not None and base.stage is not None
+        return replace(
+            base,
+            microbatches=len(states),
+            occupancy=driver.occupancy() if driver is not None else None,
+            pools=pools,
+            host_bytes=sum(preempted) if runner.pool is not None else None,
+            replicas=len(replica.replicas) if replica is not None else None,
+            replication_lag_steps=self._replication_lag(base.stage, states) if replicating else None,  # type: ignore[arg-type]
+            swap=asdict(runner.swap.stats()) if runner.swap is not None else None,
+        )
+
+    def _replication_lag(self, stage: int, states: list[MicrobatchState]) -> int | None:
+        """The largest gap between the step this stage holds of a microbatch and the watermark its successor
+        recorded for it (-1 when none); None when Redis cannot be read now."""
+        assert self.redis is not None
+        try:
+            raw = self.redis.hgetall(keys.watermark(stage))
+        except redis.RedisError as exc:
+            log.warning("replication lag not read: %s", exc)
+            return None
+        marks = {}
+        for mb, step in raw.items():  # any worker may write these: a field that does not parse is skipped
+            with contextlib.suppress(ValueError):
+                marks[int(mb)] = int(step)
+        return max((st.done_step - marks.get(st.mb_id, -1) for st in states if st.holds_kv), default=0)
+
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
         """Take part in the repair of this epoch, if it follows failures; the microbatches stage 0
@@ -275,6 +356,8 @@ class TokenWorker(WorkerProcess):
         # The controller gives up waiting for reports after 3 deadlines and then still publishes a
         # resume point (re-running every prompt), so a worker waits longer than that.
         deadline = self.settings.transport.deadline_s * 4
+        started = time.monotonic()
+        role = RepairRole.REPLACEMENT if pos.index in order.replaced else RepairRole.SURVIVOR
         try:
             if pos.index in order.replaced:
                 if self.ready is not None:
@@ -284,6 +367,7 @@ class TokenWorker(WorkerProcess):
                     self.ready.start_over()
                 try:
                     self._restore(order, pos)
+                    self.metrics.restore_seconds.observe(time.monotonic() - started)
                 except (DeadlineExceeded, IntegrityError):
                     # Said at once, so the controller re-runs every microbatch now rather than at its deadline.
                     self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
@@ -291,14 +375,16 @@ class TokenWorker(WorkerProcess):
                 self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORED, ex=3600)
             else:
                 self._send_restores(order, pos, topology)
-                recovery.report_progress(self.redis, topology.epoch, pos.index, self.worker_id, self.runner.progress())
+                recovery.report_progress(self.redis, topology.epoch, pos.index, self.signer, self.runner.progress())
             point = recovery.wait_resume(self.redis, topology.epoch, deadline, self.epoch_changed)
         except (DeadlineExceeded, IntegrityError) as exc:
+            self.metrics.observe_repair(role, time.monotonic() - started, ok=False)
             if self.epoch_changed():
                 return None  # a newer epoch: its own recovery takes over
             log.error("recovery at epoch %d failed (%s): dropping every in-flight microbatch", topology.epoch, exc)
             self._release_all_but(set())
             return {}
+        self.metrics.observe_repair(role, time.monotonic() - started, ok=True)
         # Only what resumes survives: re-run prompts start from clean caches, dropped microbatches are
         # gone, and anything else held here (a release lost with the failed worker) would leak.
         self._release_all_but(set(point.resume))
@@ -358,34 +444,72 @@ class TokenWorker(WorkerProcess):
 
     # -- stages > 0 ---------------------------------------------------------------------------
     def _follow(self, pos: Position) -> None:
+        """Follow the passes (and releases) stage 0 sends, until the epoch changes. A message whose handling
+        an error broke (:data:`SERVE_RETRYABLE`: Redis refused the last stage's tokens, a send found no room:
+        the pass did not get through, since this stage hands it on last) is kept, and the error goes on to
+        the lifecycle; when it serves this epoch again, the message is handled again first (a pass runs
+        again from the top: it rewrites the same KV and samples the same tokens, from trackers rebuilt from
+        the token streams). Past stage 0's pass deadline it is dropped instead: stage 0 has failed it."""
         assert self.endpoint is not None and self.runner is not None
         while not self.epoch_changed():
-            payload = self.endpoint.recv(Channel.ACTIVATION, timeout_s=0.05)
-            if payload is None:
-                continue
+            broken, self._broken = self._broken, None
+            if broken is None:
+                payload = self.endpoint.recv(Channel.ACTIVATION, timeout_s=0.05)
+                if payload is None:
+                    continue
+                since = time.monotonic()
+            else:
+                payload, since = broken
             try:
                 msg = StageMessage.decode(payload)
             except ValueError as exc:
                 log.error("dropped a malformed stage message: %s", exc)
                 continue
-            if msg.kind is Kind.RELEASE:
-                self.release(msg.mb_id)
-                if pos.next_peer is not None:
-                    self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
+            if broken is not None and not self._follow_again(msg, since):
                 continue
             try:
-                self.runner.follow(pos, msg)
-            except STEP_FAILURES as exc:
-                # The pass's values broke the computation here: its members' clients get errors, stage 0
-                # frees them along the pipeline, and this stage keeps serving the others.
-                for mb, step, _rows in msg.members:
-                    self.runner.fail(mb, step, exc)
-                failed = tuple(Returned(mb, step, (), True) for mb, step, _rows in msg.members)
-                self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
+                self._handle(pos, msg, payload)
+            except SERVE_RETRYABLE:
+                self._broken = (payload, since)
+                raise
+
+    def _follow_again(self, msg: StageMessage, since: float) -> bool:
+        """Whether a message an error broke (received at ``since``) is handled again: not past stage 0's
+        pass deadline. A pass that is has its members' trackers rebuilt from their token streams."""
+        assert self.runner is not None
+        if time.monotonic() - since > PASS_DEADLINES * self.settings.transport.deadline_s:
+            log.warning("dropped the pass of cohort %d broken here: stage 0 has failed it by now", msg.mb_id)
+            return False
+        for mb, _step, _rows in msg.members:
+            state = self.runner.states.get(mb)
+            if state is not None:
+                state.tracker = None
+        log.info("handling again the %s message of cohort %d an error broke here", msg.kind.name, msg.mb_id)
+        return True
+
+    def _handle(self, pos: Position, msg: StageMessage, payload: memoryview | bytes) -> None:
+        """One message from the previous stage: a release (freed here, then handed on) or a pass."""
+        assert self.endpoint is not None and self.runner is not None
+        if msg.kind is Kind.RELEASE:
+            self.release(msg.mb_id)
+            if pos.next_peer is not None:
+                self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
+            return
+        try:
+            self.runner.follow(pos, msg)
+        except STEP_FAILURES as exc:
+            # The pass's values broke the computation here: its members' clients get errors, stage 0
+            # frees them along the pipeline, and this stage keeps serving the others.
+            for mb, step, _rows in msg.members:
+                self.runner.fail(mb, step, exc)
+            failed = tuple(Returned(mb, step, (), True) for mb, step, _rows in msg.members)
+            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
 
     # -- prompt KV arrival (disaggregated) ----------------------------------------------------
     def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
         assert self.endpoint is not None and self.runner is not None
+        # When traced, when each microbatch's first prompt KV arrived (time.time_ns()), until it is complete.
+        arriving: dict[int, int] | None = {} if tracing.enabled() else None
         while not recovered.wait(0.1):
             if stop.is_set():
                 return
@@ -401,10 +525,23 @@ class TokenWorker(WorkerProcess):
                     state = self.runner.state(region.microbatch)
                 except FinishedMicrobatch:
                     continue  # late prompt KV of a microbatch that already finished
+                if arriving is not None and not state.complete.is_set():
+                    arriving.setdefault(state.mb_id, time.time_ns())
                 state.place(region, message)
                 state.add_prompt_cells(region.layers, region.rows)
+                if arriving is not None and state.complete.is_set() and state.mb_id in arriving:
+                    trace_prompt_kv(state, index, arriving.pop(state.mb_id))
             except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
                 log.error("dropped a prompt KV message: %s", exc)
+
+
+def trace_prompt_kv(state: MicrobatchState, stage: int, first_ns: int) -> None:
+    """The ``dejavu.kv_stream`` span of each traced row of ``state``: its prompt KV arriving at this token stage,
+    from the first message to the last."""
+    attributes = {tracing.STAGE: stage, "dejavu.kv_cells": state.expected_cells}
+    spans = RowSpans.start("dejavu.kv_stream", state.spec.rows, attributes, start_ns=first_ns, mb_id=state.mb_id)
+    if spans is not None:
+        spans.end()
 
 
 def available_memory_bytes() -> int:
