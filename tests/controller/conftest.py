@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from tokenizers import Tokenizer as HFTokenizer
@@ -22,11 +21,12 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
-from dejavu_controller.api import RuntimeMetrics, create_app, uvicorn_config
+from dejavu_controller.api import RuntimeMetrics, create_app, gateway_server
 from dejavu_controller.backend import (
     BackendStats,
     FinishReason,
     GenerationRequest,
+    Logprob,
     NotReadyError,
     QueueFullError,
     TokenEvent,
@@ -88,6 +88,27 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir: Path) -> Tokenizer:
     return Tokenizer.from_pretrained(tokenizer_dir)
+
+
+def scripted_logprobs(
+    request: GenerationRequest, index: int, token_id: int
+) -> tuple[tuple[Logprob, ...], tuple[Logprob | None, ...] | None]:
+    """What a backend reports with the ``index``-th token where the request asks: its log probability
+    ``-(index + 1) / 10`` and, as the likeliest, itself then ids 0, 1, ... (each 1 lower); the prompt's with
+    the first token (position ``p``: ``-p / 10``, its own token the likeliest)."""
+    spec = request.sampling
+    logprobs: tuple[Logprob, ...] = ()
+    if spec.logprobs is not None:
+        value = -(index + 1) / 10
+        others = [t for t in range(spec.logprobs + 1) if t != token_id][: max(spec.logprobs - 1, 0)]
+        top = [(token_id, value)] + [(t, value - 1 - k) for k, t in enumerate(others)]
+        logprobs = (Logprob(logprob=value, top=tuple(top[: spec.logprobs])),)
+    prompt = None
+    if spec.prompt_logprobs is not None and index == 0:
+        ids = request.prompt_token_ids
+        top_n = min(spec.prompt_logprobs, 1)
+        prompt = (None, *(Logprob(logprob=-p / 10, top=((ids[p], -p / 10),)[:top_n]) for p in range(1, len(ids))))
+    return logprobs, prompt
 
 
 @dataclass
@@ -154,7 +175,7 @@ class ScriptedBackend:
                 if i == len(ids) - 1:
                     reason = FinishReason.STOP if token_id in self.tokenizer.eos_token_ids else FinishReason.LENGTH
                 done = reason is not None  # set before yielding: the consumer may close right after
-                yield TokenEvent((token_id,), reason)
+                yield TokenEvent((token_id,), reason, *scripted_logprobs(request, i, token_id))
         finally:
             self.active -= 1
             (self.finished if done else self.cancelled).add(request.request_id)
@@ -218,14 +239,15 @@ def client(settings: Settings, backend: ScriptedBackend, tokenizer: Tokenizer) -
 
 
 class LiveServer:
-    """The gateway served by a real uvicorn server on a free loopback port, in a thread of this process."""
+    """The gateway served by a real uvicorn server on a free loopback port, in a thread of this process
+    (and its probe listener too, when ``controller.probe_port`` is set)."""
 
     def __init__(self, settings: Settings, backend: ScriptedBackend) -> None:
         settings = settings.model_copy(
             update={"controller": settings.controller.model_copy(update={"port": free_port()})}
         )
         self.port = settings.controller.port
-        self.server = uvicorn.Server(uvicorn_config(settings, backend.factory()))
+        self.server = gateway_server(settings, backend.factory())
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
 
     @property

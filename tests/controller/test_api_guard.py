@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from starlette.routing import Route
 
 from dejavu_common.tokenizer import Tokenizer
-from dejavu_controller.api import create_app, uvicorn_config
+from dejavu_controller.api import create_app
 from dejavu_controller.api.guard import OPEN_PATHS, bearer_token, is_json
 
 from .conftest import API_KEY, MODEL, REPLY, LiveServer, ScriptedBackend, make_settings
@@ -64,7 +64,8 @@ def test_every_path_but_the_probes_needs_a_key(app, anonymous: TestClient, backe
     served = {path for _method, path in paths}
     assert {"/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models", "/v1/completions"} <= served
     for method, path in paths:
-        kwargs = {"json": CHAT if "chat" in path else COMPLETION} if method == "POST" else {}
+        body = CHAT if "chat" in path else {"tokens": [1, 2]} if path == "/detokenize" else COMPLETION
+        kwargs = {"json": body} if method == "POST" else {}
         response = anonymous.request(method, path, **kwargs)
         if path in OPEN_PATHS:
             assert response.status_code == 200, path
@@ -248,11 +249,10 @@ def test_stop_strings_are_bounded(client: TestClient, backend: ScriptedBackend, 
     assert backend.requests == []
 
 
-def test_concurrent_connections_are_capped(tokenizer_dir: Path, backend: ScriptedBackend):
-    # uvicorn refuses once open connections *or* running requests reach the limit: with 2, one
-    # connection streaming one request leaves no room for a second connection.
-    settings = _settings(tokenizer_dir, max_connections=2)
-    assert uvicorn_config(settings, backend.factory()).limit_concurrency == 2
+def test_requests_in_progress_are_capped_not_idle_connections(tokenizer_dir: Path, backend: ScriptedBackend):
+    """``max_connections`` caps requests in progress (503 beyond): an idle kept-alive connection does not
+    count, and the probes are never refused."""
+    settings = _settings(tokenizer_dir, max_connections=1)
     backend.token_delay_s = 0.2
     server = LiveServer(settings, backend)
     server.start()
@@ -262,12 +262,17 @@ def test_concurrent_connections_are_capped(tokenizer_dir: Path, backend: Scripte
         with (
             httpx.Client(base_url=server.url, timeout=20, headers=auth) as first,
             httpx.Client(base_url=server.url, timeout=20, headers=auth) as second,
-            first.stream("POST", "/v1/completions", json=streamed) as stream,
         ):
-            assert stream.status_code == 200
-            assert backend.started_event.wait(10)
-            assert second.get("/v1/models").status_code == 503  # over the cap while the stream runs
-            stream.read()
+            assert second.get("/v1/models").status_code == 200  # its connection stays open, idle
+            with first.stream("POST", "/v1/completions", json=streamed) as stream:
+                assert stream.status_code == 200
+                assert backend.started_event.wait(10)
+                refused = second.get("/v1/models")  # over the cap while the stream runs
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "overloaded"
+                assert second.get("/health").status_code == 200
+                stream.read()
+            assert second.get("/v1/models").status_code == 200
     finally:
         server.stop()
 

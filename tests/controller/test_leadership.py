@@ -140,6 +140,11 @@ def test_a_leader_that_lost_the_lease_cannot_publish_a_topology(redis_url) -> No
         assert not stalled.held
         await other.fenced(lambda pipe: pipe.set(keys.TOPOLOGY, b"x"))  # the holder writes
         assert await r.get(keys.TOPOLOGY) == b"x"
+        await r.delete(keys.CONTROLLER_LEADER)  # Redis restarted empty: the lease is gone with it
+        await other.fenced(lambda pipe: pipe.set(keys.TOPOLOGY, b"y"))  # taken back with the write
+        assert await r.get(keys.TOPOLOGY) == b"y" and await other.holder() == other.value
+        with pytest.raises(LeadershipLost):
+            await stalled.fenced(lambda pipe: pipe.set(keys.TOPOLOGY, b"z"))
         await r.delete(keys.TOPOLOGY, keys.CONTROLLER_LEADER)
         await r.aclose()
 

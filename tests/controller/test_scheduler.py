@@ -141,6 +141,21 @@ def test_request_delivers_each_step_once_and_rejects_illegal_transitions() -> No
         r.transition(RequestStatus.DECODING)
 
 
+def test_a_re_run_that_does_not_reproduce_the_delivered_tokens_fails_the_request_instead_of_splicing() -> None:
+    r = _req(0)
+    r.transition(RequestStatus.SCHEDULED)
+    for step, token in enumerate((5, 6, 7)):
+        assert r.deliver(step, token, None)
+    assert not r.deliver(0, 5, None) and not r.deliver(1, 6, None)  # a re-run reproducing them: duplicates
+    assert r.status is RequestStatus.DECODING and r.diverged_at is None
+    assert r.deliver(2, 9, None)  # the re-run's step 2 differs from the token the client has
+    assert r.status is RequestStatus.FAILED and r.diverged_at == 2 and r.output_ids == [5, 6, 7]
+    events = [r.events.get_nowait() for _ in range(r.events.qsize())]
+    assert [e.token_ids for e in events] == [(5,), (6,), (7,), ()]
+    assert events[-1].finish_reason is FinishReason.ERROR
+    assert not r.deliver(3, 10, None)  # nothing after it
+
+
 def test_microbatch_span_stays_within_the_context() -> None:
     s = Scheduler(SchedulerLimits(4, 4, 2, 100, 0.0, max_len=20))
     s.admit(_req(0, n_prompt=15, max_tokens=2))
@@ -212,3 +227,19 @@ def test_outstanding_requests_bound_dispatch_and_finished_rows_free_room() -> No
     first.finished_rows.update({0, 1})  # the workers finished both rows: room for one more microbatch
     assert s.outstanding_rows == 2
     assert [len(m.requests) for m in s.form(now=1.0)] == [2]
+
+
+def test_unformed_microbatches_give_back_their_slots_and_requeue_live_requests_first() -> None:
+    s = _sched(tb=2, outstanding=2)
+    for i in range(5):
+        s.admit(_req(i))
+    a, b = s.form(now=1.0)
+    assert s.outstanding_rows == 4 and [r.request_id for r in s.waiting] == ["r4"]
+    a.requests[1].transition(RequestStatus.CANCELLED)  # its client left while the write was under way
+    s.unform([a, b])
+    assert not s.active and s.outstanding_rows == 0
+    assert [r.request_id for r in s.waiting] == ["r0", "r2", "r3", "r4"]
+    assert all(r.status is RequestStatus.QUEUED and r.mb_id is None and r.row is None for r in s.waiting)
+    again = s.form(now=1.0)
+    assert [[r.request_id for r in mb.requests] for mb in again] == [["r0", "r2"], ["r3", "r4"]]
+    assert {mb.spec.mb_id for mb in again}.isdisjoint({a.spec.mb_id, b.spec.mb_id})  # ids are never reused

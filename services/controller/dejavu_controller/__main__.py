@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 from collections.abc import AsyncIterator
 
+from dejavu_common import logs, tracing
 from dejavu_common.kv_budget import KVBudgetError
 from dejavu_common.redis_client import async_client
 from dejavu_common.settings import Settings
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ctl = {k: v for k, v in {"host": args.host, "port": args.port}.items() if v is not None}
     if ctl:
         settings = settings.model_copy(update={"controller": settings.controller.model_copy(update=ctl)})
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s controller %(name)s %(levelname)s %(message)s")
+    logs.configure(settings.log_level, "controller", log_format=settings.log_format)
+    tracing.configure(settings.tracing, "dejavu-controller", settings.controller.identity)
     n_layers = count_layers(settings.model.folder)
     try:
         microbatch = admitted_microbatch(settings, n_layers)

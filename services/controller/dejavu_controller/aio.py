@@ -29,7 +29,7 @@ def await_chain(task: asyncio.Task) -> str:
     """Where ``task`` waits: its whole chain of awaits, innermost last, one ``File ..., line ...`` per
     coroutine (``Task.print_stack`` shows only the outermost coroutine)."""
     lines: list[str] = []
-    aw = task.get_coro()
+    aw: object = task.get_coro()
     while aw is not None:
         frame = getattr(aw, "cr_frame", None) or getattr(aw, "ag_frame", None) or getattr(aw, "gi_frame", None)
         if frame is None:

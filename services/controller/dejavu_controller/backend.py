@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dejavu_common.messages import FinishReason, SamplingSpec
+from dejavu_common.messages import FinishReason, Logprob, SamplingSpec
 
 __all__ = [
     "Backend",
     "BackendStats",
     "FinishReason",
     "GenerationRequest",
+    "Logprob",
     "NotReadyError",
     "QueueFullError",
     "SamplingSpec",
@@ -39,10 +40,15 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One step of one request: the new token ids (usually one), and the finish reason once."""
+    """One step of one request: the new token ids (usually one), and the finish reason once. Where the
+    request asked for log probabilities (``SamplingSpec.logprobs``), ``logprobs`` has one entry per token
+    id; ``prompt_logprobs`` (``SamplingSpec.prompt_logprobs``) comes with the first token, one entry per
+    prompt position (None for the first)."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
+    logprobs: tuple[Logprob, ...] = ()
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 @dataclass
@@ -50,6 +56,9 @@ class BackendStats:
     queue_depth: int = 0
     workers: dict[str, str] = field(default_factory=dict)  # worker id -> state
     kv_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker id -> (KV bytes, microbatches)
+    # How long dispatched requests have had no token and no error while the pipeline is up, once that is
+    # past the controller's stall limit (None: not stalled; see ``dejavu_controller.progress``).
+    stalled_s: float | None = None
 
 
 class QueueFullError(Exception):

@@ -121,7 +121,9 @@ class Leadership:
         """Commit the writes ``queue_writes(pipe)`` queues, in one transaction that commits only while this
         instance holds the lease: the lease is WATCHed and compared with this instance's value, so a leader
         that stalled past its TTL and lost the lease to another instance cannot write after waking (the
-        lease's value is the fencing token, checked by Redis itself). Raises :class:`LeadershipLost`.
+        lease's value is the fencing token, checked by Redis itself). A lease that is gone (Redis restarted
+        empty, or it expired and nobody took it) is taken back in the same transaction, as :meth:`renew` takes it.
+        Raises :class:`LeadershipLost`.
 
         The lease's own renewal (:meth:`keep`) also touches the watched key, so a transaction it interrupts
         is tried again while the lease is still this instance's."""
@@ -131,10 +133,13 @@ class Leadership:
                     await pipe.watch(keys.CONTROLLER_LEADER)
                     raw = await pipe.get(keys.CONTROLLER_LEADER)
                     held = raw.decode() if isinstance(raw, bytes) else raw
-                    if held != self.value:
+                    if held not in (None, self.value):
                         self.held = False
                         raise LeadershipLost(f"the leader lease is held by {held}, not {self.value}: write refused")
                     pipe.multi()
+                    if held is None:  # gone with a Redis that restarted empty, or expired: taken back, as renew() does
+                        pipe.set(keys.CONTROLLER_LEADER, self.value, px=self._ttl_ms)
+                        self.held = True
                     queue_writes(pipe)
                     await pipe.execute()
                     return

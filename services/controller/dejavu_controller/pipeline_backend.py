@@ -18,15 +18,18 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from dejavu_common import keys
 from dejavu_common.fatal import die
 from dejavu_common.messages import TokenStep, Topology
+from dejavu_common.redis_client import text
 from dejavu_common.settings import Mode, Settings
+from dejavu_common.signing import UnverifiedEntry, verify_entry
 from dejavu_controller.aio import await_chain, cancellation_point
 from dejavu_controller.api.metrics import KVStream, RuntimeMetrics
 from dejavu_controller.backend import (
@@ -36,16 +39,21 @@ from dejavu_controller.backend import (
     NotReadyError,
     TokenEvent,
 )
-from dejavu_controller.leadership import Leadership
+from dejavu_controller.leadership import Leadership, LeadershipLost
 from dejavu_controller.model_info import context_limit
+from dejavu_controller.overview import Overview, RepairView, request_views, requests_in_flight
+from dejavu_controller.progress import ProgressWatchdog, stall_limit_s
 from dejavu_controller.registry import Registry, WorkerView
 from dejavu_controller.repair import Repair
 from dejavu_controller.request import Request, RequestStatus
+from dejavu_controller.request_trace import RequestTrace, end_repair, start_repair
 from dejavu_controller.scheduler import Microbatch, Scheduler, SchedulerLimits
+from dejavu_controller.writers import EntryWriters
 
 log = logging.getLogger("dejavu.controller")
 
 SHUTDOWN_DEADLINE_S = 10.0  # how long __aexit__ waits for its cancelled tasks
+DISPATCH_RETRY_S = 0.25  # pause after a failed dispatch write before forming again (Redis is failing)
 
 
 @dataclass(frozen=True)
@@ -85,14 +93,18 @@ class PipelineBackend:
         self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE
         self._ready = False
         self._workers: dict[str, WorkerView] = {}
+        # Whose token-stream entries are relayed, under which keys: stage holders, their keys from the registry.
+        self.writers = EntryWriters()
         self._wake = asyncio.Event()
         self._stream_ids: dict[int, bytes] = {}
         self._tasks: list[asyncio.Task] = []
         self.repair = Repair(settings, redis)
+        self.repair.writers = self.writers  # progress reports are signed like token-stream entries
         identity = c.identity or f"{socket.gethostname()}:{c.port}"
         self.leadership = Leadership(redis, identity, c.leader_lease_s)
         self._repair_task: asyncio.Task | None = None
         self._repairing: set[int] = set()  # token stages the current repair restores
+        self._repair_plan: tuple[int, _RepairPlan] | None = None  # the newest repair's epoch and plan
         self._kv_seen: dict[str, int] = {}
         self._drain_waiting: set[str] = set()  # draining stage holders no replacement is available for
         self._last_poll: float | None = None  # when the control loop last read the registry
@@ -100,6 +112,7 @@ class PipelineBackend:
         self._dispatching = asyncio.Lock()  # held by a dispatch, and by a change of topology
         self._dropped_keys: list[str] = []  # Redis keys of dropped microbatches, deleted by the control loop
         self._closing = False  # __aexit__ began: no task starts any more
+        self.progress = ProgressWatchdog(stall_limit_s(c.progress_stall_s, settings.transport.deadline_s))
 
     async def __aenter__(self) -> PipelineBackend:
         self._start("lead", self._lead())
@@ -120,6 +133,9 @@ class PipelineBackend:
         await self.leadership.acquire()
         cancellation_point()
         await self._clear_previous_work()
+        previous = await self.registry.seed()  # its holders (spares that took a stage too) keep their stages
+        if previous is not None:
+            log.info("an earlier controller published epoch %d: its stage holders are kept", previous.epoch)
         self._incarnation = int(await self.redis.incr(keys.INCARNATION))
         self.scheduler.start_ids_at(self._incarnation << 32)
         cancellation_point()
@@ -168,6 +184,31 @@ class PipelineBackend:
             queue_depth=self.scheduler.queue_depth,
             workers={w: ("alive:" if v.alive else "dead:") + v.state.value for w, v in self._workers.items()},
             kv_held={w: (v.kv_bytes, v.kv_microbatches) for w, v in self._workers.items()},
+            stalled_s=self.progress.stalled_s,
+        )
+
+    def overview(self) -> Overview:
+        """What the status page shows (:mod:`dejavu_controller.overview`); reads state, changes nothing."""
+        now = time.monotonic()
+        repair = None
+        if self._repair_task is not None and self._repair_plan is not None:
+            epoch, plan = self._repair_plan
+            timings = self.repair.current
+            if timings is not None and timings.detected_at != plan.detected_at:
+                timings = None  # the previous run's: this one was cancelled before it began
+            repair = RepairView.of(
+                epoch, plan.replaced, plan.resumable, plan.not_started, plan.dropped, self._repair_task, timings, now
+            )
+        dispatched = (r for mb in self.scheduler.active.values() for r in mb.requests)
+        live = requests_in_flight(self.scheduler.waiting, dispatched)
+        return Overview(
+            leader=self.leadership.held,
+            ready=self._ready,
+            topology=self.registry.topology,
+            workers=dict(self._workers),
+            requests=request_views(live, now),
+            requests_in_flight=len(live),
+            repair=repair,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
@@ -178,7 +219,13 @@ class PipelineBackend:
         req = Request(
             request_id=request.request_id, prompt_ids=request.prompt_token_ids, sampling=request.sampling.resolved()
         )
-        self.scheduler.admit(req)  # QueueFullError propagates before the first event
+        req.trace = RequestTrace.start(req.request_id, len(req.prompt_ids), req.sampling)
+        try:
+            self.scheduler.admit(req)  # QueueFullError propagates before the first event
+        except Exception:
+            if req.trace is not None:
+                req.trace.ended("refused", 0)
+            raise
         self._wake.set()
         return self._events(req)
 
@@ -200,10 +247,12 @@ class PipelineBackend:
         finally:
             if not req.done:
                 await self._cancel(req)
+            if req.trace is not None:
+                req.trace.ended(req.status.value, len(req.output_ids))
 
     async def _cancel(self, req: Request) -> None:
         req.transition(RequestStatus.CANCELLED)
-        if req.mb_id is not None:
+        if req.mb_id is not None and req.row is not None:
             await self.redis.sadd(keys.microbatch_cancel(req.mb_id), req.row)
         self._wake.set()
 
@@ -214,6 +263,8 @@ class PipelineBackend:
             cancellation_point()
             try:
                 await self._control_once()
+            except LeadershipLost:  # another instance leads now: this one stops acting (the process ends)
+                raise
             except Exception:  # keep the controller alive through transient Redis errors
                 log.exception("control loop iteration failed")
             await asyncio.sleep(interval)
@@ -227,11 +278,21 @@ class PipelineBackend:
         self._workers = await self.registry.workers()
         trust_leases = self._leases_trusted()
         await self._collect_kv_bytes()
+        self.writers.update(self._workers, self.registry.topology)
         # A dispatch never interleaves with a change of topology: a microbatch formed while a repair is
         # planned would be in neither the repair's plan nor a pipeline that keeps it (the workers drop,
         # at the resume point, every cache the plan does not name).
         async with self._dispatching:
             await self._topology_once(trust_leases)
+        self.writers.update(self._workers, self.registry.topology)
+        self._watch_progress(time.monotonic())
+
+    def _watch_progress(self, now: float) -> float | None:
+        """Whether dispatched work has stalled at ``now`` (see ``dejavu_controller.progress``): how long it
+        has had no token-stream entry, past the limit, while a pipeline is up and no repair runs."""
+        repairing = self._repair_task is not None and not self._repair_task.done()
+        up = self._ready and not repairing
+        return self.progress.observe(now, awaiting=bool(self._stream_ids), pipeline_up=up)
 
     async def _topology_once(self, trust_leases: bool) -> None:
         old = self.registry.topology
@@ -256,7 +317,7 @@ class PipelineBackend:
                         plan.append(self._plan_repair(old, new, lost))
                         await self.repair.announce(new.epoch, plan[0].replaced, plan[0].resumable)
 
-                new = await self.registry.publish(topo, self._workers, before=announce)
+                new = await self.registry.publish(topo, self._workers, before=announce, fenced=self.leadership.fenced)
                 if plan:
                     why = f"lost {lost}" if lost else f"handing over the stages of draining {draining}"
                     log.warning("%s: repairing the pipelines at epoch %d", why, new.epoch)
@@ -310,15 +371,35 @@ class PipelineBackend:
                     raise
 
     async def _collect_kv_bytes(self) -> None:
-        """Feed the workers' KV byte counters (monotonic, in Redis) into the metrics as deltas."""
+        """Feed the workers' KV byte counters (monotonic, in Redis) into the metrics as deltas.
+
+        The workers write these counters, so each field is checked: one that is not a known purpose with
+        an integer count is logged and removed (every worker's ``HINCRBY`` of it would fail), and a key
+        that is not a hash (Redis ``WRONGTYPE``) is logged and removed; neither ever stops the control loop
+        that calls this before failure detection."""
         if self.metrics is None:
             return
-        for purpose, total in (await self.redis.hgetall(keys.KV_BYTES)).items():
-            name, total = purpose.decode(), int(total)
+        try:
+            counters = await self.redis.hgetall(keys.KV_BYTES)
+        except ResponseError as exc:
+            log.warning("removing the KV byte counters (%s): %s", keys.KV_BYTES, exc)
+            await self.redis.delete(keys.KV_BYTES)
+            return
+        malformed = []
+        for purpose, counted in counters.items():
+            try:
+                name, total = text(purpose), int(counted)
+                stream = KVStream(name)
+            except ValueError:
+                log.warning("removing a malformed KV byte counter in %s: %r = %r", keys.KV_BYTES, purpose, counted)
+                malformed.append(purpose)
+                continue
             delta = total - self._kv_seen.get(name, 0)
             self._kv_seen[name] = total
             if delta > 0:
-                self.metrics.add_kv_bytes(delta, KVStream(name))
+                self.metrics.add_kv_bytes(delta, stream)
+        if malformed:
+            await self.redis.hdel(keys.KV_BYTES, *malformed)
 
     def _leases_trusted(self) -> bool:
         """False for one lease period after the control loop went longer than a lease without reading the
@@ -367,12 +448,18 @@ class PipelineBackend:
             self._drop(mb, f"in flight for {mb.stalled_repairs} repairs in a row without progress")
         active = self.scheduler.active.values()
         resumable = [mb.spec.mb_id for mb in active if mb.first_complete]
+        for mb in [*dropped, *active]:  # on the traces of the requests it covers
+            outcome = "dropped" if mb in dropped else "resume" if mb.first_complete else "rerun"
+            for req in mb.requests:
+                if req.trace is not None:
+                    req.trace.repaired(new.epoch, outcome, replaced)
         not_started = [mb.spec.mb_id for mb in active if not mb.first_complete]
         return _RepairPlan(replaced, resumable, not_started, [mb.spec.mb_id for mb in dropped], detected_at)
 
     def _start_repair(self, new: Topology, plan: _RepairPlan) -> None:
         cancellation_point()  # not while shutting down: the control loop was cancelled
         covered = [*plan.resumable, *plan.not_started]
+        self._repair_plan = (new.epoch, plan)
         self._repair_task = task = asyncio.create_task(
             self.repair.run(
                 new,
@@ -386,6 +473,9 @@ class PipelineBackend:
             )
         )
         task.add_done_callback(lambda t: self._repair_ended(t, covered))
+        traces = (r.trace for m in covered if m in self.scheduler.active for r in self.scheduler.active[m].requests)
+        span = start_repair(new.epoch, plan.replaced, (t for t in traces if t is not None))
+        task.add_done_callback(lambda t: end_repair(span, t))
 
     def _repair_ended(self, task: asyncio.Task, covered: list[int]) -> None:
         """A repair that failed (a Redis error half way) leaves its microbatches stranded: the workers
@@ -429,24 +519,50 @@ class PipelineBackend:
             async with self._dispatching:
                 if not self._ready:
                     continue
-                try:
-                    await self._dispatch(self.scheduler.form())
-                except Exception:
-                    log.exception("dispatch failed")
+                written = await self._form_and_write()
+            if not written:
+                await asyncio.sleep(DISPATCH_RETRY_S)
+
+    async def _form_and_write(self) -> bool:
+        """Form new microbatches and write them, as one step: if the write fails (a Redis error, e.g. OOM
+        at ``maxmemory``), they are un-formed (their requests back at the head of the queue, their slots
+        free) and their keys queued for deletion, in case the write landed after all (a connection lost
+        after EXEC): a worker that finds no spec drops the task. False if the write failed."""
+        formed = self.scheduler.form()
+        try:
+            await self._dispatch(formed)
+        except Exception:
+            log.exception(
+                "dispatch failed: microbatches %s un-formed, their requests wait in the queue again",
+                [mb.spec.mb_id for mb in formed],
+            )
+            self.scheduler.unform(formed)
+            for mb in formed:
+                self._dropped_keys.extend((keys.tokens(mb.spec.mb_id), keys.microbatch(mb.spec.mb_id)))
+            return False
+        return True
 
     async def _dispatch(self, mbs: list[Microbatch], write_specs: bool = True) -> None:
+        """Write the specs of ``mbs`` (unless ``write_specs`` is False: a re-run) and queue their prompt
+        tasks, in one transaction: either all of it is written or none (barring a connection lost after
+        EXEC, when the outcome is unknown). Raises the Redis error of a failed write."""
         if not mbs:
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for mb in mbs:
-            if write_specs:
+        pipe = self.redis.pipeline(transaction=True)
+        if write_specs:
+            for mb in mbs:
                 pipe.set(keys.microbatch(mb.spec.mb_id), mb.spec.encode())
-                self._stream_ids[mb.spec.mb_id] = b"0-0"
         # Stamped with the epoch they are queued under (dispatch and topology changes exclude each other).
         epoch = self.registry.topology.epoch if self.registry.topology is not None else 0
         for task in self.scheduler.pack_prompt_tasks(mbs, epoch):
             pipe.xadd(self._queue, {"task": task.encode()}, maxlen=keys.STREAM_MAXLEN, approximate=True)
         await pipe.execute()
+        if write_specs:  # relayed from now on: a failed write leaves nothing to relay
+            for mb in mbs:
+                self._stream_ids[mb.spec.mb_id] = b"0-0"
+                for req in mb.requests:
+                    if req.trace is not None:
+                        req.trace.dispatched(mb.spec.mb_id, req.row, epoch)
         log.info("dispatched microbatches %s", [(m.spec.mb_id, len(m.requests)) for m in mbs])
 
     # -- relay -------------------------------------------------------------------------------
@@ -463,8 +579,11 @@ class PipelineBackend:
                 await asyncio.sleep(0.1)
 
     async def _relay_once(self) -> None:
-        streams = {keys.tokens(mb): sid for mb, sid in self._stream_ids.items()}
-        resp = await self.redis.xread(streams, block=50, count=256)
+        streams: dict[Any, Any] = {keys.tokens(mb): sid for mb, sid in self._stream_ids.items()}
+        resp: Any = await self.redis.xread(streams, block=50, count=256)  # [(stream, [(entry id, fields)])]
+        if resp:
+            self.progress.progressed(time.monotonic())
+            self.writers.update(self._workers, self.registry.topology)
         for stream, entries in resp or []:
             mb_id = int(stream.decode().rsplit(":", 1)[1])
             for entry_id, fields in entries:
@@ -478,9 +597,18 @@ class PipelineBackend:
         if mb is None:
             return
         try:
-            step = TokenStep.decode(fields[b"step"])
-        except (KeyError, ValidationError) as exc:
-            log.error("dropping malformed token entry for microbatch %d: %s", mb_id, exc)
+            writer, payload = verify_entry(keys.tokens(mb_id), fields, "step", self.writers)
+        except UnverifiedEntry as exc:
+            log.error("dropping token entry for microbatch %d: %s", mb_id, exc)
+            return
+        try:
+            step = TokenStep.decode(payload)
+        except ValidationError as exc:
+            log.error("dropping malformed token entry for microbatch %d by %s: %s", mb_id, writer, exc)
+            return
+        rows = len(step.tokens)
+        if len(step.finished) != rows or any(len(x) not in (0, rows) for x in (step.logprobs, step.prompt_logprobs)):
+            log.error("dropping token entry for microbatch %d: its per-row fields differ in length", mb_id)
             return
         for row, req in enumerate(mb.requests):
             if row >= len(step.tokens):
@@ -490,7 +618,18 @@ class PipelineBackend:
                 mb.started_rows.add(row)
             if fin is not None:
                 mb.finished_rows.add(row)
-            if req.deliver(step.step, step.tokens[row], fin) and fin is FinishReason.ERROR:
+            logprob = step.logprobs[row] if step.logprobs else None
+            prompt = step.prompt_logprobs[row] if step.prompt_logprobs else None
+            if not req.deliver(step.step, step.tokens[row], fin, logprob, prompt):
+                continue
+            if req.trace is not None:
+                req.trace.delivered(step.step, fin)
+            if req.diverged_at == step.step:
+                log.error(
+                    "request %s failed: a re-run of microbatch %d gave another token at step %d than the one "
+                    "delivered (its answer is not spliced from two runs)", req.request_id, mb_id, step.step
+                )  # fmt: skip
+            elif fin is FinishReason.ERROR:
                 log.error("request %s failed in the workers (microbatch %d, step %d)", req.request_id, mb_id, step.step)
 
     async def _maybe_complete(self, mb_id: int) -> None:

@@ -18,6 +18,7 @@ from redis.asyncio.client import Pipeline
 from dejavu_common import keys
 from dejavu_common.messages import KVHeld, StageAssignment, Topology, WorkerInfo, WorkerRole, WorkerState
 from dejavu_common.partition import split_layers
+from dejavu_common.redis_client import text
 from dejavu_common.settings import ControllerSettings, Mode
 
 log = logging.getLogger("dejavu.controller.registry")
@@ -35,6 +36,18 @@ class WorkerView:
     kv_bytes: int = 0  # KV the worker holds (token workers: caches and replicas), as of its last heartbeat
     kv_microbatches: int = 0
     seen: int = 0  # the newest topology epoch the worker has accepted (it accepts only newer ones)
+
+
+_MAX_EPOCH = 1 << 53  # far beyond any real epoch (one per topology change), and exact as a JSON number
+
+
+def _epoch(raw: bytes) -> int:
+    """An epoch a worker reported; ``ValueError`` unless it is an integer in [0, ``_MAX_EPOCH``] (a forged
+    huge one would push every later topology's epoch out of range)."""
+    value = int(raw)
+    if not 0 <= value <= _MAX_EPOCH:
+        raise ValueError(f"epoch {value} out of range")
+    return value
 
 
 class Registry:
@@ -71,27 +84,33 @@ class Registry:
         self.previous = None
 
     async def workers(self) -> dict[str, WorkerView]:
-        """Every registered worker with its lease status; malformed records are skipped and logged."""
-        ids = sorted(m.decode() for m in await self.redis.smembers(keys.WORKERS))
+        """Every registered worker with its lease status; malformed records are skipped and logged.
+
+        Workers write these records, so nothing in them is trusted to parse: a record, lease or KV key of
+        the wrong type (Redis ``WRONGTYPE``), a field that does not decode, or an epoch out of range makes
+        that worker's record skipped (logged), never an error out of the control loop."""
+        ids = sorted(text(m) for m in await self.redis.smembers(keys.WORKERS))
         pipe = self.redis.pipeline(transaction=False)
         for wid in ids:
             pipe.hgetall(keys.worker(wid))
             pipe.exists(keys.worker_lease(wid))
             pipe.get(keys.worker_kv(wid))
-        raw = await pipe.execute()
+        raw = await pipe.execute(raise_on_error=False)
         out: dict[str, WorkerView] = {}
         for i, wid in enumerate(ids):
-            record, alive, kv = raw[3 * i], bool(raw[3 * i + 1]), raw[3 * i + 2]
+            record, alive, kv = raw[3 * i], raw[3 * i + 1], raw[3 * i + 2]
             try:
+                if error := next((r for r in (record, alive, kv) if isinstance(r, Exception)), None):
+                    raise ValueError(f"Redis refused to read it: {error}")
                 info = WorkerInfo.decode(record[b"info"])
                 state = WorkerState(record.get(b"state", b"starting").decode())
-                epoch = int(record.get(b"epoch", b"0"))
-                seen = int(record.get(b"seen", b"0"))
+                epoch, seen = _epoch(record.get(b"epoch", b"0")), _epoch(record.get(b"seen", b"0"))
                 held = KVHeld.decode(kv) if kv is not None else KVHeld()
                 kv_bytes, kv_mbs = held.bytes, held.microbatches
-            except (KeyError, ValueError, AttributeError) as exc:
+            except (KeyError, ValueError, AttributeError, TypeError) as exc:
                 log.warning("skipping malformed worker record %s: %s", wid, exc)
                 continue
+            alive = bool(alive)
             if info.worker_id != wid:  # only worker <wid>'s Redis user may write its record: this one is forged
                 log.warning("skipping worker record %s: it claims to be worker %s", wid, info.worker_id)
                 continue

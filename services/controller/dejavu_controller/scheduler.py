@@ -180,6 +180,17 @@ class Scheduler:
         self._next_task += 1
         return task
 
+    def unform(self, mbs: list[Microbatch]) -> None:
+        """Undo :meth:`form` for ``mbs``, whose write to Redis failed (no worker ever saw them): their
+        slots are free again and their live requests go back to the head of the queue, in their order,
+        to be formed again under new microbatch ids. Requests that ended meanwhile are left out."""
+        for mb in reversed(mbs):
+            self.active.pop(mb.spec.mb_id, None)
+            for req in reversed(mb.requests):
+                if not req.done:
+                    req.unschedule()
+                    self.waiting.appendleft(req)
+
     def complete(self, mb_id: int) -> Microbatch | None:
         """Free ``mb_id``'s slot."""
         return self.active.pop(mb_id, None)

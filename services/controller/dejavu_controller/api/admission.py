@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from dejavu_common import logs
 from dejavu_common.messages import SamplingSpec
 from dejavu_common.tokenizer import TokenizerError
 from dejavu_controller.backend import GenerationRequest
@@ -18,8 +19,11 @@ from .state import Gateway
 
 
 def new_request_id(prefix: str) -> str:
-    """An OpenAI-style id (``cmpl-…``, ``chatcmpl-…``), also used as the backend's request id."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """An OpenAI-style id (``cmpl-…``, ``chatcmpl-…``), also used as the backend's request id; every line the
+    task serving it logs from now on names it."""
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    logs.bind_request(request_id)
+    return request_id
 
 
 def check_model(gateway: Gateway, model: str) -> None:
@@ -47,12 +51,15 @@ async def encode_text(gateway: Gateway, text: str, param: str) -> list[int]:
     return await anyio.to_thread.run_sync(gateway.tokenizer.encode, text)
 
 
-async def encode_chat(gateway: Gateway, messages: Sequence[dict[str, str]]) -> list[int]:
+async def encode_chat(
+    gateway: Gateway, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of a conversation under the model's chat template, bounded and tokenized like
     :func:`encode_text`; 400 (``param`` ``messages``) if the template rejects the conversation."""
     check_prompt_chars(gateway, sum(len(m["content"]) for m in messages), "messages")
     try:
-        return await anyio.to_thread.run_sync(gateway.tokenizer.apply_chat_template, list(messages))
+        apply = gateway.tokenizer.apply_chat_template
+        return await anyio.to_thread.run_sync(apply, list(messages), add_generation_prompt)
     except TokenizerError as exc:  # e.g. the template rejects the order of roles
         raise InvalidRequestError(str(exc), param="messages") from exc
 
@@ -72,11 +79,15 @@ def admit(
     body: SamplingRequest,
     max_tokens: int | None,
     prompt_param: str,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerationRequest:
     """Check the prompt against the context and build the backend request.
 
-    ``max_tokens`` None means "whatever the context leaves". Raises :class:`InvalidRequestError` for an
-    empty prompt or when prompt + ``max_tokens`` exceeds ``settings.engine.max_context``.
+    ``max_tokens`` None means "whatever the context leaves"; ``logprobs`` and ``prompt_logprobs``: how many
+    likeliest tokens' log probabilities to report per generated and per prompt position (None: none).
+    Raises :class:`InvalidRequestError` for an empty prompt, when prompt + ``max_tokens`` exceeds
+    ``settings.engine.max_context``, or for sampling values out of bounds together.
     """
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty", param=prompt_param)
@@ -90,12 +101,37 @@ def admit(
             param=prompt_param if room < 1 else "max_tokens",
             code="context_length_exceeded",
         )
-    sampling = SamplingSpec(
-        max_tokens=wanted,
+    sampling = sampling_spec(gateway, body, wanted, logprobs, prompt_logprobs)
+    return GenerationRequest(request_id, tuple(prompt_ids), sampling, stop=body.stop_strings)
+
+
+def sampling_spec(
+    gateway: Gateway, body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingSpec:
+    """The request's :class:`SamplingSpec`; 400 for token ids outside the vocabulary (``logit_bias``,
+    ``stop_token_ids``) and for values the spec refuses together (``min_tokens`` above ``max_tokens``)."""
+    bias = body.bias_pairs
+    check_token_ids(gateway, [t for t, _ in bias], "logit_bias")
+    check_token_ids(gateway, body.stop_token_ids or (), "stop_token_ids")
+    if body.min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+        )
+    return SamplingSpec(
+        max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(body.top_k, 0),  # -1 is vLLM's spelling of "off"
+        min_p=body.min_p,
         seed=body.seed,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=bias,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        raw_logprobs=body.logprobs_mode == "raw",
     )
-    return GenerationRequest(request_id, tuple(prompt_ids), sampling, stop=body.stop_strings)

@@ -25,7 +25,8 @@ from .dependencies import require_api_key
 from .errors import install_error_handler
 from .guard import RequestGuard
 from .metrics import GatewayMetrics
-from .routers import chat, completions, health, metrics, models
+from .quota import QuotaGate, Quotas
+from .routers import chat, completions, dashboard, health, metrics, models, tokenize
 from .state import BackendFactory, Gateway
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,19 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
     """Build the gateway app; nothing starts until the ASGI server runs its lifespan.
 
     Every request passes :class:`~.guard.RequestGuard` first (API key on every path but the probes,
-    JSON content type, body-size cap), before its body is read.
+    JSON content type, body-size cap), before its body is read, then, on ``/v1``, its key's limits
+    (:class:`~.quota.QuotaGate`), before its body is parsed.
 
     ``tokenizer`` overrides loading one from ``settings.model.folder`` at startup. Raises
     :class:`~.auth.InsecureExposureError` if ``settings.controller.host`` is not loopback and no
-    API keys are configured (on loopback without keys it logs a warning).
+    API keys are configured (on loopback without keys it logs a warning), and ``ValueError`` if
+    ``controller.key_limits_by_id`` names the id of no configured key.
     """
     verifier = ApiKeyVerifier(settings.controller.api_keys)
     verifier.check_exposure(settings.controller.host)
     gateway_metrics = GatewayMetrics()
+    quotas = Quotas(settings.controller, verifier.key_ids, gateway_metrics.keys)
+    log.info("API key ids (the `key` label of the dejavu_key_* metrics): %s", ", ".join(verifier.key_ids))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -68,12 +73,15 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
         lifespan=lifespan,
         strict_content_type=True,  # RequestGuard already refuses a body that is not declared JSON (415)
     )
+    # Inside the guard (added before it, so the guard wraps it): the key is known good by then.
+    app.add_middleware(QuotaGate, verifier=verifier, quotas=quotas, metrics=gateway_metrics)
     # Outermost: the key, content type and body size are checked before any other middleware or route.
     app.add_middleware(
         RequestGuard, verifier=verifier, metrics=gateway_metrics, max_body_bytes=settings.controller.max_body_bytes
     )
     app.state.metrics = gateway_metrics
     app.state.verifier = verifier
+    app.state.quotas = quotas
     app.state.gateway = None
     install_error_handler(app)
     app.include_router(health.router)
@@ -82,6 +90,8 @@ def create_app(settings: Settings, backend_factory: BackendFactory, tokenizer: T
     app.include_router(models.router, dependencies=keyed)
     app.include_router(completions.router, dependencies=keyed)
     app.include_router(chat.router, dependencies=keyed)
+    app.include_router(tokenize.router, dependencies=keyed)
+    dashboard.install(app, settings, verifier)  # the status page, for keys of the admin role
     _document_served_model(app, settings.model.name)
     return app
 
@@ -92,16 +102,17 @@ def _document_served_model(app: FastAPI, model: str) -> None:
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = generate()
-            for component in schema.get("components", {}).get("schemas", {}).values():
-                field = component.get("properties", {}).get("model")
-                if field is not None and field.get("type") == "string":
-                    field["enum"] = [model]
-            for operation in schema.get("paths", {}).get("/v1/models/{model}", {}).values():
-                for parameter in operation.get("parameters", []):
-                    if parameter.get("name") == "model":
-                        parameter["schema"]["examples"] = [model]
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()  # kept by FastAPI as app.openapi_schema: edited once, in place
+        for component in schema.get("components", {}).get("schemas", {}).values():
+            field = component.get("properties", {}).get("model")
+            if field is not None and field.get("type") == "string":
+                field["enum"] = [model]
+        for operation in schema.get("paths", {}).get("/v1/models/{model}", {}).values():
+            for parameter in operation.get("parameters", []):
+                if parameter.get("name") == "model":
+                    parameter["schema"]["examples"] = [model]
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

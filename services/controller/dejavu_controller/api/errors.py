@@ -6,6 +6,7 @@ Every error response has the body ``{"error": {"message", "type", "param", "code
 exception                                   status  notes
 ==========================================  ======  ===================================
 :class:`ApiError` (and subclasses)          own     raised by routers, auth, validation
+:class:`RateLimitError`                     429     a key's limit; ``Retry-After`` (whole s)
 ``RequestValidationError`` (bad body/JSON)  400     ``param`` is the offending field
 ``dejavu_common.errors.ClientError``        own     ``status`` of the error (4xx)
 ``backend.QueueFullError``                  503     with ``Retry-After`` (whole seconds)
@@ -81,6 +82,19 @@ class NotFoundError(ApiError):
     type = INVALID_REQUEST
 
 
+class RateLimitError(ApiError):
+    """A key's limit is reached: HTTP 429 in OpenAI's shape (``type`` names the kind of limit, ``requests``
+    or ``tokens``; ``code`` ``rate_limit_exceeded``) with ``Retry-After`` in whole seconds, at least 1.
+    ``retry_after_s`` None: waiting does not help (a request larger than the limit itself), no header."""
+
+    status = 429
+
+    def __init__(self, message: str, *, kind: str, retry_after_s: float | None) -> None:
+        headers = {} if retry_after_s is None else {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+        super().__init__(message, code="rate_limit_exceeded", headers=headers)
+        self.type = kind
+
+
 class ServiceUnavailableError(ApiError):
     status = 503
     type = OVERLOADED
@@ -129,9 +143,9 @@ def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, NotReadyError):
         return ServiceUnavailableError(str(exc) or "the serving pipelines are not ready", code="not_ready")
     if isinstance(exc, ClientError):
-        error = InvalidRequestError(str(exc), param=exc.param)
-        error.status = exc.status
-        return error
+        invalid = InvalidRequestError(str(exc), param=exc.param)
+        invalid.status = exc.status
+        return invalid
     if isinstance(exc, DeadlineExceeded):
         return GatewayTimeoutError(str(exc) or "a deadline expired", code="deadline_exceeded")
     if isinstance(exc, RetryableError):

@@ -12,12 +12,12 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import anyio
 
 from dejavu_common.tokenizer import IncrementalDetokenizer, Tokenizer
-from dejavu_controller.backend import Backend, FinishReason, GenerationRequest, TokenEvent
+from dejavu_controller.backend import Backend, FinishReason, GenerationRequest, Logprob, TokenEvent
 
 from .errors import GatewayTimeoutError, ServerError, ServiceUnavailableError
 from .metrics import GatewayMetrics, Outcome
@@ -30,18 +30,27 @@ _CLOSE_DEADLINE_S = 10.0
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New text of a request; ``finish_reason`` is set on the last delta only (STOP or LENGTH)."""
+    """New text of a request; ``finish_reason`` is set on the last delta only (STOP or LENGTH). ``token_ids``
+    are the tokens behind it (a token whose text is held back, an incomplete character or a possible stop
+    string's start, comes with the next delta that carries text), with their log probabilities where the
+    request asked (``logprobs``, one per token id); ``prompt_logprobs`` comes with the first delta."""
 
     text: str
     finish_reason: FinishReason | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Logprob, ...] = ()
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """The whole answer of a non-streaming request."""
+    """The whole answer of a non-streaming request (its tokens and log probabilities as in :class:`TextDelta`)."""
 
     text: str
     finish_reason: FinishReason
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Logprob, ...] = ()
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 class Generation:
@@ -101,10 +110,12 @@ class Generation:
             raise RuntimeError("Generation.start() must succeed before deltas()")
         try:
             event: TokenEvent | None = self._first
+            held = _Held()  # tokens whose text has not been released yet
             while event is not None:
-                delta = self._absorb(event)
+                delta = held.take(self._absorb(event))
                 if delta.text or delta.finish_reason is not None:
                     yield delta
+                    held = _Held()
                 if delta.finish_reason is not None:
                     return
                 event = await self._next_event()
@@ -122,10 +133,16 @@ class Generation:
         if self._first is None:
             await self.start()
         parts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[Logprob] = []
+        prompt: tuple[Logprob | None, ...] | None = None
         async for delta in self.deltas():
             parts.append(delta.text)
+            ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs)
+            prompt = prompt if delta.prompt_logprobs is None else delta.prompt_logprobs
             if delta.finish_reason is not None:
-                return Completion("".join(parts), delta.finish_reason)
+                return Completion("".join(parts), delta.finish_reason, tuple(ids), tuple(logprobs), prompt)
         raise ServerError("the request ended without a finish reason", code="backend_protocol")
 
     async def close(self) -> None:
@@ -162,20 +179,21 @@ class Generation:
         if event.token_ids:  # an empty event (a bare finish) is not a token: no latency sample
             self._record_timing(len(event.token_ids))
         text: list[str] = []
-        for token_id in event.token_ids:
+        for i, token_id in enumerate(event.token_ids):
             self.completion_tokens += 1
             text.append(self._detokenizer.push(token_id))
             if self._detokenizer.stopped:  # a stop string: end here, the backend is cancelled on close
-                return self._finished("".join(text), FinishReason.STOP)
+                kept = replace(event, token_ids=event.token_ids[: i + 1], logprobs=event.logprobs[: i + 1])
+                return self._finished("".join(text), FinishReason.STOP, kept)
         reason = event.finish_reason
         if reason is None:
-            return TextDelta("".join(text))
+            return TextDelta("".join(text), None, event.token_ids, event.logprobs, event.prompt_logprobs)
         if reason is FinishReason.ERROR:
             raise ServerError("the serving runtime failed this request", code="generation_failed")
         if reason is FinishReason.CANCELLED:
             raise ServiceUnavailableError("the serving runtime cancelled this request", code="cancelled_by_server")
         text.append(self._detokenizer.flush())
-        return self._finished("".join(text), reason)
+        return self._finished("".join(text), reason, event)
 
     def _record_timing(self, new_tokens: int) -> None:
         now = time.monotonic()
@@ -186,13 +204,32 @@ class Generation:
         self._last_event_at = now
         self._metrics.generated_tokens.inc(new_tokens)
 
-    def _finished(self, text: str, reason: FinishReason) -> TextDelta:
+    def _finished(self, text: str, reason: FinishReason, event: TokenEvent) -> TextDelta:
         self._metrics.e2e_latency.observe(time.monotonic() - self._admitted_at)
         self._finish(Outcome.STOP if reason is FinishReason.STOP else Outcome.LENGTH)
-        return TextDelta(text, reason)
+        return TextDelta(text, reason, event.token_ids, event.logprobs, event.prompt_logprobs)
 
     def _finish(self, outcome: Outcome) -> None:
         """Count the request's outcome once (only requests that started are counted here)."""
         if self._outcome is None and self.started:
             self._outcome = outcome
             self._metrics.count_outcome(outcome)
+
+
+@dataclass
+class _Held:
+    """Tokens (and log probabilities) of deltas not yet yielded: their text is held back."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
+
+    def take(self, delta: TextDelta) -> TextDelta:
+        """``delta`` with the held tokens before its own (and holds them all, in case it is held back too)."""
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        return replace(
+            delta, token_ids=tuple(self.token_ids), logprobs=tuple(self.logprobs), prompt_logprobs=self.prompt_logprobs
+        )

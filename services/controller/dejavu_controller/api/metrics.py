@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -31,6 +31,7 @@ class Outcome(enum.StrEnum):
     REJECTED = "rejected"  # a bad request (4xx other than 401)
     UNAUTHORIZED = "unauthorized"  # missing or wrong API key
     OVERLOADED = "overloaded"  # 503: queue full or not ready
+    RATE_LIMITED = "rate_limited"  # 429: a limit of the request's API key
 
 
 class KVStream(enum.StrEnum):
@@ -60,6 +61,30 @@ class RuntimeMetrics:
         self._kv_bytes.labels(purpose=purpose.value).inc(nbytes)
 
 
+class KeyMetrics:
+    """Per API key figures, labelled by key id (``auth.key_id``: never the key itself)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.admitted = Counter(
+            "dejavu_key_admitted", "Requests admitted by their key's limits.", labelnames=["key"], registry=registry
+        )
+        self.limited = Counter(
+            "dejavu_key_rate_limited",
+            "Requests refused (429) by a limit of their key, by limit.",
+            labelnames=["key", "limit"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "dejavu_key_tokens",
+            "Tokens of a key's finished requests (prompt + generated; what its token budget was charged).",
+            labelnames=["key"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "dejavu_key_in_flight", "Requests of a key in flight now.", labelnames=["key"], registry=registry
+        )
+
+
 class _BackendCollector(Collector):
     """Reads the backend's readiness, queue depth and worker states at each scrape."""
 
@@ -79,6 +104,11 @@ class _BackendCollector(Collector):
         kv_mbs = GaugeMetricFamily(
             "dejavu_worker_kv_microbatches_held", "Microbatch caches and replicas a worker holds.", labels=["worker"]
         )
+        stalled = GaugeMetricFamily(
+            "dejavu_progress_stalled_seconds",
+            "How long dispatched requests have had no token and no error while the pipeline is up, once past "
+            "the stall limit (0 when work moves).",
+        )
         if backend is not None:
             stats = backend.stats()
             ready.add_metric([], 1.0 if backend.is_ready() else 0.0)
@@ -88,7 +118,8 @@ class _BackendCollector(Collector):
             for worker, (held_bytes, held_mbs) in sorted(stats.kv_held.items()):
                 kv_bytes.add_metric([worker], float(held_bytes))
                 kv_mbs.add_metric([worker], float(held_mbs))
-        yield from (ready, depth, workers, kv_bytes, kv_mbs)
+            stalled.add_metric([], stats.stalled_s or 0.0)
+        yield from (ready, depth, workers, kv_bytes, kv_mbs, stalled)
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())  # families depend on the backend; describing none keeps registration lazy
@@ -136,6 +167,7 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.runtime = RuntimeMetrics(kv_bytes, recovery)
+        self.keys = KeyMetrics(self.registry)
         self._backend_collector = _BackendCollector()
         self.registry.register(self._backend_collector)
 
@@ -173,4 +205,6 @@ def _status_outcome(status: int) -> Outcome:
         return Outcome.OVERLOADED
     if status == 499:
         return Outcome.CANCELLED
+    if status == 429:
+        return Outcome.RATE_LIMITED
     return Outcome.REJECTED if status < 500 else Outcome.FAILED

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, ValidationInfo, field_validator, model_serializer
+
+from dejavu_common.messages import MAX_LOGPROBS
 
 from .common import SamplingRequest, Usage, _unsupported
 
 Role = Literal["system", "developer", "user", "assistant"]
+# Bounds on a conversation's shape (its text is bounded by `controller.max_prompt_chars`, its bytes by
+# `controller.max_body_bytes`): a body of many tiny messages or parts costs memory and template time.
+MAX_MESSAGES = 2048  # OpenAI's limit
+MAX_CONTENT_PARTS = 256
 
 
 class TextPart(BaseModel):
@@ -20,6 +26,13 @@ class ChatMessage(BaseModel):
     role: Role
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _bounded_parts(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        if isinstance(value, list) and len(value) > MAX_CONTENT_PARTS:
+            raise ValueError(f"a message may have at most {MAX_CONTENT_PARTS} content parts")
+        return value
 
     @property
     def text(self) -> str:
@@ -33,23 +46,15 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens; wins if both.")
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, description="Return the log probability of each generated token.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="With `logprobs`: also those of this many likeliest tokens."
+    )
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        return _unsupported("logprobs", value, (None, False))
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        return _unsupported("top_logprobs", value, (None, 0))
 
     @field_validator("tools")
     @classmethod
@@ -70,6 +75,18 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("only `response_format` {'type': 'text'} is supported")
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("`top_logprobs` needs `logprobs` set to true")
+        return value
+
+    @property
+    def logprobs_top(self) -> int | None:
+        """How many likeliest tokens' log probabilities each position reports (None: no log probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -81,10 +98,25 @@ class AssistantMessage(BaseModel):
     refusal: None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -112,7 +144,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from dejavu_common.messages import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Choices of one request (``n``): each runs as its own sequence, so the bound keeps one request's share small.
+MAX_CHOICES = 16
+# Extra stop tokens of one request (every sampled token is checked against them).
+MAX_STOP_TOKEN_IDS = 64
 # Every generated token is matched against every stop string: bound their length, not just their count.
 MAX_STOP_CHARS = 256
 
@@ -61,34 +67,53 @@ class SamplingRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="Extension: sample among the k most likely tokens; 0 or -1 = off.")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the best one's probability."
+    )
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    n: int = 1
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="Extension: token ids that end the sequence (kept in it)."
+    )
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate, each its own sequence.")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=2.0, description="Extension (HF's): over the prompt and generated tokens; 1 = off."
+    )
+    min_tokens: int = Field(0, ge=0, description="Extension: tokens generated before an EOS or stop token may end it.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]; -100 bans, +100 forces the token."
+    )
+    logprobs_mode: Literal["processed", "raw"] = Field(
+        "processed", description="Extension: log probabilities after logit_bias/min_tokens/penalties, or the model's."
+    )
     user: str | None = None
     ignore_eos: bool = Field(
         False, description="Extension (vLLM's): keep generating past the model's EOS tokens; `stop` still applies."
     )
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        return _unsupported("n", value, (1,))
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float, info: ValidationInfo) -> float:
-        return _unsupported(str(info.field_name), value, (0.0,))
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("`logit_bias` is not supported by this server")
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} tokens")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"`logit_bias` keys are token ids, got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"`logit_bias` values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and any(t < 0 for t in value):
+            raise ValueError("`stop_token_ids` must be token ids (>= 0)")
         return value
 
     @field_validator("stop")
@@ -119,3 +144,8 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs in id order (what ``SamplingSpec`` holds)."""
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))

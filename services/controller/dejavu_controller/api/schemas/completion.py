@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from dejavu_common.messages import MAX_LOGPROBS
+
 from .common import SamplingRequest, Usage, _unsupported
 
 # A prompt as text or as token ids; OpenAI also accepts a batch (a list of either) of which we take one.
@@ -17,9 +19,12 @@ DEFAULT_MAX_TOKENS = 16
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    echo: bool = False
+    max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most; 0 (with `echo`): none.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs, if asked).")
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Log probabilities of each token and of this many likeliest ones."
+    )
     best_of: int | None = None
 
     @field_validator("prompt")
@@ -36,20 +41,10 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("exactly one prompt per request is supported (got a batch or an empty list)")
         return cls._one_prompt(value[0])  # type: ignore[arg-type]
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        return _unsupported("echo", value, (False,))
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         return _unsupported("suffix", value, (None, ""))
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        return _unsupported("logprobs", value, (None,))
 
     @field_validator("best_of")
     @classmethod
@@ -57,10 +52,20 @@ class CompletionRequest(SamplingRequest):
         return _unsupported("best_of", value, (None, 1))
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy log probabilities: per token, its text, log probability (None for the first prompt
+    token, which nothing predicts), the likeliest tokens' (and the chosen one's) and its offset in the text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int = 0
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
