@@ -6,7 +6,8 @@
 #                                   preloads it into workers, see dejavu_engine/process.py)
 #   ensure-system-packages.sh test  what some tests use as well: iproute2 (the multi-host test over network namespaces)
 #                                   and Docker's engine, docker-compose and debootstrap (the container deployment test,
-#                                   tests/infra/test_compose_deployment.py); a failure to install one only skips its test
+#                                   tests/infra/test_compose_deployment.py) and chromium (the status page's browser test,
+#                                   tests/system/test_dashboard.py); a failure to install one only skips its test
 set -euo pipefail
 mode="${1:-run}"
 case "$mode" in run | test) ;; *) echo "usage: $0 run|test" >&2; exit 2 ;; esac
@@ -25,6 +26,7 @@ else
   command -v dockerd >/dev/null 2>&1 || optional+=(docker.io)
   command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || optional+=(docker-compose)
   command -v debootstrap >/dev/null 2>&1 || optional+=(debootstrap)
+  command -v chromium >/dev/null 2>&1 || optional+=(chromium)
 fi
 [ ${#missing[@]} -eq 0 ] && [ ${#optional[@]} -eq 0 ] && exit 0
 
@@ -60,6 +62,7 @@ for package in "${optional[@]}"; do
     g++) echo "note: no C++ compiler, so the workers use torch's attention instead of the native kernels" >&2 ;;
     libtcmalloc-minimal4) echo "note: tcmalloc is missing (Debian: libtcmalloc-minimal4), so workers use the default allocator" >&2 ;;
     iproute2) echo "note: iproute2 is missing, so the multi-host test will be skipped" >&2 ;;
+    chromium) echo "note: chromium is missing, so the status page's browser test will be skipped" >&2 ;;
     *) echo "note: $package is missing, so the container deployment test may be skipped" >&2 ;;
   esac
 done

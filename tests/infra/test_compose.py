@@ -97,3 +97,13 @@ def test_default_image_tags_are_the_ones_make_builds(compose: dict[str, Any]) ->
         name = service["image"].split(":")[0]
         if name in expected:
             assert service["image"] == expected[name]
+
+
+def test_every_worker_serves_its_metrics_on_the_port_the_file_lists(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    workers = [n for n, svc in services.items() if "worker" in svc["image"]]
+    assert len(workers) == 5
+    for name in workers:
+        env = services[name]["environment"]
+        assert env["DEJAVU_WORKER__METRICS_HOST"] == "0.0.0.0"
+        assert [str(p) for p in services[name]["expose"]] == [str(env["DEJAVU_WORKER__METRICS_PORT"])]

@@ -73,6 +73,11 @@ def test_probes_use_the_health_endpoints(rendered: list[dict[str, Any]]) -> None
     controller = containers(by_kind(rendered, "Deployment")["controller"])[0]
     assert controller["livenessProbe"]["httpGet"]["path"] == "/health"
     assert controller["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # Both on the probe listener, which the API port's connections cannot starve.
+    ports = {port["name"]: port["containerPort"] for port in controller["ports"]}
+    env = {e["name"]: e.get("value") for e in controller["env"]}
+    assert ports["probe"] == int(env["DEJAVU_CONTROLLER__PROBE_PORT"]) != ports["http"]
+    assert controller["livenessProbe"]["httpGet"]["port"] == controller["readinessProbe"]["httpGet"]["port"] == "probe"
     for name, module in [
         ("prompt-worker", "dejavu_prompt_worker"),
         ("token-worker", "dejavu_token_worker"),
@@ -170,6 +175,24 @@ def test_only_dejavu_pods_reach_redis(rendered: list[dict[str, Any]]) -> None:
     assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
 
 
+def test_only_the_deployments_workers_reach_a_workers_data_plane(rendered: list[dict[str, Any]]) -> None:
+    """Every worker pod is selected by a policy whose one ingress rule admits worker pods of this namespace
+    only (no namespace selector, no address blocks), and no other pod carries the worker label."""
+    policy = by_kind(rendered, "NetworkPolicy")["worker-data-plane"]["spec"]
+    selector = policy["podSelector"]["matchLabels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    assert source == {"podSelector": {"matchLabels": selector}}
+    workloads = {**by_kind(rendered, "Deployment"), **by_kind(rendered, "StatefulSet")}
+    selected = {
+        name
+        for name, doc in workloads.items()
+        if selector.items() <= doc["spec"]["template"]["metadata"]["labels"].items()
+    }
+    assert selected == {"prompt-worker", "token-worker", "token-worker-spare"}
+
+
 def test_images_are_the_ones_make_builds(rendered: list[dict[str, Any]]) -> None:
     variant = {"cpu": "cpu", "gpu": "cuda"}[overlay_of(rendered)]
     expected = {
@@ -214,3 +237,22 @@ def test_base_files_pass_the_schemas_on_their_own(path: Path) -> None:
     """Runs without kubectl too: every base resource file is a complete manifest."""
     for doc in yaml.safe_load_all(path.read_text()):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_every_worker_pod_is_scraped_on_the_port_its_metrics_are_served_at(rendered: list[dict[str, Any]]) -> None:
+    """The scrape annotations name the port the worker serves its metrics on (on every interface), a container
+    port called 'metrics', and a policy admits the cluster's pods to that port (docs/metrics.md)."""
+    workers = {n: d for n, d in by_kind(rendered, "StatefulSet").items() if n != "redis"}
+    assert set(workers) == {"prompt-worker", "token-worker", "token-worker-spare"}
+    for name, doc in workers.items():
+        annotations = doc["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        port = int(annotations["prometheus.io/port"])
+        (worker,) = containers(doc)
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        assert int(env["DEJAVU_WORKER__METRICS_PORT"]) == port, name
+        assert env["DEJAVU_WORKER__METRICS_HOST"] == "0.0.0.0", name
+        assert {"name": "metrics", "containerPort": port} in worker["ports"], name
+        policy = by_kind(rendered, "NetworkPolicy")["worker-metrics"]["spec"]
+        assert policy["podSelector"]["matchLabels"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
+        assert policy["ingress"][0]["ports"] == [{"port": port, "protocol": "TCP"}]

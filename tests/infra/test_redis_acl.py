@@ -54,6 +54,23 @@ ALLOWED: list[tuple[str, tuple[str, ...]]] = [
     ("worker-t-w1", ("HGET", "dejavu:worker:t-w2", "info")),  # a peer's data-plane address
     ("worker-t-w1", ("PTTL", "dejavu:worker:t-w2:lease")),
     ("worker-t-w1", ("SREM", "dejavu:worker:index", "t-w1")),
+    # Every command the workers send, on the keys they send it to (dejavu_worker, the worker services).
+    ("worker-t-w1", ("HEXISTS", "dejavu:worker:t-w1", "info")),
+    ("worker-t-w1", ("SET", "dejavu:worker:t-w1:kv", "{}", "PX", "6000")),
+    ("worker-t-w1", ("HINCRBY", "dejavu:wm:kvbytes", "replication", "4096")),
+    ("worker-t-w1", ("HDEL", "dejavu:wm:0", "1")),
+    ("worker-t-w1", ("HSET", "dejavu:wm:0:sig", "1", "t-w1 c2ln")),
+    ("worker-t-w1", ("HDEL", "dejavu:wm:0:sig", "1")),
+    ("worker-t-w1", ("SET", "dejavu:wm:progress:3:1", "{}", "EX", "3600")),
+    ("worker-t-w1", ("SET", "dejavu:wm:restored:3:1", "1", "EX", "3600")),
+    ("worker-t-w1", ("XGROUP", "CREATE", "dejavu:q:prompt", "prompt-stage0", "0", "MKSTREAM")),
+    ("worker-t-w1", ("XREADGROUP", "GROUP", "prompt-stage0", "t-w1", "COUNT", "1", "STREAMS", "dejavu:q:prompt", ">")),
+    ("worker-t-w1", ("XAUTOCLAIM", "dejavu:q:prompt", "prompt-stage0", "t-w1", "1000", "0")),
+    ("worker-t-w1", ("XACK", "dejavu:q:prompt", "prompt-stage0", "0-1")),
+    ("worker-t-w1", ("XADD", "dejavu:q:ready", "MAXLEN", "~", "10000", "*", "done", "d")),
+    ("worker-t-w1", ("XREVRANGE", "dejavu:tok:1", "+", "-", "COUNT", "1")),
+    ("worker-t-w1", ("DEL", LEASE)),
+    ("worker-t-w1", ("DEL", "dejavu:worker:t-w1")),
     ("admin", ("XADD", "dejavu:admin:commands", "MAXLEN", "~", "1000", "*", "cmd", "c")),
     ("admin", ("SISMEMBER", "dejavu:worker:index", "t-w1")),
     ("admin", ("HGETALL", "dejavu:worker:t-w1")),
@@ -86,6 +103,27 @@ DENIED: list[tuple[str, tuple[str, ...]]] = [
     ("worker-t-w1", ("PUBLISH", "dejavu:admin:x", "1")),
     ("worker-t-w1", ("GET", "other:key")),
     ("worker-t-w1", ("FLUSHDB",)),
+    # No command grows a value in place, not even on the worker's own keys (a 512 MB string in one call).
+    ("worker-t-w1", ("SETRANGE", LEASE, str(512 << 20), "x")),
+    ("worker-t-w1", ("APPEND", LEASE, "x")),
+    ("worker-t-w1", ("SETBIT", LEASE, str(1 << 32 - 1), "1")),
+    ("worker-t-w1", ("APPEND", "dejavu:tok:1", "x")),
+    ("worker-t-w1", ("SETRANGE", "dejavu:wm:progress:3:1", "0", "x")),
+    # A shared hash or stream cannot be replaced, deleted, renamed or trimmed by a worker.
+    ("worker-t-w1", ("SET", "dejavu:wm:kvbytes", "forged")),
+    ("worker-t-w1", ("SET", "dejavu:wm:0", "forged")),
+    ("worker-t-w1", ("SET", "dejavu:tok:1", "forged")),
+    ("worker-t-w1", ("SET", "dejavu:worker:index", "forged")),
+    ("worker-t-w1", ("DEL", "dejavu:worker:index")),
+    ("worker-t-w1", ("DEL", "dejavu:tok:1")),
+    ("worker-t-w1", ("UNLINK", "dejavu:wm:kvbytes")),
+    ("worker-t-w1", ("RENAME", "dejavu:tok:1", "dejavu:tok:2")),
+    ("worker-t-w1", ("XTRIM", "dejavu:tok:1", "MAXLEN", "0")),
+    ("worker-t-w1", ("XDEL", "dejavu:tok:1", "0-1")),
+    ("worker-t-w1", ("HSET", "dejavu:worker:index", "f", "v")),
+    ("worker-t-w1", ("SADD", "dejavu:tok:9", "x")),
+    ("worker-t-w1", ("LPUSH", "dejavu:q:prompt2", "x")),
+    ("worker-t-w1", ("XADD", "dejavu:mb:1:cancel", "*", "f", "v")),
     # One worker's user cannot touch another worker's record or lease (redirect its KV traffic, fail it).
     ("worker-t-w2", ("HSET", "dejavu:worker:t-w1", "info", "{}")),
     ("worker-t-w2", ("DEL", "dejavu:worker:t-w1")),
@@ -199,3 +237,14 @@ def test_a_worker_reads_its_password_from_a_file(server: AclRedis, tmp_path: Pat
         assert c.set(keys.worker_lease("t-w2"), "1", px=1500)
         with pytest.raises(redis.exceptions.NoPermissionError):
             c.set(keys.TOPOLOGY, "{}")
+
+
+def test_no_client_makes_a_value_past_the_bulk_bound(server: AclRedis) -> None:
+    """redis.conf's proto-max-bulk-len bounds what one command may make, even for a user allowed SETRANGE."""
+    with client(server, "controller") as c:
+        with pytest.raises(redis.ResponseError, match="maximum allowed size"):
+            c.setrange("dejavu:ctl:big", 128 << 20, "x")
+        assert c.exists("dejavu:ctl:big") == 0
+        c.setrange("dejavu:ctl:big", 1 << 20, "x")  # a value within the bound is made as usual
+        assert c.strlen("dejavu:ctl:big") == (1 << 20) + 1
+        c.delete("dejavu:ctl:big")

@@ -3,6 +3,7 @@ lines and the answer but no library's log lines, and every process it started st
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -31,3 +32,24 @@ def test_demo_answers_and_prints_no_library_log_lines(tmp_path: Path) -> None:
     assert started, console
     for pid in started:  # each was waited for by the launcher, so its pid is gone (or reused by another program)
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/cmdline").read_bytes().find(b"dejavu") < 0
+
+
+def test_json_logs_of_every_service(tmp_path: Path) -> None:
+    """With ``DEJAVU_LOG_FORMAT=json`` every line a service logs (libraries' and uvicorn's included) is one JSON
+    object naming the service (and the worker); UCX, a C library, writes its own lines beside them."""
+    dejavu = Path(sys.executable).parent / "dejavu"
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "DEJAVU_LOG_FORMAT": "json"}
+    argv = [str(dejavu), "up", "--demo", "--exit-after-demo", "--port", str(free_port())]
+    argv += ["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    folder = Path(re.search(r"logs in (\S+)", done.stdout + done.stderr).group(1))
+    ucx = re.compile(r"^\[\d+\.\d+\] \[")
+    services = set()
+    for log_file in folder.glob("*.log"):
+        for line in log_file.read_text().splitlines():
+            if ucx.match(line):
+                continue
+            record = json.loads(line)
+            services.add((record["service"], record.get("worker_id")))
+    assert services == {("controller", None), ("token-worker", "t0")}

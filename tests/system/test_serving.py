@@ -97,7 +97,7 @@ def test_disaggregated_1p_2t_sixteen_concurrent_requests_and_bad_input(redis_url
             (b'{"model": "nope", "prompt": "x", "max_tokens": 4}', 404),
             (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 0}', 400),
             (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 1000000}', 400),
-            (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 4, "n": 2}', 400),
+            (b'{"model": "SmolLM2-135M-Instruct", "prompt": "x", "max_tokens": 4, "n": 17}', 400),
         ]
         for body, status in bad:
             r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)

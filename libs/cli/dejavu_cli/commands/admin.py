@@ -116,6 +116,7 @@ def _status(args: argparse.Namespace) -> int:
             "stage": None if stage is None else {"stage": stage.stage, "layers": list(stage.layers)},
             "pid": info.pid,
             "host": info.host,
+            "metrics_url": info.metrics_url,
         }
     watermarks = {}
     if topo is not None:
@@ -140,7 +141,9 @@ def _status(args: argparse.Namespace) -> int:
     for wid, w in workers.items():
         stage = f"stage {w['stage']['stage']} layers {w['stage']['layers']}" if w["stage"] else "no stage"
         lease = f"{w['lease_ms']} ms" if w["lease_ms"] else "EXPIRED"
-        print(f"  {wid:10s} {w['role']:6s} {'spare ' if w['spare'] else ''}{w['state']:8s} {stage:28s} lease {lease}")
+        metrics = f"  metrics {w['metrics_url']}" if w["metrics_url"] else ""
+        print(f"  {wid:10s} {w['role']:6s} {'spare ' if w['spare'] else ''}{w['state']:8s} {stage:28s} lease {lease}"
+              f"{metrics}")  # fmt: skip
     for stage, wm in watermarks.items():
         print(f"  watermarks of stage {stage}: {wm}")
     for mb, info in sorted(microbatches.items()):
