@@ -45,6 +45,26 @@ def test_sampling_controls_reach_the_backend(oai: openai.OpenAI, backend: Script
         oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"logprobs_mode": "logits"})
 
 
+def test_sampling_controls_reach_the_backend_from_a_streamed_chat(oai: openai.OpenAI, backend: ScriptedBackend):
+    chunks = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me"}],
+        max_tokens=20,
+        temperature=0.7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": -100, "3": 2.5},
+        seed=11,
+        stream=True,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 4, "stop_token_ids": [9, 5], "top_k": 8, "min_p": 0.1},
+    )
+    assert list(chunks)[-1].choices[0].finish_reason is not None
+    spec = backend.requests[0].sampling
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert spec.logit_bias == ((3, 2.5), (7, -100.0))
+    assert (spec.min_tokens, spec.stop_token_ids, spec.top_k, spec.min_p, spec.seed) == (4, (9, 5), 8, 0.1, 11)
+
+
 def test_out_of_range_controls_are_openai_400s(oai: openai.OpenAI, backend: ScriptedBackend):
     with pytest.raises(openai.BadRequestError) as caught:
         oai.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body={"min_tokens": 4})
