@@ -180,6 +180,7 @@ def _answers_from_small_pools(settings, reference: Reference, host_bytes: int | 
     layers = 30 // settings.controller.token_depth
     settings.engine.kv_pool_bytes = 40 * (2 * layers * 3 * 4 * 64 * 4)  # blocks: K and V, 3 heads of 64 a layer
     settings.engine.kv_host_bytes = host_bytes
+    settings.engine.max_recomputes = 10_000  # this test is about recompute losing nothing, not its cap
     with running(settings) as launcher:
         jobs = [(PROMPTS[i % len(PROMPTS)], 40) for i in range(6)]
         got = _complete_all(_client(launcher), settings.model.name, jobs)
