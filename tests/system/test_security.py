@@ -1,6 +1,7 @@
 """Hostile input to a running system: nothing it injects is accepted, and the system keeps serving.
 
-- a data-plane peer with a wrong secret, or with the right secret but a stale epoch, sends tokens,
+- a data-plane peer with a wrong secret, or with the right secret but a stale epoch, or with the right
+  secret at the current epoch in a worker's name (without that worker's key), sends tokens,
   activations and KV to every worker;
 - malformed entries land on every Redis stream the services read;
 - an admin command signed with a key that is not the deployment's (a worker's own verify key
@@ -40,10 +41,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 API_KEY = "sk-security-test"
 
 
-def _rogue_sends(settings: Settings, secret: str, epoch: int) -> None:
-    """Connect to every worker's data plane and send garbage on every channel."""
+def _rogue_sends(settings: Settings, secret: str, epoch: int, sender: str = "rogue") -> None:
+    """Connect to every worker's data plane and send garbage on every channel, as ``sender``."""
     client = redis.Redis.from_url(settings.redis.url)
-    ep = Endpoint(UcxTransport("rogue"), secret, epoch=epoch)
+    ep = Endpoint(UcxTransport(sender), secret, epoch=epoch)
     try:
         for wid in (m.decode() for m in client.smembers(keys.WORKERS)):
             info = WorkerInfo.decode(client.hget(keys.worker(wid), "info"))
@@ -100,6 +101,7 @@ def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> N
         secret = settings.transport.secret.get_secret_value()
         _rogue_sends(settings, "not-the-secret", epoch)  # wrong secret
         _rogue_sends(settings, secret, epoch - 1)  # a fenced (older-epoch) sender
+        _rogue_sends(settings, secret, epoch, sender="t0")  # a member speaking for t0 without t0's key
         for stream in (keys.PROMPT_QUEUE, keys.COLOCATED_QUEUE, keys.READY_QUEUE, keys.ADMIN_STREAM):
             client.xadd(stream, {"task": b"{bad", "done": b"[]", "cmd": b"{}"})
         client.xadd(keys.tokens(12345), {"step": b"nonsense"})
@@ -132,4 +134,5 @@ def test_rogue_peers_malformed_streams_and_forged_admin_commands(redis_url) -> N
             time.sleep(0.2)
         text = logs(launcher, tail=None)
         assert text.count("bad signature") == 2, logs(launcher)  # both forged kills were refused
+        assert "not its published" in text, logs(launcher)  # the messages in t0's name were refused
         assert text.count("pause-heartbeats 0.3") == 1 and "replayed" in text, logs(launcher)

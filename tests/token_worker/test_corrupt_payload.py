@@ -5,7 +5,6 @@ that (prompt KV that never completes fails its microbatch; a replica step past a
 
 from __future__ import annotations
 
-import base64
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ import torch
 
 from dejavu_common import fatal, keys
 from dejavu_common.fatal import guarded
-from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec, WorkerInfo, WorkerRole
+from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
 from dejavu_common.settings import Replication, TransportSettings
 from dejavu_token_worker.replication import ReplicaStore
 from dejavu_token_worker.worker import TokenWorker
@@ -27,6 +26,7 @@ from dejavulib.header import Channel, Header
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import KVLayout
 from tests.dejavulib.fake_transport import FakeTransport
+from tests.worker.records import register
 
 
 class FlakyLink(FakeTransport):
@@ -69,10 +69,9 @@ def link(redis_url) -> Iterator[tuple[DataEndpoint, DataEndpoint, FlakyLink, red
     settings = TransportSettings()
     flaky = FlakyLink("t0")
     sender = DataEndpoint(settings, "t0", transport=flaky)
-    receiver = DataEndpoint(settings, "t1", transport=FakeTransport("t1"))
-    info = WorkerInfo(worker_id="t1", role=WorkerRole.TOKEN, host="h", pid=1, instance="i",
-                      data_address=base64.b64encode(receiver.address).decode())  # fmt: skip
-    client.hset(keys.worker("t1"), mapping={"info": info.encode()})
+    receiver = DataEndpoint(settings, "t1", transport=FakeTransport("t1"), registry=client)
+    register(client, sender)
+    register(client, receiver)
     sender.connect_all(client, ["t1"])
     yield sender, receiver, flaky, client
     sender.close()

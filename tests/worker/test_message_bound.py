@@ -5,7 +5,6 @@ dropped unread (DejaVuLib's in-process transport, real Redis for the registry re
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,8 +12,7 @@ import pytest
 import redis
 import torch
 
-from dejavu_common import keys
-from dejavu_common.messages import StageAssignment, Topology, WorkerInfo, WorkerRole
+from dejavu_common.messages import StageAssignment, Topology
 from dejavu_common.partition import split_layers
 from dejavu_common.settings import Settings, TransportSettings
 from dejavu_engine.families import family_for
@@ -25,6 +23,7 @@ from dejavu_worker.endpoint import DataEndpoint, largest_message
 from dejavulib.header import Channel
 from dejavulib.layout import KVLayout
 from tests.dejavulib.fake_transport import FakeTransport
+from tests.worker.records import register
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +96,9 @@ def pair(redis_url: str) -> Iterator[tuple[DataEndpoint, DataEndpoint]]:
     client = redis.Redis.from_url(redis_url)
     settings = TransportSettings()
     sender = DataEndpoint(settings, "t0", transport=FakeTransport("t0"))
-    receiver = DataEndpoint(settings, "t1", transport=FakeTransport("t1"))
-    info = WorkerInfo(worker_id="t1", role=WorkerRole.TOKEN, host="h", pid=1, instance="i",
-                      data_address=base64.b64encode(receiver.address).decode())  # fmt: skip
-    client.hset(keys.worker("t1"), mapping={"info": info.encode()})
+    receiver = DataEndpoint(settings, "t1", transport=FakeTransport("t1"), registry=client)
+    register(client, sender)
+    register(client, receiver)
     sender.connect_all(client, ["t1"])
     yield sender, receiver
     sender.close()

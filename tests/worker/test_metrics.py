@@ -4,7 +4,6 @@ in-process transport; the HTTP endpoint on a free port; the URL published in the
 
 from __future__ import annotations
 
-import base64
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -14,7 +13,6 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from dejavu_common import keys
 from dejavu_common.messages import WorkerInfo, WorkerRole
 from dejavu_common.settings import Settings, TransportSettings
 from dejavu_worker.endpoint import DataEndpoint
@@ -33,6 +31,7 @@ from dejavulib.header import Channel, Header
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import KVLayout
 from tests.dejavulib.fake_transport import FakeTransport
+from tests.worker.records import register
 
 
 def samples(text: str | bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -220,13 +219,12 @@ def link(redis_url) -> Iterator[tuple[DataEndpoint, DataEndpoint, FlakyLink, Wor
     client = redis.Redis.from_url(redis_url)
     flaky = FlakyLink("t0")
     sender = DataEndpoint(TransportSettings(), "t0", transport=flaky)
-    receiver = DataEndpoint(TransportSettings(), "t1", transport=FakeTransport("t1"))
+    receiver = DataEndpoint(TransportSettings(), "t1", transport=FakeTransport("t1"), registry=client)
     sent, got = WorkerMetrics("t0", "token"), WorkerMetrics("t1", "token")
     sender.record_to(sent.dataplane)
     receiver.record_to(got.dataplane)
-    info = WorkerInfo(worker_id="t1", role=WorkerRole.TOKEN, host="h", pid=1, instance="i",
-                      data_address=base64.b64encode(receiver.address).decode())  # fmt: skip
-    client.hset(keys.worker("t1"), mapping={"info": info.encode()})
+    register(client, sender)
+    register(client, receiver)
     sender.connect_all(client, ["t1"])
     yield sender, receiver, flaky, sent, got
     sender.close()

@@ -68,6 +68,7 @@ class WorkerInfo(Message):
     spare: bool = False
     metrics_url: str | None = Field(None, description="where Prometheus scrapes it (None: not served)")
     entry_key: str = Field("", description="base64 Ed25519 public key its token-stream entries are signed with")
+    data_key: str = Field("", description="base64 X25519 public key its data-plane pair keys derive from")
 
     def encode(self) -> bytes:
         """Without ``metrics_url`` when it is None: the record then reads as it did before the field existed."""

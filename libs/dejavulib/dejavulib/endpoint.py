@@ -1,15 +1,23 @@
 """A message channel for the serving layer: authenticated, epoch-fenced, per-channel receive queues.
 
 ``Endpoint`` wraps a ``MessageTransport`` (UCX between processes, fake in tests). ``send`` seals a
-``Header`` (size, payload MAC, epoch, sequence, sender, header MAC with the deployment secret) and
-starts the transfer; ``recv(channel)`` blocks until a message on that channel arrives.
+``Header`` (size, payload MAC, epoch, sequence, sender and its key id, the member MAC with the
+deployment secret and the sender MAC with the pair's key) and starts the transfer; ``recv(channel)``
+blocks until a message on that channel arrives.
+
+With ``keys`` (:class:`PeerKeys`, what workers use), a message from A to B is sealed with the key of
+the pair (A, B) (:mod:`dejavulib.peerkeys`), so a member that holds the deployment secret still cannot
+seal a message that B accepts as another member's. Without, every member seals with the deployment
+key, and any member can speak for any other (single-process tools and tests).
 
 Thread-safety: every method may be called from any thread; different threads may wait on different
 channels at once; messages of one channel from one sender are received in send order.
 
 Failure behaviour:
 
-* a message whose header MAC does not verify (wrong secret, corrupted header), whose epoch is older
+* a message whose header MAC does not verify (wrong secret, corrupted header: ``rejected_auth``),
+  whose sender cannot be authenticated (it publishes no key, or the message is not sealed with the
+  key of the pair it names: ``rejected_sender``), whose epoch is older
   than ``set_epoch``'s, whose (sender, epoch, seq) was seen before (a replay, :mod:`dejavulib.replay`),
   whose payload is over ``max_message_bytes``, or that would take its channel's backlog past its bound
   is dropped, logged and counted in ``stats`` before the transport sizes any buffer for its payload; it
@@ -39,9 +47,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dejavulib.buffers import Buffer, as_bytes
-from dejavulib.errors import ClosedError, IntegrityError, TransferTimeout
+from dejavulib.errors import ClosedError, IntegrityError, SenderError, TransferTimeout
 from dejavulib.handle import Handle
-from dejavulib.header import Channel, DType, Header, secret_key, sender_field
+from dejavulib.header import NO_KEY_ID, Channel, DType, Header, secret_key, sender_field
+from dejavulib.peerkeys import PeerKeys
 from dejavulib.replay import ReplayGuard
 from dejavulib.transport.base import MessageTransport
 
@@ -87,6 +96,18 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 30
 DEFAULT_MAX_QUEUED_MESSAGES = 4096
 
 
+@dataclass(frozen=True)
+class _Admitted:
+    """An admitted message's header and the key its payload is verified with (the pair's)."""
+
+    header: Header
+    key: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes
+
+
 class Endpoint:
     """See the module docstring."""
 
@@ -98,13 +119,16 @@ class Endpoint:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_queued_bytes: int | None = None,
         max_queued_messages: int = DEFAULT_MAX_QUEUED_MESSAGES,
+        keys: PeerKeys | None = None,
     ) -> None:
+        """``keys``: this process's per-pair keys (see the module docstring); None: the deployment key only."""
         if max_queued_bytes is None:
             max_queued_bytes = 2 * max_message_bytes
         if min(max_message_bytes, max_queued_bytes, max_queued_messages) < 1:
             raise ValueError("max_message_bytes, max_queued_bytes and max_queued_messages must be positive")
         self.transport = transport
         self._key = secret_key(secret)
+        self.keys = keys
         self._epoch = epoch
         self.max_message_bytes = max_message_bytes
         self.max_queued_bytes, self.max_queued_messages = max_queued_bytes, max_queued_messages
@@ -112,7 +136,7 @@ class Endpoint:
         self._backlog_bytes: collections.Counter[Channel] = collections.Counter()
         self._backlog_messages: collections.Counter[Channel] = collections.Counter()
         self._replay = ReplayGuard()
-        self._queues: dict[Channel, collections.deque[tuple[Header, np.ndarray]]] = {
+        self._queues: dict[Channel, collections.deque[tuple[_Admitted, np.ndarray]]] = {
             c: collections.deque() for c in Channel
         }
         self._cond = threading.Condition()
@@ -147,16 +171,17 @@ class Endpoint:
         with self._cond:
             self._epoch = epoch
             for channel, queue in self._queues.items():
-                kept = collections.deque(m for m in queue if m[0].epoch >= epoch)
-                for header, _payload in queue:
-                    if header.epoch < epoch:
-                        self._unqueue(header)
+                kept = collections.deque(m for m in queue if m[0].header.epoch >= epoch)
+                for admitted, _payload in queue:
+                    if admitted.header.epoch < epoch:
+                        self._unqueue(admitted.header)
                 self.stats["rejected_stale_epoch"] += len(queue) - len(kept)
                 self._queues[channel] = kept
         self._replay.forget_before(epoch)
 
     def send(self, peer_id: str, header: Header, payload: Buffer | None = None, deadline_s: float = 10.0) -> Handle:
-        """Seal ``header`` for ``payload`` and start sending; returns at once.
+        """Seal ``header`` for ``payload`` and start sending; returns at once. With per-pair keys, raises
+        ``PeerError`` for a peer whose key this endpoint was not given (``keys.learn``).
 
         If ``header.shape`` is empty and ``payload`` is a tensor/array, its dtype and shape are recorded so
         ``Message.tensor()`` rebuilds it. Keep ``payload`` unchanged until the handle completes.
@@ -172,11 +197,12 @@ class Endpoint:
         if payload is not None and not header.shape and not isinstance(payload, bytes | bytearray | memoryview):
             dtype, shape = describe(payload)
             header = replace(header, dtype=dtype, shape=shape)
+        key, key_id = self.keys.sending(peer_id) if self.keys is not None else (self._key, NO_KEY_ID)
         with self._cond:
             seq, self._seq = self._seq, self._seq + 1
         sender = sender_field(self.self_id)
-        sealed = header.with_payload(memoryview(data), self._key, epoch=self._epoch, seq=seq, sender=sender)  # type: ignore[arg-type]  # numpy arrays are buffers
-        inner = self.transport.send_message(peer_id, sealed.pack(self._key), data)
+        sealed = header.with_payload(memoryview(data), key, epoch=self._epoch, seq=seq, sender=sender, key_id=key_id)  # type: ignore[arg-type]  # numpy arrays are buffers
+        inner = self.transport.send_message(peer_id, sealed.pack(self._key, key), data)
         outer = Handle(data.nbytes, deadline_s)
         inner.add_done_callback(lambda h: outer.set_done(h.error))
         return outer
@@ -194,10 +220,11 @@ class Endpoint:
                     raise TransferTimeout(f"no {channel.name} message within {deadline_s} s")
                 self._cond.wait(left)
             queue = self._queues[channel]
-            header, payload = queue.popleft()
+            admitted, payload = queue.popleft()
+            header = admitted.header
             self._unqueue(header)
         try:
-            header.verify_payload(memoryview(payload), self._key)  # type: ignore[arg-type]  # numpy arrays are buffers
+            header.verify_payload(memoryview(payload), admitted.key)  # type: ignore[arg-type]  # numpy arrays are buffers
         except IntegrityError:
             self.stats["integrity_errors"] += 1
             raise
@@ -220,11 +247,17 @@ class Endpoint:
             self._cond.notify_all()
         self.transport.close()
 
-    def _admit(self, raw_header: bytes) -> Header | None:
+    def _admit(self, raw_header: bytes) -> _Admitted | None:
         """Runs on the transport's thread before any payload buffer is sized: the header, authenticated,
-        if its message may be received; None to drop it. Never raises."""
+        and its pair's key, if its message may be received; None to drop it. Never raises. The first
+        message of a sender process this endpoint does not know yet looks its key up
+        (``PeerKeys.receiving``)."""
         try:
-            header = Header.unpack(raw_header, self._key)
+            header, key = self._authenticate(raw_header)
+        except SenderError as exc:
+            self.stats["rejected_sender"] += 1
+            log.warning("dropped a message on %s: %s", self.self_id, exc)
+            return None
         except IntegrityError as exc:
             self.stats["rejected_auth"] += 1
             log.warning("dropped a message on %s: %s", self.self_id, exc)
@@ -251,7 +284,20 @@ class Endpoint:
             log.warning("dropped a replayed %s message (seq %d, epoch %d) from %r", header.channel.name,
                         header.seq, header.epoch, header.sender)  # fmt: skip
             return None
-        return header
+        return _Admitted(header, key)
+
+    def _authenticate(self, raw_header: bytes) -> tuple[Header, bytes]:
+        """The header, its member and sender MACs verified, and the key of its pair."""
+        keys = self.keys
+        if keys is None:
+            return Header.unpack(raw_header, self._key), self._key
+        pair: list[bytes] = []
+
+        def sender_key(header: Header) -> bytes:
+            pair.append(keys.receiving(header))
+            return pair[0]
+
+        return Header.unpack(raw_header, self._key, sender_key), pair[0]
 
     def _enqueue(self, header: Header) -> bool:
         """Count ``header``'s message into its channel's backlog if the bounds allow it."""
@@ -270,19 +316,20 @@ class Endpoint:
             self._backlog_messages[header.channel] -= 1
             self._backlog_bytes[header.channel] -= header.nbytes
 
-    def _on_drop(self, header: Header) -> None:
+    def _on_drop(self, admitted: _Admitted) -> None:
         """Runs on the transport's thread for an admitted message that will never be delivered."""
-        self._unqueue(header)
+        self._unqueue(admitted.header)
         self.stats["dropped_in_transfer"] += 1
 
-    def _on_message(self, header: Header, payload: np.ndarray) -> None:
+    def _on_message(self, admitted: _Admitted, payload: np.ndarray) -> None:
         """Runs on the transport's thread with an admitted header: fence by epoch (it may have moved
         since admission), enqueue. Never raises."""
+        header = admitted.header
         with self._cond:
             if header.epoch < self._epoch:
                 self._unqueue(header)
                 self.stats["rejected_stale_epoch"] += 1
                 return
-            self._queues[header.channel].append((header, payload))
+            self._queues[header.channel].append((admitted, payload))
             self.stats["delivered"] += 1
             self._cond.notify_all()

@@ -5,7 +5,8 @@
 * ``TransferTimeout`` (retryable: the peer may be slow or dead; our deadlines are the only dead-peer
   detector because UCX endpoint error handling is off for shared-memory speed),
 * ``PeerError`` (the peer is unknown, unreachable or its endpoint failed),
-* ``IntegrityError`` (a payload does not match its header's MAC or size: never retry blindly),
+* ``IntegrityError`` (a payload does not match its header's MAC or size: never retry blindly;
+  ``SenderError``: the message is not from the sender it names),
 * ``TransportUnavailable`` (configuration asks for a transport this host cannot provide: fatal).
 """
 
@@ -34,6 +35,11 @@ class PeerError(TransferError):
 
 class IntegrityError(DejaVuLibError):
     """A received payload does not match its header (MAC, size or dtype)."""
+
+
+class SenderError(IntegrityError):
+    """A message's sender cannot be authenticated: it publishes no data-plane key, or the message is not
+    sealed with the key of the pair (the sender it names, this receiver)."""
 
 
 class ProtocolError(DejaVuLibError):

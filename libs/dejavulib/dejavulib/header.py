@@ -1,16 +1,20 @@
-"""The fixed binary header every DejaVuLib message carries, and its seal (two MACs).
+"""The fixed binary header every DejaVuLib message carries, and its seal (three MACs).
 
 Layout (little endian, ``Header.SIZE`` bytes): magic, version, channel, dtype code, flags (which K/V),
 ndim, dims[4], microbatch, step, layers, rows, positions, user, payload byte count, payload MAC
-(16 bytes), sender epoch, sequence number, sender id (32 bytes, utf-8, NUL padded) and a 16-byte
-HMAC-SHA256 of all preceding bytes keyed by the per-deployment secret.
+(16 bytes), sender epoch, sequence number, sender id (32 bytes, utf-8, NUL padded), the sender's key id
+(8 bytes), then two 16-byte HMAC-SHA256 of all the bytes before them: the *member* MAC, keyed by the
+per-deployment secret, and the *sender* MAC, keyed by the key of the (sender, receiver) pair
+(:mod:`dejavulib.peerkeys`; an endpoint without per-pair keys uses the deployment key for both).
 
-The payload MAC is HMAC-SHA256 (truncated to 16 bytes) of the payload under the same key, and the
-header MAC covers it, so together they authenticate header + payload: changing a payload byte needs
+The payload MAC is HMAC-SHA256 (truncated to 16 bytes) of the payload under the pair's key, and the
+header MACs cover it, so together they authenticate header + payload: changing a payload byte needs
 the key, unlike a checksum, which an on-path attacker can recompute. The header is checked on its own
-first (:meth:`Header.unpack`), so a receiver sizes no payload buffer for an unauthenticated sender;
-the payload is checked (:meth:`Header.verify_payload`) before any of its bytes is interpreted.
-No pickle: ``pack``/``unpack`` are ``struct`` only.
+first (:meth:`Header.unpack`): the member MAC before anything else (a sender outside the deployment
+makes the receiver look nothing up), then the sender MAC under the key of the sender it names, so a
+receiver sizes no payload buffer for an unauthenticated sender; the payload is checked
+(:meth:`Header.verify_payload`) before any of its bytes is interpreted. No pickle: ``pack``/``unpack``
+are ``struct`` only.
 """
 
 from __future__ import annotations
@@ -19,13 +23,18 @@ import enum
 import hashlib
 import hmac
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from dejavulib.errors import IntegrityError
+from dejavulib.errors import IntegrityError, SenderError
 
 MAGIC = 0x554A5644  # b"DVJU" little endian
-VERSION = 3  # 2: a payload MAC instead of a crc32; 3: 64-bit microbatch ids (a controller incarnation is their top)
+# 2: a payload MAC instead of a crc32; 3: 64-bit microbatch ids (a controller incarnation is their top);
+# 4: the sender's key id and a sender MAC under the pair's key
+VERSION = 4
 SENDER_BYTES = 32
+KEY_ID_BYTES = 8
+NO_KEY_ID = bytes(KEY_ID_BYTES)  # what an endpoint without per-pair keys sends
 
 
 def sender_field(peer_id: str) -> str:
@@ -40,7 +49,7 @@ def sender_field(peer_id: str) -> str:
 
 
 MAC_BYTES = 16
-_BODY = struct.Struct(f"<IHBBBB4IQIHHHHIIQQ{MAC_BYTES}sQQ{SENDER_BYTES}s")
+_BODY = struct.Struct(f"<IHBBBB4IQIHHHHIIQQ{MAC_BYTES}sQQ{SENDER_BYTES}s{KEY_ID_BYTES}s")
 _PAYLOAD_DOMAIN = b"dejavu-payload\x00"  # a payload MAC is never a valid header MAC, and back
 
 
@@ -76,6 +85,10 @@ class DType(enum.IntEnum):
         return cls[name.removeprefix("torch.").upper()]
 
 
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]
+
+
 def payload_mac(key: bytes, data: memoryview | bytes) -> bytes:
     """The payload's MAC under ``key`` (hashlib releases the GIL while it hashes a large payload)."""
     mac = hmac.new(key, _PAYLOAD_DOMAIN, hashlib.sha256)
@@ -108,38 +121,49 @@ class Header:
     epoch: int = 0
     seq: int = 0
     sender: str = ""
+    key_id: bytes = NO_KEY_ID  # of the sender's data-plane key (``PeerKeys.key_id``)
 
-    SIZE = _BODY.size + MAC_BYTES
+    SIZE = _BODY.size + 2 * MAC_BYTES
 
     def __post_init__(self) -> None:
         if len(self.shape) > 4:
             raise ValueError("a header carries at most 4 dims")
         if len(self.sender.encode()) > SENDER_BYTES:
             raise ValueError(f"sender id longer than {SENDER_BYTES} bytes: {self.sender!r}")
+        if len(self.key_id) != KEY_ID_BYTES:
+            raise ValueError(f"a key id is {KEY_ID_BYTES} bytes, not {len(self.key_id)}")
 
-    def with_payload(self, payload: memoryview, key: bytes, *, epoch: int, seq: int, sender: str) -> Header:
-        """This header completed for ``payload``: size, payload MAC under ``key``, epoch, sequence, sender."""
+    def with_payload(
+        self, payload: memoryview, key: bytes, *, epoch: int, seq: int, sender: str, key_id: bytes = NO_KEY_ID
+    ) -> Header:
+        """This header completed for ``payload``: size, payload MAC under ``key`` (the pair's), epoch,
+        sequence, sender and the sender's key id."""
         mac = payload_mac(key, payload)
-        return replace(self, nbytes=payload.nbytes, mac=mac, epoch=epoch, seq=seq, sender=sender)
+        return replace(self, nbytes=payload.nbytes, mac=mac, epoch=epoch, seq=seq, sender=sender, key_id=key_id)
 
-    def pack(self, key: bytes) -> bytes:
-        """Serialize and seal with ``key`` (from :func:`secret_key`)."""
+    def pack(self, key: bytes, sender_key: bytes | None = None) -> bytes:
+        """Serialize and seal: the member MAC with ``key`` (from :func:`secret_key`), the sender MAC with
+        ``sender_key`` (the pair's key; None: ``key``)."""
         dims = (*self.shape, *([0] * (4 - len(self.shape))))
         body = _BODY.pack(
             MAGIC, VERSION, int(self.channel), int(self.dtype), self.which, len(self.shape), *dims,
             self.microbatch, self.step, *self.layers, *self.rows, *self.positions, self.user,
-            self.nbytes, self.mac, self.epoch, self.seq, self.sender.encode(),
+            self.nbytes, self.mac, self.epoch, self.seq, self.sender.encode(), self.key_id,
         )  # fmt: skip
-        return body + hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]
+        return body + _mac(key, body) + _mac(key if sender_key is None else sender_key, body)
 
     @classmethod
-    def unpack(cls, raw: bytes | memoryview, key: bytes) -> Header:
-        """Parse and authenticate; raises ``IntegrityError`` on bad magic/version/size/MAC or unknown codes."""
+    def unpack(cls, raw: bytes | memoryview, key: bytes, sender_key: Callable[[Header], bytes] | None = None) -> Header:
+        """Parse and authenticate; raises ``IntegrityError`` on bad magic/version/size/MAC or unknown codes.
+
+        The member MAC is checked with ``key`` first; then the sender MAC with ``sender_key(header)``, the
+        key of the pair whose sender the header names (None: ``key``), which raises ``SenderError`` itself
+        for a sender whose key it does not know; a sender MAC that fails raises ``SenderError`` too."""
         raw = bytes(raw)
         if len(raw) != cls.SIZE:
             raise IntegrityError(f"header of {len(raw)} bytes, expected {cls.SIZE}")
-        body, mac = raw[: _BODY.size], raw[_BODY.size :]
-        if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES]):
+        body, member, seal = raw[: _BODY.size], raw[_BODY.size : -MAC_BYTES], raw[-MAC_BYTES:]
+        if not hmac.compare_digest(member, _mac(key, body)):
             raise IntegrityError("header MAC mismatch (wrong deployment secret or corrupted header)")
         f = _BODY.unpack(body)
         if f[0] != MAGIC or f[1] != VERSION:
@@ -149,11 +173,18 @@ class Header:
         except ValueError as exc:
             raise IntegrityError(str(exc)) from exc
         ndim = f[5]
-        return cls(
+        header = cls(
             channel=channel, dtype=dtype, which=f[4], shape=tuple(f[6 : 6 + ndim]), microbatch=f[10], step=f[11],
             layers=(f[12], f[13]), rows=(f[14], f[15]), positions=(f[16], f[17]), user=f[18], nbytes=f[19],
-            mac=f[20], epoch=f[21], seq=f[22], sender=f[23].rstrip(b"\x00").decode(errors="replace"),
+            mac=f[20], epoch=f[21], seq=f[22], sender=f[23].rstrip(b"\x00").decode(errors="replace"), key_id=f[24],
         )  # fmt: skip
+        pair = key if sender_key is None else sender_key(header)
+        if not hmac.compare_digest(seal, _mac(pair, body)):
+            raise SenderError(
+                f"sender MAC mismatch: the message is not from {header.sender!r} (forged, or sealed for another "
+                "receiver or an earlier instance of either)"
+            )
+        return header
 
     def verify_payload(self, payload: memoryview, key: bytes) -> None:
         """Raise ``IntegrityError`` unless ``payload`` has this header's size and its MAC under ``key``."""

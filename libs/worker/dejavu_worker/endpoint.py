@@ -2,9 +2,18 @@
 
 Peers' endpoint addresses come from the registry in Redis (``WorkerInfo.data_address``). Payloads
 are the serving layer's framed messages (:mod:`dejavu_worker.dataplane`); DejaVuLib adds the sealed
-header (size, payload MAC, epoch fencing, replay refusal, sender authentication with the deployment
-secret) and bounds payloads: by ``transport.max_message_bytes``, and once the worker holds a stage by the
-deployment's largest legitimate message (:func:`largest_message`, :meth:`DataEndpoint.bound_messages`).
+header (size, payload MAC, epoch fencing, replay refusal, sender authentication) and bounds payloads:
+by ``transport.max_message_bytes``, and once the worker holds a stage by the deployment's largest
+legitimate message (:func:`largest_message`, :meth:`DataEndpoint.bound_messages`).
+
+Messages are sealed per (sender, receiver) pair (:mod:`dejavulib.peerkeys`): each worker process makes
+an X25519 key pair at its start and publishes the public half in its registry record
+(``WorkerInfo.data_key``, which only its own Redis user may write); the deployment secret is the salt of
+every pair key, so it still gates membership. A worker learns the key of each peer it sends to when it
+connects to it (:meth:`DataEndpoint.connect_all`), and the key of a sender it does not know yet, or whose
+process changed, from the sender's record when its first message arrives (on the transport's thread,
+at most once a second per sender). A worker holding the secret but not B's private key therefore
+cannot get a message accepted as B's: it is dropped, logged and counted (``rejected_sender``).
 
 Every message leaves through one DejaVuLib :class:`Streamer` (one thread, FIFO across channels): a
 send returns once the message is queued; KV regions (:meth:`send_region`) are packed there, off the
@@ -34,9 +43,10 @@ from dejavu_common.settings import Settings, TransportSettings
 from dejavu_worker.metrics import DataPlaneMetrics
 from dejavulib.endpoint import Endpoint, Message
 from dejavulib.errors import IntegrityError, PeerError, TransferError, TransferTimeout, TransportUnavailable
-from dejavulib.header import Channel, Header
+from dejavulib.header import Channel, Header, sender_field
 from dejavulib.kvcache import KVCache
 from dejavulib.layout import Region
+from dejavulib.peerkeys import PeerKeys, decode_public_key
 from dejavulib.streamer import Streamer
 from dejavulib.transport.base import MessageTransport
 
@@ -113,17 +123,29 @@ def largest_message(topology: Topology, settings: Settings, model: ModelShape) -
 
 
 class DataEndpoint:
-    def __init__(self, settings: TransportSettings, worker_id: str, transport: MessageTransport | None = None) -> None:
-        """``transport``: the one to use instead of UCX (tests pass DejaVuLib's in-process fake)."""
+    def __init__(
+        self,
+        settings: TransportSettings,
+        worker_id: str,
+        transport: MessageTransport | None = None,
+        registry: redis.Redis | None = None,
+    ) -> None:
+        """``transport``: the one to use instead of UCX (tests pass DejaVuLib's in-process fake).
+        ``registry``: the Redis client senders' keys are looked up with (thread-safe: it is used on the
+        transport's thread); None: the one :meth:`connect_all` is given first."""
         check_data_plane(settings)  # no public default secret beyond loopback
         self.settings = settings
         self.worker_id = worker_id
+        self._registry = registry
+        secret = settings.secret.get_secret_value()
+        self.keys = PeerKeys(worker_id, secret, resolve=self._published_key)
         self._ep = Endpoint(
             transport if transport is not None else _transport(settings, worker_id),
-            settings.secret.get_secret_value(),
+            secret,
             max_message_bytes=settings.max_message_bytes,
             max_queued_bytes=settings.max_queued_bytes,
             max_queued_messages=settings.max_queued_messages,
+            keys=self.keys,
         )
         self._addresses: dict[str, bytes] = {}
         # Received payloads dropped because they failed their MAC or size check, by channel name.
@@ -144,6 +166,11 @@ class DataEndpoint:
     @property
     def address(self) -> bytes:
         return self._ep.address
+
+    @property
+    def data_key(self) -> str:
+        """This process's data-plane public key, for its registry record (``WorkerInfo.data_key``)."""
+        return self.keys.public_key
 
     @property
     def stats(self) -> collections.Counter[str]:
@@ -179,8 +206,11 @@ class DataEndpoint:
         Peers connected before and not in ``peer_ids`` (they left the topology: failed, drained or moved
         elsewhere) are forgotten first: what is still in flight to them fails now, and a dead peer's
         outstanding transfers stop counting as this worker's traffic. Then this worker's own receive
-        path is checked (:meth:`check_receive_path`).
+        path is checked (:meth:`check_receive_path`). Each peer's data-plane key is taken from the same
+        record; a peer that publishes none cannot be sent to (``PeerError``, retried like the others).
         """
+        if self._registry is None:
+            self._registry = client
         for peer in sorted(set(self._addresses) - set(peer_ids)):
             del self._addresses[peer]
             self._ep.forget(peer)
@@ -214,11 +244,35 @@ class DataEndpoint:
         info = WorkerInfo.decode(raw)
         if info.worker_id != peer:  # each worker's Redis user writes only its own record
             raise TransferError(f"the record of peer {peer!r} claims to be worker {info.worker_id!r}")
+        try:
+            self.keys.learn(peer, decode_public_key(info.data_key))
+        except ValueError as exc:
+            raise PeerError(f"peer {peer!r} publishes no usable data-plane key: {exc}") from exc
         address = base64.b64decode(info.data_address)
         if self._addresses.get(peer) != address:
             self._addresses.pop(peer, None)  # a failed attempt leaves no address behind
             self._ep.connect(peer, address)
             self._addresses[peer] = address
+
+    def _published_key(self, field: str) -> tuple[str, bytes] | None:
+        """The worker id and data-plane key that the sender a header names as ``field`` publishes in its
+        registry record; None when it has no record or no key. Runs on the transport's thread (one Redis
+        round trip, bounded by the client's socket timeout); raises what Redis raises."""
+        client = self._registry
+        if client is None:
+            return None
+        worker_id: str | None = field
+        raw = client.hget(keys.worker(field), "info")
+        if raw is None:  # a long id: the header carries its head and a digest, so find whose it is
+            members = (m.decode(errors="replace") if isinstance(m, bytes) else m for m in client.smembers(keys.WORKERS))
+            worker_id = next((m for m in members if m != field and sender_field(m) == field), None)
+            raw = None if worker_id is None else client.hget(keys.worker(worker_id), "info")
+        if worker_id is None or raw is None:
+            return None
+        info = WorkerInfo.decode(raw)
+        if info.worker_id != worker_id or not info.data_key:  # each worker's Redis user writes only its own
+            return None
+        return worker_id, decode_public_key(info.data_key)
 
     def send(self, peer: str, channel: Channel, payload: bytes) -> None:
         """Queue ``payload`` to ``peer`` on ``channel`` (FIFO per peer, across channels)."""

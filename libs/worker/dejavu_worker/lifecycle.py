@@ -70,8 +70,9 @@ class WorkerProcess(abc.ABC):
 
     # -- hooks -------------------------------------------------------------------------------
     def open_data_plane(self) -> bytes:
-        """Create the DejaVuLib endpoint; return the address peers connect to."""
-        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id)
+        """Create the DejaVuLib endpoint; return the address peers connect to. Its data-plane key is
+        published with it (``WorkerInfo.data_key``); senders' keys are looked up through ``self.redis``."""
+        self.endpoint = DataEndpoint(self.settings.transport, self.worker_id, registry=self.redis)
         return self.endpoint.address
 
     @abc.abstractmethod
@@ -174,6 +175,7 @@ class WorkerProcess(abc.ABC):
             spare=self.spare,
             metrics_url=url,
             entry_key=self.signer.public_key,
+            data_key=self.endpoint.data_key if self.endpoint is not None else "",
         )
         self.register()
         self.heartbeat = Heartbeat(self.settings, self.redis, self.worker_id, self.info.instance)
