@@ -122,8 +122,8 @@ def test_split_merge_and_colocated_deployments(deployment, redis_url, model, ref
     settings = cluster_settings(redis_url, model, **deployment)
     with running(settings) as launcher:
         _check_outputs(launcher, settings, reference, 6)
-        if deployment.get("token_depth") == 1:
-            assert "mixed passes True" in logs(launcher, tail=None)
+        if deployment.get("token_depth") == 1:  # a colocated one-stage pipeline schedules requests
+            assert "request scheduling: a paged pool" in logs(launcher, tail=None)
 
 
 def _mixed_jobs(n: int) -> list[tuple[str, int]]:
@@ -207,5 +207,7 @@ def test_with_no_host_memory_for_preempted_caches_stage_0_recomputes_them_and_lo
     stage that discarded one leaves it out of the next step and hands it back to stage 0 to recompute.
     Every answer is still transformers', token for token."""
     log_text = _answers_from_small_pools(cluster_settings(redis_url, model, **deployment), reference, host_bytes=1)
-    assert "to be recomputed" in log_text and "recomputing microbatch" in log_text, log_text[-3000:]
+    assert "to be recomputed" in log_text, log_text[-3000:]
+    if deployment.get("mode") is not Mode.COLOCATED:  # a request-scheduled pipeline preempts by recompute alone
+        assert "recomputing microbatch" in log_text, log_text[-3000:]
     assert "moved to host memory" not in log_text  # stage 1 discards too

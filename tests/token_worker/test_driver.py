@@ -250,15 +250,15 @@ def test_a_colocated_task_of_a_newer_epoch_is_held_until_that_epoch_and_runs_fir
     def driver(epoch: int) -> Driver:
         runner = Pipeline(1, {}, {}, set(), {})  # the driver's runner; nothing runs here
         d = Driver(runner, runner, None, "t0", pos, None, 1.0, epoch=epoch, held=held)  # type: ignore[arg-type]
-        d._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+        d.queue._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
         return d
 
     at3 = driver(3)
-    assert at3._claim_colocated(block=False).task_id == 1
-    assert at3._claim_colocated(block=False) is None and [t.task_id for t in held] == [2]
-    assert at3._claim_colocated(block=False) is None and len(queue) == 1  # nothing else is claimed meanwhile
+    assert at3.queue.claim(block=False).task_id == 1
+    assert at3.queue.claim(block=False) is None and [t.task_id for t in held] == [2]
+    assert at3.queue.claim(block=False) is None and len(queue) == 1  # nothing else is claimed meanwhile
     at4 = driver(4)  # the worker's next epoch: a new driver, the same held list
-    assert [at4._claim_colocated(block=False).task_id for _ in range(2)] == [2, 3]
+    assert [at4.queue.claim(block=False).task_id for _ in range(2)] == [2, 3]
 
 
 def test_a_colocated_task_of_an_older_epoch_is_dropped_held_or_queued() -> None:
@@ -274,8 +274,8 @@ def test_a_colocated_task_of_an_older_epoch_is_dropped_held_or_queued() -> None:
     runner = Pipeline(1, {}, {}, set(), {})
     pos = Position(0, 1, None, "t0", colocated=True)
     d = Driver(runner, runner, None, "t0", pos, None, 1.0, epoch=4, held=held)  # type: ignore[arg-type]
-    d._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
-    claimed = [d._claim_colocated(block=False) for _ in range(4)]
+    d.queue._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+    claimed = [d.queue.claim(block=False) for _ in range(4)]
     assert [(t.task_id, t.epoch) for t in claimed if t is not None] == [(1, 4), (2, 4)]
     assert held == [] and queue == []
 
@@ -363,7 +363,7 @@ def _colocated(
         return None
 
     driver = Driver(p, p, None, "t0", Position(0, 1, None, "t0", colocated=True), None, 1.0)  # type: ignore[arg-type]
-    driver._claim_queued = claim  # type: ignore[method-assign]
+    driver.queue._claim_queued = claim  # type: ignore[method-assign]
     driver.run(lambda: len(p.kinds) >= 9 or (bool(p.kinds) and not queue and not driver.cohorts[0].members))
     return p
 
@@ -455,7 +455,7 @@ def test_a_colocated_task_that_is_not_one_whole_microbatch_fails_its_microbatche
         PromptTask(task_id=13, pieces=(PromptPiece(mb_id=3, dst_rows=(0, 1)),)),  # whole: served
     ]
     driver = Driver(p, p, None, "t0", Position(0, 1, None, "t0", colocated=True), None, 1.0)  # type: ignore[arg-type]
-    driver._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
+    driver.queue._claim_queued = lambda block: queue.pop(0) if queue else None  # type: ignore[method-assign]
     driver.run(lambda: len(p.kinds) >= 3 or (bool(p.kinds) and not queue and not driver.cohorts[0].members))
     assert p.failed == [1, 2, 2, 3, 4]
     assert p.kinds == [("PREFILL", (3,)), ("DECODE", (3,)), ("DECODE", (3,))]

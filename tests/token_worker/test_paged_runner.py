@@ -230,18 +230,18 @@ def test_colocated_a_prompt_waits_for_blocks_and_one_larger_than_the_pool_fails_
     driver.cohorts[0].members[1] = Member(1, (7, 7), (0, 1))  # its next step writes position 8: 1 block a row
     task = PromptTask(task_id=2, pieces=(PromptPiece(mb_id=2, dst_rows=(0, 2)),))
     assert not driver._room_for_prompt(task)  # 8 blocks for the prompt + 2 for the step > 8 free
-    assert driver.held == [task] and pool.used_blocks == 4  # held, and nothing was preempted for it
-    driver.held.clear()
+    assert driver.queue.held == [task] and pool.used_blocks == 4  # held, and nothing was preempted for it
+    driver.queue.held.clear()
     runner.release(1)
     driver.cohorts[0].members.clear()
     assert driver._room_for_prompt(task)  # the running request ended: it fits now
     huge = PromptTask(task_id=3, pieces=(PromptPiece(mb_id=3, dst_rows=(0, 2)),))
-    assert not driver._room_for_prompt(huge) and driver.held == []  # 26 blocks > 12: it never could
+    assert not driver._room_for_prompt(huge) and driver.queue.held == []  # 26 blocks > 12: it never could
     [(_, fields)] = client.xrange(keys.tokens(3))
     assert TokenStep.decode(fields[b"step"]).finished == ("error", "error")
     client.delete(keys.microbatch(9))
     gone = PromptTask(task_id=9, pieces=(PromptPiece(mb_id=9, dst_rows=(0, 2)),))
-    assert not driver._room_for_prompt(gone) and driver.held == []  # its microbatch ended: dropped at once
+    assert not driver._room_for_prompt(gone) and driver.queue.held == []  # its microbatch ended: dropped at once
     client.close()
 
 

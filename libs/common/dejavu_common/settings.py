@@ -165,6 +165,28 @@ class EngineSettings(BaseModel):
         "again with its tokens) before it fails with an error instead: under memory pressure that never eases, "
         "recomputing the same work again and again would make no progress (thrashing).",
     )
+    request_scheduling: bool = Field(
+        True,
+        description="A colocated one-stage pipeline over the paged pool schedules requests, not microbatches "
+        "(dejavu_common.sched): each request has its own positions and blocks (no padding), joins the next pass "
+        "once the pool has room and leaves the pass it finishes in; every pass runs the running requests' decodes "
+        "and then prompt chunks under engine.token_budget (chunked prefill), and prompts reuse the blocks of a "
+        "cached prefix (engine.prefix_caching). Off: the microbatch cohorts every other deployment runs.",
+    )
+    token_budget: int = Field(
+        512,
+        ge=16,
+        le=1 << 20,
+        description="Positions one pass of a request-scheduled pipeline computes at most: the running requests' "
+        "decodes first, then prompts, a prompt longer than what is left split into chunks over several passes "
+        "(so a long prompt delays the streaming requests by one chunk's pass at a time, not its whole prefill).",
+    )
+    prefix_caching: bool = Field(
+        True,
+        description="A request-scheduled pipeline keeps the blocks of computed prompts and answers cached (a "
+        "hash chain over their token ids, least recently used evicted first), so a request that repeats a "
+        "prefix (a shared system prompt, a chat's history) computes only the rest.",
+    )
 
     def packs_gemms(self, decodes: bool) -> bool:
         """Whether a stage that decodes (token or colocated: ``decodes``) or only prefills packs its GEMMs."""

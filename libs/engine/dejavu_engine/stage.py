@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dejavu_engine import gemm, native
+from dejavu_engine import gemm, grammar, native
 from dejavu_engine.attention import decode_spans
 from dejavu_engine.families import family_for
 from dejavu_engine.family import ForwardContext, Weights
@@ -77,6 +77,8 @@ class Stage:
         self.dtype = dtype
         self.is_first = first == 0
         self.is_last = last == self.spec.num_layers
+        if self.is_last:  # its logits' rows may be constrained by a grammar over this tokenizer
+            grammar.register_vocabulary(self.folder, self.spec.vocab_size)
         # oneDNN-packed GEMM weights where this host can (CPU float32, and bfloat16 where oneDNN has
         # bfloat16 kernels for it): see dejavu_engine.gemm.
         self.packed_gemms = pack_gemms and gemm.can_pack(self.device, torch_dtype(dtype))
@@ -448,6 +450,7 @@ class Stage:
         slices: Sequence[Slice],
         all_logits: bool = False,
         on_layer_done: LayerHook | None = None,
+        logits_at: Sequence[int] | None = None,
     ) -> StageIO:
         """One pass of per-request slices over ``pool``: slice ``i`` feeds ``length_i`` tokens at positions
         ``[start_i, end_i)`` of its request, whose K/V every layer writes into the request's blocks
@@ -458,7 +461,8 @@ class Stage:
         ``io`` holds every slice's tokens back to back in slice order: ``input_ids`` ``[1, tokens]`` into a first
         stage, ``hidden`` ``[1, tokens, hidden]`` (what a previous stage returned) into the others. Returns
         ``hidden`` ``[1, tokens, hidden]`` from a stage that is not the last, else logits of each slice's last
-        token ``[slices, 1, vocab]`` (of every token, ``[1, tokens, vocab]``, with ``all_logits``).
+        token ``[slices, 1, vocab]`` (of every token, ``[1, tokens, vocab]``, with ``all_logits``; of the tokens at
+        the pass's indices ``logits_at``, ``[len(logits_at), 1, vocab]``, when given).
         ``on_layer_done(global_layer)`` runs after each layer has written its K/V. Raises ValueError, before
         anything is written, where the slices do not fit the stage, the pool or the input (see
         :meth:`check_slices`)."""
@@ -478,7 +482,10 @@ class Stage:
             return StageIO(hidden=hidden)
         if all_logits:
             return StageIO(logits=self.logits(hidden))
-        last = torch.tensor(list(itertools.accumulate(p.length for p in pieces)), device=hidden.device) - 1
+        if logits_at is None:
+            last = torch.tensor(list(itertools.accumulate(p.length for p in pieces)), device=hidden.device) - 1
+        else:
+            last = torch.tensor(list(logits_at), dtype=torch.long, device=hidden.device)
         return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
 
     def check_slices(self, pool: BlockPool, slices: Sequence[Slice]) -> None:

@@ -94,6 +94,17 @@ class Occupancy:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """A paged pool's prefix cache: prompt tokens looked up and found (counters), blocks shared by several
+    requests and free blocks still holding a cached prefix (gauges)."""
+
+    query_tokens: int
+    hit_tokens: int
+    shared_blocks: int
+    cached_free_blocks: int
+
+
+@dataclass(frozen=True)
 class StageSnapshot:
     """What a worker holds at one scrape. ``None`` (or an empty ``pools``): the worker has no such figure."""
 
@@ -106,6 +117,7 @@ class StageSnapshot:
     replicas: int | None = None  # microbatches of the predecessor replicated here
     replication_lag_steps: int | None = None  # the largest gap to the successor's watermark, in steps
     swap: dict[str, float] | None = None  # SwapStats' fields (swapping on)
+    prefix_cache: PrefixCacheStats | None = None  # a request-scheduled stage's prefix cache
 
 
 def _no_snapshot() -> StageSnapshot:
@@ -396,6 +408,28 @@ def _stage_families(snap: StageSnapshot) -> Iterator[Metric]:
             "Largest gap, over the microbatches this stage holds, between the step its cache holds and the step "
             "its successor's replica holds (the watermark); a microbatch without a replica counts from step -1.",
             value=snap.replication_lag_steps,
+        )
+    cache = snap.prefix_cache
+    if cache is not None:
+        yield CounterMetricFamily(
+            "dejavu_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache (every admission of a request).",
+            value=cache.query_tokens,
+        )
+        yield CounterMetricFamily(
+            "dejavu_prefix_cache_hits_tokens",
+            "Of the prompt tokens looked up, those found cached (not computed again).",
+            value=cache.hit_tokens,
+        )
+        yield GaugeMetricFamily(
+            "dejavu_prefix_cache_shared_blocks",
+            "KV blocks referenced by more than one request.",
+            value=cache.shared_blocks,
+        )
+        yield GaugeMetricFamily(
+            "dejavu_prefix_cache_cached_free_blocks",
+            "Free KV blocks that still hold a cached prefix (evicted least recently used first when taken).",
+            value=cache.cached_free_blocks,
         )
     if snap.swap is not None:
         swapped = CounterMetricFamily(

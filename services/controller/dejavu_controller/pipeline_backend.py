@@ -81,7 +81,7 @@ class PipelineBackend:
         self.registry = Registry(redis, c, n_layers)
         self.scheduler = Scheduler(
             SchedulerLimits(
-                token_microbatch=c.token_microbatch,
+                token_microbatch=1 if schedules_requests(settings) else c.token_microbatch,
                 prompt_microbatch=c.token_microbatch if colocated else c.prompt_microbatch,
                 max_outstanding_rows=_outstanding_rows(settings),
                 queue_bound=c.queue_bound,
@@ -642,10 +642,27 @@ class PipelineBackend:
         self._wake.set()
 
 
+def schedules_requests(settings: Settings) -> bool:
+    """Whether the token pipeline schedules requests, not microbatches (a colocated one-stage pipeline over the
+    paged pool, ``engine.request_scheduling``: the token worker's ``RequestLoop``): then each request is a
+    microbatch of its own, dispatched at once, and the pipeline's policy decides when it joins a pass."""
+    c, engine = settings.controller, settings.engine
+    return (
+        c.mode is Mode.COLOCATED
+        and c.token_depth == 1
+        and engine.request_scheduling
+        and engine.kv_block_size > 0
+        and not settings.swap.enabled
+    )
+
+
 def _outstanding_rows(settings: Settings) -> int:
     """Requests dispatched at once: what the token pipeline decodes plus what the prompt pipeline may run
-    ahead. With swapping, a cohort holds one microbatch, so D_t + D_p microbatches, as in the paper."""
+    ahead. With swapping, a cohort holds one microbatch, so D_t + D_p microbatches, as in the paper. A
+    request-scheduled pipeline gets twice what it runs: its policy fills a place the moment one is free."""
     c = settings.controller
+    if schedules_requests(settings):
+        return 2 * c.max_running
     ahead = 0 if c.mode is Mode.COLOCATED else c.prompt_depth * c.prompt_microbatch
     if settings.swap.enabled:
         return (c.token_depth + (0 if c.mode is Mode.COLOCATED else c.prompt_depth)) * c.token_microbatch

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import redis
 import torch
-from pydantic import ValidationError
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import PromptTask
 from dejavu_engine.stage_io import StageIO
+from dejavu_token_worker.intake import ColocatedQueue
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.runner import (
     STEP_FAILURES,
@@ -134,7 +134,7 @@ class Driver:
         self.epoch = epoch  # the topology epoch this driver serves
         # Colocated tasks queued under a newer epoch than this driver's (a repair's re-runs, claimed in the
         # moment before this worker saw that epoch): kept by the worker across epochs, run at theirs.
-        self.held = held if held is not None else []
+        self.queue = ColocatedQueue(client, worker_id, epoch, held if held is not None else [])
         self.release = release or runner.release  # frees a microbatch's cache (and replica) on this stage
         self.endpoint = endpoint
         self.redis = client
@@ -425,15 +425,15 @@ class Driver:
             and cohort.rows < self.cohort_rows
             and (self.mixes or not (cohort.prefilled and cohort.streaming))
         ):
-            task = self._claim_colocated(block=not any(c.members or c.in_flight for c in self.cohorts))
+            task = self.queue.claim(block=not any(c.members or c.in_flight for c in self.cohorts))
         try:
             return self._run_pass(cohort, task)
         except Exception:
             if cohort.in_flight:
                 self._run_again(cohort, task)
             joined = task is not None and any(p.mb_id in c.members for p in task.pieces for c in self.cohorts)
-            if task is not None and not joined and task not in self.held:
-                self.held.insert(0, task)  # claimed, not begun (or begun and broken): prefilled again
+            if task is not None and not joined:
+                self.queue.put_back(task)  # claimed, not begun (or begun and broken): prefilled again
             raise
 
     def _run_again(self, cohort: Cohort, task: PromptTask | None) -> None:
@@ -483,7 +483,7 @@ class Driver:
             discarded = next((st for st in states.values() if st.status is KVStatus.DISCARDED), None)
         if discarded is not None:  # forgotten to make room: it is recomputed before it decodes again
             if task is not None:
-                self.held.insert(0, task)  # claimed for a mixed pass: the next pass takes it
+                self.queue.put_back(task)  # claimed for a mixed pass: the next pass takes it
             self._recompute(cohort, discarded)
             return True
         members = [PassMember(states[mb], cohort.members[mb].step, cohort.members[mb].live) for mb in states]
@@ -528,55 +528,6 @@ class Driver:
         return None
 
     # -- colocated prefill -----------------------------------------------------------------------
-    def _claim_colocated(self, block: bool) -> PromptTask | None:
-        """The next colocated task to prefill at this epoch: a held one first; one claimed now unless it
-        was queued under a newer epoch (then it is held: its prefill pass would carry this epoch and be
-        dropped by stages already serving the newer one, and its requests would wait for nothing). One
-        queued under an older epoch is dropped (:meth:`_stale`)."""
-        while self.held and self._stale(self.held[0]):
-            self.held.pop(0)
-        if self.held:
-            if self.held[0].epoch <= self.epoch:
-                return self.held.pop(0)
-            if block:
-                time.sleep(0.005)  # idle until the newer topology ends this epoch (the claim would have blocked)
-            return None
-        task = self._claim_queued(block)
-        if task is not None and self._stale(task):
-            return None
-        if task is not None and task.epoch > self.epoch:
-            log.info("colocated task %d was queued at epoch %d: holding it (serving %d)", task.task_id, task.epoch,
-                     self.epoch)  # fmt: skip
-            self.held.append(task)
-            return None
-        return task
-
-    def _stale(self, task: PromptTask) -> bool:
-        """Whether ``task`` was queued under an older epoch than this driver's: every epoch after the first
-        comes with a repair that re-queues, under the new epoch, each microbatch still in its prompt phase
-        (or fails it), so this one's prefill would be a second one (held for room, or left in the queue,
-        across the change). Dropped, and logged."""
-        if task.epoch >= self.epoch:
-            return False
-        log.info("dropped colocated task %d of epoch %d: the repair at epoch %d queued its prompts again",
-                 task.task_id, task.epoch, self.epoch)  # fmt: skip
-        return True
-
-    def _claim_queued(self, block: bool) -> PromptTask | None:
-        resp = self.redis.xreadgroup(
-            keys.COLOCATED_GROUP, self.worker_id, {keys.COLOCATED_QUEUE: ">"}, count=1, block=5 if block else None
-        )
-        entries = [e for _s, es in resp or [] for e in es]
-        if not entries:
-            return None
-        entry_id, fields = entries[0]
-        self.redis.xack(keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP, entry_id)
-        try:
-            return PromptTask.decode(fields[b"task"])
-        except (KeyError, ValidationError) as exc:
-            log.error("dropped a malformed colocated task: %s", exc)
-            return None
-
     def _prompt_state(self, task: PromptTask) -> MicrobatchState | None:
         """The clean state of ``task``'s microbatch, about to be prefilled (None: it is gone, a stale entry,
         or the task is not one whole microbatch, whose requests then fail)."""
@@ -616,7 +567,7 @@ class Driver:
         if need <= pool.free_blocks + self.runner.evictable_blocks(set(running)):
             return True
         if running:
-            self.held.insert(0, task)
+            self.queue.put_back(task)
             return False
         error = PoolExhausted(
             f"the prompt of microbatch {mb_id} needs {need} KV blocks; the pool holds {pool.max_blocks}"

@@ -28,12 +28,15 @@ from dejavu_common import keys, tracing
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.fatal import guarded
 from dejavu_common.messages import PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
+from dejavu_common.sched import BlockBook, Budget, Scheduler
 from dejavu_common.settings import Mode, Replication, Settings
 from dejavu_common.tracing import RowSpans
 from dejavu_engine.stage import Stage
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
 from dejavu_token_worker.driver import PASS_DEADLINES, Driver, ensure_group
+from dejavu_token_worker.executor import SliceExecutor
+from dejavu_token_worker.loop import RequestLoop
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
@@ -61,6 +64,7 @@ class TokenWorker(WorkerProcess):
         self.held_tasks: list[PromptTask] = []  # colocated tasks of an epoch this worker does not serve yet
         self.recovered_epoch: int | None = None  # the epoch whose recovery (or fresh start) this stage did
         self.driver: Driver | None = None  # stage 0's driver of ``recovered_epoch``
+        self.loop: RequestLoop | None = None  # the loop of a request-scheduled pipeline (instead of a driver)
         self._broken: tuple[memoryview | bytes, float] | None = None  # a later stage's message an error broke
 
     # -- lifecycle hooks ----------------------------------------------------------------------
@@ -87,7 +91,10 @@ class TokenWorker(WorkerProcess):
             )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
         pool = None
-        if swap is None and engine.kv_block_size > 0 and not stage.paged_attention:
+        self.loop = None
+        if self._schedules_requests(topology, stage, swap):
+            self.loop = self._request_loop(stage, topology)
+        elif swap is None and engine.kv_block_size > 0 and not stage.paged_attention:
             log.info(
                 "paged KV pool off: no paged attention kernel for this stage (%s, %s): contiguous caches",
                 stage.device,
@@ -134,6 +141,50 @@ class TokenWorker(WorkerProcess):
             self.runner.mixes,
         )
 
+    def _schedules_requests(self, topology: Topology, stage: Stage, swap: SwapManager | None) -> bool:
+        """Whether this stage runs a request-scheduled pipeline (:class:`RequestLoop`): the whole model in one
+        colocated stage over a paged pool whose attention runs natively, ``engine.request_scheduling`` on."""
+        engine = self.settings.engine
+        return (
+            engine.request_scheduling
+            and topology.mode == Mode.COLOCATED.value
+            and len(topology.token_stages) == 1
+            and swap is None
+            and engine.kv_block_size > 0
+            and stage.paged_attention
+        )
+
+    def _request_loop(self, stage: Stage, topology: Topology) -> RequestLoop:
+        """The loop, its policy and its executor over a new paged pool whose blocks the policy's book hands out."""
+        assert self.redis is not None
+        engine, m = self.settings.engine, self.settings.model
+        geometry = BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size)
+        pool = stage.block_pool(engine.kv_block_size, self._pool_blocks(geometry))
+        # Equal token ids give other KV under another model, dtype or block size: none of them may hit.
+        namespace = f"{m.folder}|{m.dtype}|{engine.kv_block_size}".encode()
+        book = BlockBook(pool.max_blocks, engine.kv_block_size, namespace, caching=engine.prefix_caching)
+        budget = Budget(tokens=engine.token_budget, max_running=self.settings.controller.max_running)
+        log.info(
+            "request scheduling: a paged pool of up to %d blocks of %d positions (%.1f GB), %d positions a pass, "
+            "prefix caching %s",
+            pool.max_blocks,
+            engine.kv_block_size,
+            pool.max_blocks * pool.geometry.bytes_per_block / 1e9,
+            engine.token_budget,
+            "on" if engine.prefix_caching else "off",
+        )
+        return RequestLoop(
+            Scheduler(book, budget),
+            SliceExecutor(stage, pool),
+            self.redis,
+            self.worker_id,
+            self.metrics,
+            self.signer,
+            stage.spec.eos_token_ids,
+            self.held_tasks,
+            engine.max_recomputes,
+        )
+
     def _pool_blocks(self, geometry: BlockGeometry) -> int:
         """Blocks of the paged pool: ``engine.kv_pool_bytes``, or 60% of the memory available now."""
         budget = self.settings.engine.kv_pool_bytes
@@ -165,6 +216,9 @@ class TokenWorker(WorkerProcess):
             colocated=topology.mode == Mode.COLOCATED.value,
         )
         self.endpoint.set_epoch(topology.epoch)
+        if self.loop is not None:
+            self._serve_requests(topology, pos, self.loop)
+            return
         if self.ready is not None:
             self.ready.serving(topology.epoch)
         self.endpoint.connect_all(self.redis, [a.worker_id for a in stages if a.worker_id != self.worker_id])
@@ -241,6 +295,23 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
+    def _serve_requests(self, topology: Topology, pos: Position, loop: RequestLoop) -> None:
+        """Serve ``topology``'s epoch with the request loop. A recovery drops what the loop served (this stage
+        reports holding nothing, so the repair queues every request in flight again, and each goes on from its
+        token stream, its history mostly found in the prefix cache); serving the same epoch again after an error
+        continues."""
+        assert self.redis is not None
+        if self.recovered_epoch != topology.epoch:
+            if self._recover(topology, pos) is None:
+                return
+            loop.drop_all()
+            self.recovered_epoch = topology.epoch
+        else:
+            log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
+        ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
+        loop.serve(topology.epoch)
+        loop.run(self.epoch_changed)
+
     def _driver(self, topology: Topology, pos: Position) -> Driver:
         """Stage 0's driver of ``topology``'s epoch."""
         assert self.runner is not None and self.endpoint is not None and self.redis is not None
@@ -264,6 +335,8 @@ class TokenWorker(WorkerProcess):
         if self.driver is not None:
             self.driver.end_traces()
         self.recovered_epoch, self.driver, self._broken = None, None, None
+        if self.loop is not None:
+            self.loop.drop_all()
         if self.runner is not None:
             self._release_all_but(set())
 
@@ -295,7 +368,11 @@ class TokenWorker(WorkerProcess):
         caches = [st.cache for st in list(self.runner.states.values())] if self.runner is not None else []
         if self.replica is not None:
             caches += self.replica.memory_caches()  # a replica on disk holds no memory
-        return sum(c.nbytes for c in caches), len(caches)
+        held, count = sum(c.nbytes for c in caches), len(caches)
+        if self.loop is not None:
+            held += self.loop.held_bytes()
+            count += len(self.loop.served)
+        return held, count
 
     def snapshot(self) -> StageSnapshot:
         """What this stage holds now (see :class:`StageSnapshot`): read on the scraping thread from snapshots
@@ -310,6 +387,9 @@ class TokenWorker(WorkerProcess):
         pools: dict[str, PoolUsage] = {}
         if runner.pool is not None:
             pools["stage"] = PoolUsage(runner.pool.used_blocks, runner.pool.max_blocks)
+        loop = self.loop
+        if loop is not None:
+            pools["stage"] = loop.pool_usage()
         if replica is not None and replica.pool is not None:
             pools["replica"] = PoolUsage(replica.pool.used_blocks, replica.pool.max_blocks)
         preempted = [st.cache.nbytes for st in states if st.status is KVStatus.PREEMPTED]
@@ -317,12 +397,13 @@ class TokenWorker(WorkerProcess):
         return replace(
             base,
             microbatches=len(states),
-            occupancy=driver.occupancy() if driver is not None else None,
+            occupancy=driver.occupancy() if driver is not None else loop.occupancy() if loop is not None else None,
             pools=pools,
             host_bytes=sum(preempted) if runner.pool is not None else None,
             replicas=len(replica.replicas) if replica is not None else None,
             replication_lag_steps=self._replication_lag(base.stage, states) if replicating else None,  # type: ignore[arg-type]
             swap=asdict(runner.swap.stats()) if runner.swap is not None else None,
+            prefix_cache=loop.prefix_cache() if loop is not None else None,
         )
 
     def _replication_lag(self, stage: int, states: list[MicrobatchState]) -> int | None:

@@ -120,10 +120,13 @@ class BlockBook:
         self._hits += hit_tokens
 
     def stats(self) -> BookStats:
-        cached_free = sum(1 for b in self._free if self._blocks[b].hash is not None)
-        shared = sum(1 for b in self._blocks if b.ref > 1)
-        used = self.num_blocks - len(self._free)
-        return BookStats(self.num_blocks, used, len(self._free), cached_free, shared, self._queries, self._hits)
+        """Safe from another thread (a metrics scrape): it counts over copies of the free list and the blocks, each
+        taken in one step."""
+        free, blocks = list(self._free), list(self._blocks)
+        cached_free = sum(1 for b in free if blocks[b].hash is not None)
+        shared = sum(1 for b in blocks if b.ref > 1)
+        return BookStats(self.num_blocks, self.num_blocks - len(free), len(free), cached_free, shared, self._queries,
+                         self._hits)  # fmt: skip
 
     def ref(self, block: int) -> int:
         return self._blocks[block].ref

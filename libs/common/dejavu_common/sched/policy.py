@@ -233,6 +233,18 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def abandon(self, broken: ScheduledPass) -> None:
+        """The pass ``broken`` will never return (an error stopped it on the way): its requests are no longer in
+        flight, and the positions it was to write count as unwritten (a later pass computes them again); one that
+        ended meanwhile returns its blocks now."""
+        for s in broken.slices:
+            request = s.request
+            if not request.in_flight:
+                continue
+            request.in_flight = False
+            if request.status is Status.FINISHED:
+                self._free(request)
+
     # -- helpers ----------------------------------------------------------------------------------
     def _check_fits(self, request: RequestState) -> None:
         longest = request.prompt_len + request.max_tokens

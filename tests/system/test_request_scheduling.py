@@ -1,0 +1,88 @@
+"""A request-scheduled pipeline (a colocated one-stage deployment, the default) batches requests of any lengths
+together and survives a SIGKILL of its worker with exact streams.
+
+Each request has its own positions and blocks, so a short request batched beside a long prompt gets every token it
+asked for, and a chat turn without ``max_tokens`` gets the rest of the context, not what is left of a padded
+microbatch's span. The worker is killed mid-answer; the spare that takes the stage over continues every stream from
+its token stream (its prompt and delivered tokens recomputed in one go), so each text equals the failure-free one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from openai import OpenAI
+
+from dejavu_common.settings import Mode
+
+from .cluster import cluster_settings, logs, running
+from .reference import Reference
+from .test_failures import _holder, _kill, _replaced, _wait_ready
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
+
+CONTEXT = 2048
+LONG = "The history of the city is long and full of quiet change. " * 150  # ~1,800 tokens
+SHORT = "Count with me: one, two, three,"  # ~10 tokens
+CHAT = "Write a short poem about the sea."
+
+
+def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, model) -> None:
+    settings = cluster_settings(redis_url, model, mode=Mode.COLOCATED, token_depth=1, token_microbatch=4)
+    settings.engine.max_context = CONTEXT
+    ref = Reference(model)
+    long_len = len(ref.tokenizer.encode(LONG))
+    chat_len = len(ref.tokenizer.apply_chat_template([{"role": "user", "content": CHAT}]))
+    assert 1700 < long_len < CONTEXT - 16
+    expected = {
+        "long": ref.text(LONG, 16),
+        "short": ref.text(SHORT, 600, ignore_eos=True),
+        "chat": ref.text(CHAT, CONTEXT - chat_len, chat=True),
+    }
+    with running(settings, spares=1) as launcher:
+        client = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=300, max_retries=0)
+        name = settings.model.name
+        texts: dict[str, str] = {}
+        finishes: dict[str, str | None] = {}
+        errors: list[BaseException] = []
+        streamed = threading.Semaphore(0)
+
+        def run(key: str, create) -> None:
+            try:
+                parts = []
+                for chunk in create():
+                    for choice in chunk.choices:
+                        parts.append(getattr(choice, "text", None) or getattr(choice.delta, "content", None) or "")
+                        finishes[key] = choice.finish_reason or finishes.get(key)
+                    if key == "short":
+                        streamed.release()
+                texts[key] = "".join(parts)
+            except BaseException as exc:  # asserted below
+                errors.append(exc)
+
+        common = dict(model=name, temperature=0, stream=True)
+        jobs = {
+            "long": lambda: client.completions.create(prompt=LONG, max_tokens=16, **common),
+            "short": lambda: client.completions.create(
+                prompt=SHORT, max_tokens=600, extra_body={"ignore_eos": True}, **common
+            ),
+            "chat": lambda: client.chat.completions.create(messages=[{"role": "user", "content": CHAT}], **common),
+        }
+        threads = [threading.Thread(target=run, args=(key, job), daemon=True) for key, job in jobs.items()]
+        for t in threads:
+            t.start()
+        for _ in range(60):  # the short answer is streaming beside the others: kill the worker mid-answer
+            assert streamed.acquire(timeout=120), f"no progress\n{logs(launcher)}"
+        victim = _holder(settings, 0)
+        _kill(launcher, victim)
+        for t in threads:
+            t.join(300)
+            assert not t.is_alive(), "a request hung"
+        assert not errors, f"{errors}\n{logs(launcher)}"
+        _replaced(settings, [victim])
+        _wait_ready(launcher.api_url)
+        for key, text in expected.items():
+            assert texts[key] == text, f"{key}: {texts[key]!r}\n!=\n{text!r}\n{logs(launcher)}"
+        assert finishes["short"] == "length" and finishes["long"] in ("length", "stop")
+        assert "request scheduling: a paged pool" in logs(launcher, tail=None)
