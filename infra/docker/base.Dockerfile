@@ -66,8 +66,10 @@ RUN pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VE
 COPY libs/dejavulib/pyproject.toml /src/libs/dejavulib/pyproject.toml
 COPY libs/engine/pyproject.toml /src/libs/engine/pyproject.toml
 COPY libs/worker/pyproject.toml /src/libs/worker/pyproject.toml
+# xgrammar (structured outputs) goes in without its triton dependency: the workers apply its masks with torch.
 RUN python /src/third_party.py /src/libs/dejavulib /src/libs/engine /src/libs/worker >/tmp/deps.txt \
-    && pip install --no-cache-dir -c /src/requirements/constraints.txt -r /tmp/deps.txt
+    && pip install --no-cache-dir -c /src/requirements/constraints.txt -r /tmp/deps.txt \
+    && pip install --no-cache-dir --no-deps -c /src/requirements/constraints.txt xgrammar apache-tvm-ffi
 # Where `dejavu model prepare` writes and where workers look (DejaVu's settings read this variable).
 ENV DEJAVU_MODEL__CACHE_DIR=/opt/dejavu/models
 RUN mkdir -p /opt/dejavu/models

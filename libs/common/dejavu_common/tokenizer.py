@@ -140,23 +140,40 @@ class Tokenizer:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered to text. Raises :class:`TokenizerError` if there is no template
-        or the template raises (e.g. through ``raise_exception`` for a bad role order)."""
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (it reads a ``tools`` variable)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template rendered to text, with ``tools`` (OpenAI's tool definitions, as transformers
+        passes them) where given. Raises :class:`TokenizerError` if there is no template or the template
+        raises (e.g. through ``raise_exception`` for a bad role order)."""
         if self.chat_template is None:
             raise TokenizerError("this checkpoint has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat; the template itself places any BOS, so none is added."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def detokenizer(self, stop: Sequence[str] = ()) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one generated sequence."""

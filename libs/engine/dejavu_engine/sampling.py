@@ -9,14 +9,19 @@ One row's logits go through, in vLLM's order:
    out, as long as a forced token is still possible);
 3. ``repetition_penalty`` over the prompt and the generated tokens (HF's ``RepetitionPenaltyLogitsProcessor``:
    a positive logit is divided by it, a negative one multiplied), then ``frequency_penalty`` times each
-   generated token's count and ``presence_penalty`` once per generated token subtracted (OpenAI's formula).
+   generated token's count and ``presence_penalty`` once per generated token subtracted (OpenAI's formula);
+4. the grammar of a structured output (``SamplingSpec.grammar``): every token it cannot continue with is
+   masked out, EOS and the other stop ids included until the grammar is complete (``dejavu_engine.grammar``;
+   its state is rebuilt from the generated tokens, so a resumed row is constrained exactly as before).
 
 These are the *processed* logits: the token comes from them (their argmax, or a draw after temperature,
 top-k, top-p and min-p, in HF's order), and the reported log probabilities are their log-softmax (before
 temperature and the truncating filters, which only choose among them), or, for a request that asks for
-raw ones (``SamplingSpec.raw_logprobs``), the log-softmax of the model's logits. With none of 1-3 set,
-the two are the same. A row whose processing would leave no possible token keeps its model
-logits (a ban list or a forced stop token cannot make a row unsampleable).
+raw ones (``SamplingSpec.raw_logprobs``), the log-softmax of the model's logits. With none of 1-4 set,
+the two are the same (log probabilities of a constrained row are therefore reported after its grammar's
+mask, or before it with ``raw_logprobs``). A row whose processing would leave no possible token keeps its
+model logits (a ban list or a forced stop token cannot make a row unsampleable), masked by its grammar if it
+has one.
 
 For fault tolerance, a seeded draw is a pure function of ``(seed, step, processed logits)``, and the
 processing a pure function of the logits, the prompt and the tokens generated so far (which a resumed row
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from dejavu_common.messages import LOGIT_BIAS_LIMIT, LOGPROB_FLOOR, SEED_BITS, Logprob, SamplingSpec
+from dejavu_engine import grammar
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -66,10 +72,36 @@ _EMPTY = RowContext()
 
 def process_logits(logits: torch.Tensor, params: SamplingSpec, context: RowContext = _EMPTY) -> torch.Tensor:
     """The processed logits ``[vocab]`` (float32) of one row: ``min_tokens``, ``logit_bias`` and the
-    penalties applied to ``logits``; the model's logits (as float32) when none is set."""
+    penalties applied to ``logits``, then the grammar's mask; the model's logits (as float32) when none is
+    set. The grammar wins: where it leaves none of the tokens 1-3 leave, the model's logits are masked."""
     raw = logits.detach().float()
     if not params.processes_logits:
         return raw
+    scores = _penalised(raw, params, context)
+    if params.grammar is not None:
+        allowed = grammar.allowed_tokens(
+            params.grammar, raw.shape[-1], _row_key(params, context), context.generated, context.stop_ids
+        )
+        if allowed is not None:
+            allowed = allowed.to(raw.device)
+            for candidate in (scores, raw):
+                masked = candidate.masked_fill(~allowed, float("-inf"))
+                if _possible(masked):
+                    return masked
+    return scores if _possible(scores) else raw  # nothing left to sample: the model's logits instead
+
+
+def _possible(scores: torch.Tensor) -> bool:
+    return bool((scores > float("-inf")).any())
+
+
+def _row_key(params: SamplingSpec, context: RowContext) -> tuple[SamplingSpec, tuple[int, ...]]:
+    """What tells a row's grammar matcher apart from other rows' (its seed is in ``params``)."""
+    return params, tuple(context.prompt_ids)
+
+
+def _penalised(raw: torch.Tensor, params: SamplingSpec, context: RowContext) -> torch.Tensor:
+    """``raw`` after steps 1-3 (possibly every token at -inf)."""
     scores = raw.clone()
     vocab, device = scores.shape[-1], scores.device
     if len(context.generated) < params.min_tokens and context.stop_ids:
@@ -94,8 +126,6 @@ def process_logits(logits: torch.Tensor, params: SamplingSpec, context: RowConte
         generated = torch.tensor(context.generated, dtype=torch.long, device=device)
         counts = torch.bincount(generated, minlength=vocab)[:vocab].to(torch.float32)
         scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
-    if not bool((scores > float("-inf")).any()):
-        return raw  # nothing left to sample: the model's logits instead
     return scores
 
 

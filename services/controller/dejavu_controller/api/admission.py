@@ -3,19 +3,22 @@ length checks that need the tokenizer or the settings (field ranges are the sche
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
 from dejavu_common import logs
-from dejavu_common.messages import SamplingSpec
+from dejavu_common.messages import GrammarSpec, SamplingSpec
 from dejavu_common.tokenizer import TokenizerError
 from dejavu_controller.backend import GenerationRequest
 
 from .errors import InvalidRequestError, NotFoundError
 from .schemas.common import SamplingRequest
 from .state import Gateway
+from .structured import grammar_of
 
 
 def new_request_id(prefix: str) -> str:
@@ -52,14 +55,19 @@ async def encode_text(gateway: Gateway, text: str, param: str) -> list[int]:
 
 
 async def encode_chat(
-    gateway: Gateway, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    gateway: Gateway,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of a conversation under the model's chat template, bounded and tokenized like
-    :func:`encode_text`; 400 (``param`` ``messages``) if the template rejects the conversation."""
-    check_prompt_chars(gateway, sum(len(m["content"]) for m in messages), "messages")
+    """Token ids of a conversation (with ``tools`` for a template that renders them) under the model's chat
+    template, bounded and tokenized like :func:`encode_text`; 400 (``param`` ``messages``) if the template
+    rejects the conversation."""
+    chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+    check_prompt_chars(gateway, chars, "messages")
     try:
         apply = gateway.tokenizer.apply_chat_template
-        return await anyio.to_thread.run_sync(apply, list(messages), add_generation_prompt)
+        return await anyio.to_thread.run_sync(apply, list(messages), add_generation_prompt, tools)
     except TokenizerError as exc:  # e.g. the template rejects the order of roles
         raise InvalidRequestError(str(exc), param="messages") from exc
 
@@ -81,11 +89,13 @@ def admit(
     prompt_param: str,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    tool_grammar: GrammarSpec | None = None,
 ) -> GenerationRequest:
     """Check the prompt against the context and build the backend request.
 
     ``max_tokens`` None means "whatever the context leaves"; ``logprobs`` and ``prompt_logprobs``: how many
-    likeliest tokens' log probabilities to report per generated and per prompt position (None: none).
+    likeliest tokens' log probabilities to report per generated and per prompt position (None: none);
+    ``tool_grammar``: the grammar that enforces a tool call (``tools.tool_grammar``).
     Raises :class:`InvalidRequestError` for an empty prompt, when prompt + ``max_tokens`` exceeds
     ``settings.engine.max_context``, or for sampling values out of bounds together.
     """
@@ -101,15 +111,26 @@ def admit(
             param=prompt_param if room < 1 else "max_tokens",
             code="context_length_exceeded",
         )
-    sampling = sampling_spec(gateway, body, wanted, logprobs, prompt_logprobs)
+    sampling = sampling_spec(gateway, body, wanted, logprobs, prompt_logprobs, tool_grammar)
     return GenerationRequest(request_id, tuple(prompt_ids), sampling, stop=body.stop_strings)
 
 
 def sampling_spec(
-    gateway: Gateway, body: SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    gateway: Gateway,
+    body: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    tool_grammar: GrammarSpec | None = None,
 ) -> SamplingSpec:
     """The request's :class:`SamplingSpec`; 400 for token ids outside the vocabulary (``logit_bias``,
-    ``stop_token_ids``) and for values the spec refuses together (``min_tokens`` above ``max_tokens``)."""
+    ``stop_token_ids``), for values the spec refuses together (``min_tokens`` above ``max_tokens``) and for
+    a structured output asked together with a forced tool call (one grammar per request)."""
+    grammar = grammar_of(body)
+    if grammar is not None and tool_grammar is not None:
+        raise InvalidRequestError(
+            "`tool_choice` required or a named function cannot go with a structured output", param="tool_choice"
+        )
     bias = body.bias_pairs
     check_token_ids(gateway, [t for t, _ in bias], "logit_bias")
     check_token_ids(gateway, body.stop_token_ids or (), "stop_token_ids")
@@ -134,4 +155,5 @@ def sampling_spec(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         raw_logprobs=body.logprobs_mode == "raw",
+        grammar=grammar if grammar is not None else tool_grammar,
     )

@@ -22,8 +22,13 @@ from dejavu_controller.api.schemas.chat import (
     ChatCompletionResponse,
     ChatDelta,
     ChoiceLogprobs,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
 )
 from dejavu_controller.api.schemas.common import Usage
+from dejavu_controller.api.tools import ToolCallReader, template_messages, template_tools, tool_grammar
+from dejavu_controller.backend import FinishReason
 
 router = APIRouter(tags=["chat"])
 
@@ -33,14 +38,31 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, gateway: GatewayDep
 ) -> ChatCompletionResponse | StreamingResponse:
     """Answer a conversation; ``stream: true`` answers with server-sent events. ``n`` choices run as ``n``
-    sequences; ``logprobs`` reports each token's log probability (and ``top_logprobs`` likeliest ones')."""
+    sequences; ``logprobs`` reports each token's log probability (and ``top_logprobs`` likeliest ones').
+    With ``tools``, each choice's reply is read into ``tool_calls`` (``dejavu_controller.api.tools``); a
+    streamed call comes whole in one delta, and a choice that calls tools finishes with ``tool_calls``."""
     check_model(gateway, body.model)
-    prompt_ids = await encode_chat(gateway, [m.as_template_message() for m in body.messages])
+    native_tools = gateway.tokenizer.template_takes_tools
+    messages = template_messages(body, native_tools)
+    prompt_ids = await encode_chat(gateway, messages, tools=template_tools(body) if native_tools else None)
     top = body.logprobs_top
-    base = admit(gateway, new_request_id("chatcmpl"), prompt_ids, body, body.token_limit, "messages", top)
+    base = admit(
+        gateway,
+        new_request_id("chatcmpl"),
+        prompt_ids,
+        body,
+        body.token_limit,
+        "messages",
+        top,
+        tool_grammar=tool_grammar(body),
+    )
     generations = [gateway.generation(r) for r in choice_requests(base, body.n)]
     created = int(time.time())
     texts = TokenTexts(gateway.tokenizer)
+    readers = [ToolCallReader(body) for _ in generations]
+
+    def finish_reason(index: int, reason: FinishReason) -> str:
+        return "tool_calls" if readers[index].calls else reason.value
 
     def logprobs_of(delta: TextDelta) -> ChoiceLogprobs | None:
         return chat_logprobs(texts, delta.token_ids, delta.logprobs) if top is not None else None
@@ -57,13 +79,22 @@ async def create_chat_completion(
         await dispatch.start_all(request, generations)
 
         def chunks_of(index: int, delta: TextDelta) -> list[ChatCompletionChunk]:
+            reader = readers[index]
+            text, calls = reader.push(delta.text)
+            if delta.finish_reason is not None:
+                rest, more = reader.finish()
+                text, calls = text + rest, calls + more
             chunks = []
-            if delta.text or (top is not None and delta.token_ids):  # a token whose text is empty has logprobs
-                content = ChatDelta(content=delta.text)
+            if text or (top is not None and delta.token_ids):  # a token whose text is empty has logprobs
+                content = ChatDelta(content=text)
                 chunks.append(chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs_of(delta))]))
+            first = len(reader.calls) - len(calls)
+            for k, call in enumerate(calls):
+                called = ChatDelta(tool_calls=[_call_delta(first + k, call)])
+                chunks.append(chunk([ChatChunkChoice(index=index, delta=called)]))
             if delta.finish_reason is not None:  # OpenAI ends with an empty delta carrying the reason
-                end = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=delta.finish_reason.value)
-                chunks.append(chunk([end]))
+                reason = finish_reason(index, delta.finish_reason)
+                chunks.append(chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]))
             return chunks
 
         opening = [
@@ -83,15 +114,30 @@ async def create_chat_completion(
         )
 
     completions = await dispatch.complete(request, generations)
-    choices = [
-        ChatChoice(
-            index=index,
-            message=AssistantMessage(content=done.text),
-            logprobs=logprobs_of(TextDelta(done.text, done.finish_reason, done.token_ids, done.logprobs)),
-            finish_reason=done.finish_reason.value,
+    choices = []
+    for index, done in enumerate(completions):
+        reader = readers[index]
+        text, _ = reader.push(done.text)
+        rest, _ = reader.finish()
+        content = text + rest
+        message = AssistantMessage(
+            content=None if reader.calls and not content.strip() else content, tool_calls=reader.calls or None
         )
-        for index, done in enumerate(completions)
-    ]
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=message,
+                logprobs=logprobs_of(TextDelta(done.text, done.finish_reason, done.token_ids, done.logprobs)),
+                finish_reason=finish_reason(index, done.finish_reason),
+            )
+        )
     return ChatCompletionResponse(
         id=base.request_id, created=created, model=gateway.model_name, choices=choices, usage=usage()
+    )
+
+
+def _call_delta(index: int, call: ToolCall) -> ToolCallDelta:
+    """A whole tool call as one stream delta."""
+    return ToolCallDelta(
+        index=index, id=call.id, function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments)
     )

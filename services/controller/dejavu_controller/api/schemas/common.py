@@ -46,6 +46,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema (``schema``) the output must satisfy. Every output is held
+    to it, ``strict`` or not (with xgrammar's strict reading: no properties the schema does not list)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free ``text``, any JSON object (``json_object``), or JSON that satisfies
+    ``json_schema.schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 def _unsupported(name: str, value: Any, allowed: tuple[Any, ...]) -> Any:
     """Accept ``value`` only if it is one of the no-op ``allowed`` values."""
     if value not in allowed:
@@ -93,6 +113,16 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     ignore_eos: bool = Field(
         False, description="Extension (vLLM's): keep generating past the model's EOS tokens; `stop` still applies."
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="`json_object` or `json_schema`: the output is JSON (satisfying the schema)."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extension (vLLM's): a JSON schema to satisfy.")
+    guided_regex: str | None = Field(None, description="Extension (vLLM's): a regular expression to match in full.")
+    guided_choice: list[str] | None = Field(None, description="Extension (vLLM's): the output is one of these.")
+    guided_grammar: str | None = Field(None, description="vLLM's EBNF grammar: not supported (400).")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM's): one of `json`, `regex`, `choice`, `json_object`."
     )
 
     @field_validator("logit_bias")
