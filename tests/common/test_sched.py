@@ -206,6 +206,28 @@ def test_a_shared_prefix_is_computed_once_and_multi_turn_history_hits() -> None:
     assert stats.hits > 0 and stats.queries > stats.hits
 
 
+def test_choices_of_one_prompt_compute_its_blocks_once() -> None:
+    """n > 1: the siblings of a request queued with it wait one pass while it computes the shared blocks, then
+    read them (forked by reference) and compute only their last, partial block."""
+    book = BlockBook(100, BS)
+    sched = Scheduler(book, Budget(tokens=256, max_running=8))
+    model = FakeModel(book)
+    prompt = list(range(100, 122))  # 5 full blocks and 2 tokens
+    for i in range(4):
+        sched.add(_req(f"n{i}", prompt, max_tokens=3))
+    first = sched.schedule()
+    assert [(s.request.request_id, s.start, s.length) for s in first.slices] == [("n0", 0, 22)]
+    sched.update(first, model.run(sched, first))
+    second = sched.schedule()
+    siblings = [(s.request.request_id, s.start, s.length) for s in second.slices if s.request.request_id != "n0"]
+    assert siblings == [("n1", 20, 2), ("n2", 20, 2), ("n3", 20, 2)]
+    shared = second.slices[1].table[:5]
+    assert all(s.table[:5] == shared for s in second.slices) and book.ref(shared[0]) == 4
+    sched.update(second, model.run(sched, second))
+    _drain(sched, model)
+    assert book.stats().hits == 3 * 20 and book.free == 100
+
+
 def test_a_full_hit_still_computes_the_last_prompt_token() -> None:
     book = BlockBook(10, BS)
     sched = Scheduler(book, Budget(tokens=64, max_running=2))

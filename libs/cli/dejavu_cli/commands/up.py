@@ -116,9 +116,14 @@ def _planned_layout(args: argparse.Namespace, controller) -> dict:
     except ValueError as exc:
         raise CLIError(f"the planner found no configuration: {exc}") from exc
     if plan.colocated:
-        print(
-            f"planner: {args.workers} machine(s) -> {plan.token_depth} colocated stage(s)\n{plan.why}", file=sys.stderr
-        )
+        why = plan.why
+        if plan.token_depth == 1:  # what runs there is the request-scheduled stage, not the cohorts modelled
+            why = (
+                "one machine: nothing to disaggregate, prompts and tokens share one stage of every layer, which "
+                "schedules requests (engine.request_scheduling): each pass the running decodes, then prompt "
+                "chunks, up to engine.token_budget positions, prefixes found cached skipped."
+            )
+        print(f"planner: {args.workers} machine(s) -> {plan.token_depth} colocated stage(s)\n{why}", file=sys.stderr)
         return {"mode": Mode.COLOCATED, "token_depth": plan.token_depth, "planner": "auto"}
     layout = f"{plan.prompt_depth} prompt + {plan.token_depth} token stages"
     print(f"planner: {args.workers} machine(s) -> {layout}\n{plan.why}", file=sys.stderr)

@@ -122,6 +122,7 @@ class Scheduler:
         need = self.book.blocks_for(request.prompt_len + 1) - len(hits)
         if not self.book.can_allocate(need + self.book.idle(hits) + self._headroom()):
             return False
+        self.book.count_lookup(request.prompt_len, len(hits) * self.book.block_size)
         new = self._take(request, hits, need)
         request.table.extend(new)
         request.move(Status.ARRIVING)
@@ -189,19 +190,26 @@ class Scheduler:
                 continue
             slices.append(self._slice(request, request.computed, n, self.book.allocate(need)))
             left -= n
-        while self.waiting and left > 0 and len(self.running) < self.budget.max_running:
-            request = self.waiting[0]
+        computing = self._computing()
+        for request in list(self.waiting):
+            if left <= 0 or len(self.running) >= self.budget.max_running:
+                break
             hits = self._lookup(request, len(request.token_ids))
+            if self._computed_meanwhile(request, len(hits), computing):
+                continue  # its next blocks are being computed for another request: it hits them next pass
             start = len(hits) * self.book.block_size
             n = self._chunk(request, start, left)
             need = self.book.blocks_for(start + n) - len(hits)
             if not self.book.can_allocate(need + self.book.idle(hits) + self._headroom()):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            self.book.count_lookup(min(request.prompt_len, len(request.token_ids)), start)
             new = self._take(request, hits, need)
             request.computed = start
             request.move(Status.RUNNING)
             self.running.append(request)
+            if computing is not None:
+                computing.update(self._uncommitted(request))
             slices.append(self._slice(request, start, n, new))
             left -= n
         return ScheduledPass(tuple(slices), tuple(preempted))
@@ -271,11 +279,36 @@ class Scheduler:
         return Slice(request, start, n, tuple(request.table), tuple(new), samples)
 
     def _lookup(self, request: RequestState, known: int) -> list[int]:
-        """The cached blocks of ``request``'s leading full blocks, leaving at least one position to compute."""
+        """The cached blocks of ``request``'s leading full blocks, leaving at least one position to compute (the
+        caller counts the lookup in the book's figures once the request is admitted)."""
         most = (known - 1) // self.book.block_size
-        hits = self.book.cached_prefix(request.block_hashes(self.book, most), most)
-        self.book.count_lookup(min(request.prompt_len, known), len(hits) * self.book.block_size)
-        return hits
+        return self.book.cached_prefix(request.block_hashes(self.book, most), most)
+
+    def _computing(self) -> set[bytes] | None:
+        """The hashes of the full blocks running requests are computing and have not committed yet (prompts, and
+        recomputes after a preemption): blocks a waiting request with the same prefix would otherwise compute twice."""
+        if not self.book.caching:
+            return None
+        out: set[bytes] = set()
+        for r in self.running:
+            if r.status is Status.RUNNING:
+                out.update(self._uncommitted(r))
+        return out
+
+    def _uncommitted(self, request: RequestState) -> list[bytes]:
+        """The hashes of ``request``'s full blocks not committed yet (none once only its last token is pending)."""
+        if not request.prefilling:
+            return []
+        full = len(request.token_ids) // self.book.block_size
+        return request.block_hashes(self.book, full)[request.committed :]
+
+    def _computed_meanwhile(self, request: RequestState, hits: int, computing: set[bytes] | None) -> bool:
+        """Whether ``request``'s first block past its ``hits`` cached ones is a full block that a running request is
+        computing now (n > 1 choices of one prompt, or a burst sharing a system prompt): it waits for that block to be
+        committed and then reads it, instead of computing it a second time beside the other."""
+        if not computing or (hits + 1) * self.book.block_size >= len(request.token_ids):
+            return False  # nothing computing, or its next block is its last (never shared): it computes that anyway
+        return request.block_hashes(self.book, hits + 1)[hits] in computing
 
     def _take(self, request: RequestState, hits: list[int], need: int) -> list[int]:
         self.book.attach(hits)
