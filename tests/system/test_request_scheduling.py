@@ -14,6 +14,7 @@ import threading
 import pytest
 from openai import OpenAI
 
+from dejavu_common.messages import SamplingSpec
 from dejavu_common.settings import Mode
 
 from .cluster import cluster_settings, logs, running
@@ -86,3 +87,46 @@ def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, m
             assert texts[key] == text, f"{key}: {texts[key]!r}\n!=\n{text!r}\n{logs(launcher)}"
         assert finishes["short"] == "length" and finishes["long"] in ("length", "stop")
         assert "request scheduling: a paged pool" in logs(launcher, tail=None)
+
+
+def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, model, capsys) -> None:
+    """Three turns of one conversation through the official client, each re-sending the whole history: every
+    answer equals the in-process engine's for that history, and from the second turn on the stage finds the
+    history's blocks cached (its prefix-cache metrics count the hit tokens), so it computes only the new message."""
+    import json
+
+    from dejavu_cli.main import main as dejavu
+    from dejavu_engine.generate import Request, generate_batch
+
+    from .test_metrics import _scrape, _total
+
+    settings = cluster_settings(
+        redis_url, model, mode=Mode.COLOCATED, token_depth=1, token_microbatch=4, worker={"metrics_port": 0}
+    )
+    ref = Reference(model)
+
+    def expected(messages: list[dict]) -> str:
+        ids = ref.tokenizer.apply_chat_template(messages)
+        request = Request(tuple(ids), SamplingSpec(max_tokens=24, temperature=0), ref.eos)
+        (completion,), _ = generate_batch(ref.pipeline, [request])
+        return ref.tokenizer.decode(completion.token_ids)
+
+    with running(settings) as launcher:
+        client = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=120, max_retries=0)
+        capsys.readouterr()
+        assert dejavu(["admin", "--redis-url", redis_url, "status", "--json"]) == 0
+        (worker,) = json.loads(capsys.readouterr().out)["workers"].values()
+        messages: list[dict] = [{"role": "system", "content": "You are a patient teacher of geography. " * 6}]
+        hits = []
+        for question in ("Where is Lyon?", "And what river runs through it?", "Name a dish from there."):
+            messages.append({"role": "user", "content": question})
+            reply = client.chat.completions.create(
+                model=settings.model.name, messages=messages, max_tokens=24, temperature=0
+            )
+            answer = reply.choices[0].message.content
+            assert answer == expected(messages), logs(launcher)
+            messages.append({"role": "assistant", "content": answer})
+            _names, scraped = _scrape(worker["metrics_url"])
+            hits.append(_total(scraped, "dejavu_prefix_cache_hits_tokens_total"))
+        history = len(ref.tokenizer.apply_chat_template(messages[:3])) // 16 * 16
+        assert hits[0] == 0 and hits[1] - hits[0] >= history - 32 and hits[2] > hits[1], hits

@@ -119,12 +119,14 @@ class RequestLoop:
         """Serve until ``stop()``. An error leaving it (Redis refusing a write) leaves the books in order: the
         next call first restarts the requests of the pass it broke from their token streams."""
         self._settle()
+        idle = True
         while not stop():
-            self._take_tasks(block=not self.served)
+            self._take_tasks(block=idle)  # nothing ran last time: wait a moment for a task instead of spinning
             self._check_cancelled()
             step = self.scheduler.schedule()
             self._preempted(step)
-            if not step:
+            idle = not step
+            if idle:
                 continue
             self._broken = step
             self._execute(step)
