@@ -7,8 +7,9 @@ token worker (profiled with one torch thread, as each worker gets when two share
 ``--co-runners`` other decoding processes, since the two workers compete for the same memory
 bandwidth), and what ``dejavu up`` starts on this host, one colocated stage with both cores (profiled
 with two threads and no co-runner); ``--deployments`` picks some. The simulator models the runtime's
-own policy (iteration-level batching in cohorts, ``Batching.COHORT`` with the controller's
-``max_running``); the paper's microbatch policy's prediction is kept next to it
+own policy: iteration-level batching in cohorts (``Batching.COHORT`` with the controller's
+``max_running``), and for the one colocated stage, which schedules requests, the very scheduler it runs
+(``Batching.BUDGET``, ``engine.token_budget``); the paper's microbatch policy's prediction is kept next to it
 (``simulated_paper_policy_s``), to show what modelling the runtime's policy changes. Profiling
 in every round keeps the profile and the real runs minutes apart on a host whose speed drifts.
 Prints the comparison table (every round, then medians) and writes
@@ -270,8 +271,16 @@ def main(argv: list[str] | None = None) -> int:
                 if colocated
                 else Deployment(Policy.DEJAVU, 1, args.microbatch, token_depth=1)
             )
+            served = Settings()
+            # One colocated stage schedules requests (engine.request_scheduling): the simulator runs that very
+            # policy (Batching.BUDGET, the dejavu_common.sched.Scheduler); every other deployment runs cohorts.
+            budgeted = colocated and depth == 1 and served.engine.request_scheduling
             deployment = dataclasses.replace(
-                paper, batching=Batching.COHORT, max_running=Settings().controller.max_running
+                paper,
+                batching=Batching.BUDGET if budgeted else Batching.COHORT,
+                max_running=served.controller.max_running,
+                token_budget=served.engine.token_budget,
+                block_size=served.engine.kv_block_size or 16,
             )
             cost, wait_s = CostModel(profile), BATCH_WAIT_MS / 1000
             in_trace_order = simulate(deployment, actual, cost, batch_wait_s=wait_s)
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             # prediction: replay the trace in the order the controller admitted it, and say whether it had to.
             # (A request whose every chunk was held back has no first chunk: its end stands in.)
             real_groups = microbatches({r.request.rid: (r.chunk_times_s or (r.end_s,))[0] for r in records})
-            replay = in_admitted_order(actual, real_groups)
+            replay = actual if budgeted else in_admitted_order(actual, real_groups)  # budget: no grouping to replay
             sim = simulate(deployment, replay, cost, batch_wait_s=wait_s)
             predicted = sim.makespan_s
             paper_predicted = simulate(paper, replay, cost, batch_wait_s=wait_s).makespan_s

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -174,6 +175,9 @@ class RequestLoop:
             if entry.finished[0] is not None:
                 stopped.append(rid)
         for request in self.scheduler.update(step, sampled, stopped):
+            served = self.served.get(request.request_id)
+            if served is not None and not served.tracker.done:  # the policy's bound met first: say it ended
+                self._publish_end(served, FinishReason.LENGTH)
             self._leave(request.request_id)
         for rid in sampled:
             served = self.served.get(rid)
@@ -212,18 +216,25 @@ class RequestLoop:
             if task is None:
                 return
             block = False
-            if len(task.pieces) != 1 or task.pieces[0].dst_rows != (0, 1):
-                self._refuse(task)
-                continue
             try:
-                spec = fetch_spec(self.redis, task.pieces[0].mb_id, 0.0)
-            except DeadlineExceeded:  # its spec is written before its task is queued: the request ended
-                log.info("dropped colocated task %d: microbatch %d is gone", task.task_id, task.pieces[0].mb_id)
-                continue
-            if len(spec.rows) != 1:
-                self._refuse(task)
-                continue
-            self._restart(spec)
+                self._take(task)
+            except redis.RedisError:
+                self.queue.put_back(task)  # claimed (acknowledged) but not taken: the next run takes it
+                raise
+
+    def _take(self, task: PromptTask) -> None:
+        if len(task.pieces) != 1 or task.pieces[0].dst_rows != (0, 1):
+            self._refuse(task)
+            return
+        try:
+            spec = fetch_spec(self.redis, task.pieces[0].mb_id, 0.0)
+        except DeadlineExceeded:  # its spec is written before its task is queued: the request ended
+            log.info("dropped colocated task %d: microbatch %d is gone", task.task_id, task.pieces[0].mb_id)
+            return
+        if len(spec.rows) != 1:
+            self._refuse(task)
+            return
+        self._restart(spec)
 
     def _restart(self, spec: MicrobatchSpec) -> None:
         """Serve ``spec``'s request from what its token stream says (from its prompt when the stream is empty);
@@ -238,9 +249,11 @@ class RequestLoop:
         row = spec.rows[0]
         top = row.sampling.prompt_logprobs
         wants_prompt = top is not None and not tracker.outputs[0]
-        # A prompt whose every position's log probabilities are reported must compute every position.
-        salt = f"prompt-logprobs:{rid}".encode() if wants_prompt else b""
-        longest = min(row.sampling.max_tokens, spec.max_len - len(row.prompt_ids))
+        # A prompt whose every position's log probabilities are reported computes every position: its blocks are
+        # salted afresh each time it is served, so it hits nothing cached, its own earlier blocks included.
+        salt = f"prompt-logprobs:{uuid.uuid4()}".encode() if wants_prompt else b""
+        # Its tokens end at max_tokens or where its cache span ends (the last token's KV is never written).
+        longest = min(row.sampling.max_tokens, spec.max_len - len(row.prompt_ids) + 1)
         state = RequestState(rid, [*row.prompt_ids, *tracker.outputs[0]], len(row.prompt_ids), longest, salt)
         served = Served(spec, state, tracker, prompt_logprobs={} if wants_prompt else None)
         try:
@@ -268,11 +281,15 @@ class RequestLoop:
         cancels = self._cancelled(idle)
         for s in idle:
             if cancels[s.mb_id]:
-                step = s.tracker.generated[0]
-                entry = TokenStep(mb_id=s.mb_id, step=step, tokens=(-1,), finished=(FinishReason.CANCELLED,))
-                key = keys.tokens(s.mb_id)
-                self.redis.xadd(key, token_entry(self.signer, key, entry.encode()))
+                self._publish_end(s, FinishReason.CANCELLED)
                 self._leave(str(s.mb_id))
+
+    def _publish_end(self, served: Served, reason: FinishReason) -> None:
+        """End ``served``'s stream with ``reason`` at the step it reached, without a token."""
+        step = served.tracker.generated[0]
+        entry = TokenStep(mb_id=served.mb_id, step=step, tokens=(-1,), finished=(reason,))
+        key = keys.tokens(served.mb_id)
+        self.redis.xadd(key, token_entry(self.signer, key, entry.encode()))
 
     def _cancelled(self, served: Iterable[Served]) -> dict[int, set[int]]:
         """Per request, the rows its controller cancelled (``{0}`` or nothing), in one Redis round trip."""
@@ -309,7 +326,8 @@ class RequestLoop:
 
     def _publish_failure(self, spec: MicrobatchSpec, step: int, error: Exception) -> None:
         log.error("request of microbatch %d failed at step %d: %r", spec.mb_id, step, error)
-        entry = TokenStep(mb_id=spec.mb_id, step=step, tokens=(-1,), finished=(FinishReason.ERROR,))
+        n = len(spec.rows)
+        entry = TokenStep(mb_id=spec.mb_id, step=step, tokens=(-1,) * n, finished=(FinishReason.ERROR,) * n)
         key = keys.tokens(spec.mb_id)
         self.redis.xadd(key, token_entry(self.signer, key, entry.encode()))
 
