@@ -15,7 +15,15 @@ torch.set_num_threads(1)  # modest: the machine is shared
 # The modules whose tests hold on any device: the stages' arithmetic against transformers and against itself
 # (batching, paging, sampling). The others test the host: the CPU's native kernels and oneDNN GEMMs, worker
 # processes, the command line, the prepared default model.
-DEVICE_GENERIC = {"test_families", "test_rope_scaling", "test_batching", "test_generate", "test_paged", "test_stage"}
+DEVICE_GENERIC = {
+    "test_families",
+    "test_windowed_families",
+    "test_rope_scaling",
+    "test_batching",
+    "test_generate",
+    "test_paged",
+    "test_stage",
+}
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3Config,
     LlamaConfig,
-    MistralConfig,
     MixtralConfig,
     Phi3Config,
     PretrainedConfig,
@@ -85,13 +85,8 @@ def _refusal(config: PretrainedConfig | dict[str, Any]) -> str:
     [
         (MixtralConfig(), r"'mixtral': the engine lacks a mixture-of-experts MLP"),
         (Qwen2MoeConfig(), r"'qwen2_moe': the engine lacks a mixture-of-experts MLP"),
-        (Gemma2Config(), r"'gemma2': .*logit soft-capping and alternating sliding-window layers"),
-        (MistralConfig(sliding_window=4096), r"mistral: sliding-window .*window of 4096 positions on every layer"),
-        (Phi3Config(sliding_window=2047), r"phi3: sliding-window .*window of 2047 positions on every layer"),
-        (
-            Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=4),
-            r"qwen2: sliding-window attention \(a window of 64 positions on layers 1-3, of the model's 32768\)",
-        ),
+        (Gemma3Config(), r"'gemma3': the engine lacks Gemma 3's vision tower \(its text model, .*gemma3_text"),
+        (Gemma2Config(use_bidirectional_attention=True), r"gemma2: bidirectional attention"),
         (Phi3Config(partial_rotary_factor=0.75), r"phi3: a partial rotary embedding \(partial_rotary_factor 0.75\)"),
         (LlamaConfig(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}), r"rope type 'proportional'"),
         (LlamaConfig(hidden_act="gelu"), r"llama: activation 'gelu' is not supported"),
@@ -117,10 +112,10 @@ def test_a_window_that_never_drops_a_key_is_full_attention() -> None:
 def test_a_stage_refuses_an_unsupported_checkpoint_before_loading_weights(
     tiny_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    folder = tmp_path / "windowed"
+    folder = tmp_path / "gelu"
     shutil.copytree(tiny_checkpoints["mistral"], folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"sliding_window": 4}))
+    (folder / "config.json").write_text(json.dumps(config | {"hidden_act": "gelu"}))
     (folder / "model.safetensors").unlink()  # refused from config.json alone
-    with pytest.raises(ValueError, match=r"mistral: sliding-window attention \(a window of 4 positions"):
+    with pytest.raises(ValueError, match=r"mistral: activation 'gelu' is not supported"):
         Stage(folder, (0, 1))

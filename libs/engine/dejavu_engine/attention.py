@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
@@ -15,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 from dejavu_engine import native, slices
 from dejavu_engine.family import ForwardContext
 from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.sdpa import layer_mask, sdpa
 
 
 def positions(geometry: BatchGeometry, n: int, device: torch.device) -> torch.Tensor:
@@ -37,6 +39,14 @@ def allowed(geometry: BatchGeometry, n: int, device: torch.device) -> torch.Tens
     return ((keys <= queries) & (keys >= pads)) | (keys == queries)
 
 
+def window_allowed(geometry: BatchGeometry, n: int, window: int, device: torch.device) -> torch.Tensor:
+    """:func:`allowed` less the keys a sliding window of ``window`` positions drops: query ``i`` sees keys ``j``
+    with ``i - window < j <= i`` (transformers' ``sliding_window_overlay``)."""
+    keys = torch.arange(geometry.cur_len, device=device)
+    queries = torch.arange(geometry.cur_len - n, geometry.cur_len, device=device).unsqueeze(1)
+    return allowed(geometry, n, device) & (keys > queries - window)
+
+
 def bool_mask(geometry: BatchGeometry, n: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
     """``(mask, causal)`` for families without attention biases; None where SDPA needs no mask."""
     if not geometry.padded:
@@ -55,6 +65,7 @@ def attend(
     v_cache: torch.Tensor | Sequence[torch.Tensor],
     ctx: ForwardContext,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write ``k``/``v`` (``[batch, kv_heads, n, head_dim]``) into the layer's cache at
     ``[ctx.start, ctx.cur_len)`` and attend ``q`` (``[batch, heads, n, head_dim]``) over the filled
@@ -64,20 +75,28 @@ def attend(
     attend over their own cache and length only (one attention call per group, or one call of the
     native kernel for every group with ``ctx.spans``). A pass of per-request slices over a paged pool
     (:class:`~dejavu_engine.slices.SliceContext`) attends as :func:`dejavu_engine.slices.attend`.
+
+    In a sliding-window layer (``ctx.local``) every query attends with its own context's ``window_mask`` (in the
+    native decode kernel: ``ctx.window_spans``); with ``softcap`` the attention logits are soft-capped
+    (:func:`sdpa`): torch's attention only (the stage builds no native context then,
+    :meth:`Family.torch_attention`).
     """
     if isinstance(ctx, slices.SliceContext):
         assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
-        return slices.attend(q, k, v, k_cache, v_cache, ctx, scale)
+        return slices.attend(q, k, v, k_cache, v_cache, ctx, scale, softcap)
+    if ctx.local or softcap is not None:
+        assert ctx.mixed is None and not ctx.native_prefill, "native prefill with a window or a soft cap"
+        assert softcap is None or ctx.spans is None, "native decode with a soft cap"
     if ctx.mixed is not None:
         return _attend_mixed(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.spans is not None:
         return _attend_native(q, k, v, k_cache, v_cache, ctx, scale)
     if ctx.segments is not None:
-        return _attend_ragged(q, k, v, k_cache, v_cache, ctx, scale)
+        return _attend_ragged(q, k, v, k_cache, v_cache, ctx, scale, softcap)
     if ctx.groups is not None:
         assert not isinstance(k_cache, torch.Tensor) and not isinstance(v_cache, torch.Tensor)
         outs = [
-            attend(q[a:b], k[a:b], v[a:b], kc, vc, group_ctx, scale)
+            attend(q[a:b], k[a:b], v[a:b], kc, vc, replace(group_ctx, local=ctx.local), scale, softcap)
             for (a, b, group_ctx), kc, vc in zip(ctx.groups, k_cache, v_cache, strict=True)
         ]
         return torch.cat(outs)
@@ -96,15 +115,7 @@ def attend(
         v_cache[index, :, ctx.start : ctx.cur_len] = v
         keys = k_cache[index, :, : ctx.cur_len]
         values = v_cache[index, :, : ctx.cur_len]
-    out = F.scaled_dot_product_attention(
-        q,
-        keys,
-        values,
-        attn_mask=ctx.mask,
-        is_causal=ctx.causal,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    out = sdpa(q, keys, values, *layer_mask(ctx, ctx.local), scale, softcap)
     batch, heads, n, head_dim = out.shape
     return out.transpose(1, 2).reshape(batch, n, heads * head_dim)
 
@@ -146,6 +157,7 @@ def _attend_ragged(
     v_cache: torch.Tensor | Sequence[torch.Tensor],
     ctx: ForwardContext,
     scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`attend` of a ragged prefill (``ctx.segments``): ``q``/``k``/``v`` hold every prompt's tokens
     back to back in one row; each prompt writes its K/V into its own cache row (right-aligned, as left
@@ -168,17 +180,8 @@ def _attend_ragged(
         return _prefill_native(q, k, v, segments, scale).view(1, q.shape[2], -1)
     outs = []
     for offset, length, _row, _start, seg in ctx.segments:
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, offset : offset + length],
-                k[:, :, offset : offset + length],
-                v[:, :, offset : offset + length],
-                attn_mask=seg.mask,
-                is_causal=seg.causal,
-                scale=scale,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
-        )
+        rows = slice(offset, offset + length)
+        outs.append(sdpa(q[:, :, rows], k[:, :, rows], v[:, :, rows], *layer_mask(seg, ctx.local), scale, softcap))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     _, heads, n, head_dim = out.shape
     return out.transpose(1, 2).reshape(1, n, heads * head_dim)
@@ -221,12 +224,12 @@ def _prefill_native(
     return out
 
 
-def decode_spans(geometries: Sequence[BatchGeometry]) -> torch.Tensor:
+def decode_spans(geometries: Sequence[BatchGeometry], window: int | None = None) -> torch.Tensor:
     """``ForwardContext.spans`` of a one-token call over groups with these geometries: per row
     ``(group, index, start, end)``, the span of cache positions the row attends (its own tokens,
-    the new one included)."""
+    the new one included; with ``window``, its last ``window`` positions at most)."""
     spans = [
-        (g, row, pad, geo.cur_len)
+        (g, row, pad if window is None else max(pad, geo.cur_len - window), geo.cur_len)
         for g, geo in enumerate(geometries)
         for row, pad in zip(geo.cache_rows, geo.pad_lens, strict=True)
     ]
@@ -249,7 +252,8 @@ def _attend_native(
     v_caches = [v_cache] if isinstance(v_cache, torch.Tensor) else list(v_cache)
     batch, heads, _, head_dim = q.shape
     kv_heads = k.shape[1]
-    assert ctx.spans is not None
+    spans = ctx.window_spans if ctx.local else ctx.spans
+    assert spans is not None, "a sliding-window layer's native context has no window spans"
     args = (
         q.reshape(batch, heads, head_dim).contiguous(),
         k.reshape(batch, kv_heads, head_dim).contiguous(),
@@ -259,9 +263,9 @@ def _attend_native(
     )
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     if ctx.tables is not None:  # the caches are a paged pool's slabs of this layer
-        out = native.paged_decode_attention(*args, ctx.tables, ctx.spans, scale)
+        out = native.paged_decode_attention(*args, ctx.tables, spans, scale)
     else:
-        out = native.decode_attention(*args, ctx.spans, scale)
+        out = native.decode_attention(*args, spans, scale)
     return out.view(batch, 1, heads * head_dim)
 
 

@@ -9,6 +9,7 @@ short family-defined names (``"q"``, ``"fc1"``, ...) mapped to checkpoint names 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,16 @@ class ForwardContext:
     ``native_prefill`` is set when the stage runs a prefill's attention in the native kernel
     (:func:`dejavu_engine.native.prefill_attention`): whole prompts, plainly causal (no mask, no biases),
     each row's (or each segment's) queries over its own new tokens only, all of them in one call.
+
+    ``window_mask`` (bool ``[batch, 1, n, cur_len]``, True = attend) is set by a family with sliding-window layers
+    on every context it builds (:meth:`Family.context`): ``mask``'s keys less those a window of
+    ``Family.window`` positions drops (a query at ``i`` sees keys ``j`` with ``i - window < j <= i``).
+    ``local_rope`` is the sliding-window layers' ``(cos, sin)`` where they differ from ``rope`` (Gemma 3's local
+    base). ``local`` marks the context of one sliding-window layer (set per layer by the stage): its attention
+    masks each row, group, segment or slice with its own context's ``window_mask`` instead of ``mask``, or, in the
+    native decode kernels, attends ``window_spans`` (``spans`` whose start is no earlier than ``end - window``)
+    instead of ``spans``. The native prefill kernels take no window: a stage with sliding-window layers prefills
+    through torch.
     """
 
     geometry: BatchGeometry
@@ -93,6 +104,10 @@ class ForwardContext:
     native_prefill: bool = False
     mixed: tuple[ForwardContext, ForwardContext] | None = None
     places: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None
+    window_spans: torch.Tensor | None = None
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    local: bool = False
 
     @property
     def cur_len(self) -> int:
@@ -111,7 +126,16 @@ class ForwardContext:
         if contexts[0].rope is not None:
             rope = tuple(torch.cat([c.rope[i] for c in contexts], dim=1) for i in range(2))  # type: ignore[index]
         positions = torch.cat([c.positions for c in contexts], dim=1)
-        return cls(geometry, 0, positions, None, False, rope, segments=tuple(segments))  # type: ignore[arg-type]
+        return cls(
+            geometry,
+            0,
+            positions,
+            None,
+            False,
+            rope,  # type: ignore[arg-type]
+            segments=tuple(segments),
+            local_rope=cat_local_rope(contexts, dim=1),
+        )
 
     @classmethod
     def combined(cls, decode: ForwardContext, prefill: ForwardContext) -> ForwardContext:
@@ -146,11 +170,27 @@ class ForwardContext:
             first.causal,
             rope,  # type: ignore[arg-type]
             tuple(groups),
+            local_rope=cat_local_rope(contexts, dim=0),
         )
+
+
+def cat_local_rope(contexts: Sequence[ForwardContext], dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``local_rope`` of contexts joined along ``dim`` (as their ``rope``), None where they have none."""
+    parts = [c.local_rope for c in contexts]
+    if any(p is None for p in parts):
+        return None
+    cos = torch.cat([p[0] for p in parts if p is not None], dim=dim)
+    sin = torch.cat([p[1] for p in parts if p is not None], dim=dim)
+    return cos, sin
 
 
 class Family(ABC):
     """One architecture (Llama, OPT, GPT-2, BLOOM): weight names and forward math.
+
+    ``window`` is the sliding window (in positions) of the global layers ``windowed_layers``; their attention
+    masks with the contexts' ``window_mask`` or attends ``window_spans`` (:class:`ForwardContext`).
+    ``attention_softcap`` is a soft cap of the attention logits (``cap * tanh(logits / cap)``, Gemma 2): torch's
+    attention only (:meth:`torch_attention`).
 
     ``gemm_roles`` (of a prepared layer) and ``head_gemm_roles`` name the weights the family uses only
     through :func:`dejavu_engine.gemm.linear` / ``residual_linear``: a stage may replace them by
@@ -159,6 +199,9 @@ class Family(ABC):
 
     gemm_roles: tuple[str, ...] = ()
     head_gemm_roles: tuple[str, ...] = ()
+    window: int | None = None
+    windowed_layers: frozenset[int] = frozenset()
+    attention_softcap: float | None = None
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -166,6 +209,17 @@ class Family(ABC):
         # The native kernels (dejavu_engine.native), where the stage runs on them: a family may take its
         # pointwise ops from there (one pass instead of several torch ops); None: torch's ops.
         self.kernels: Any = None
+
+    def torch_attention(self, layers: tuple[int, int]) -> bool:
+        """Whether global layers ``[first, last)`` attend through torch only: the family soft-caps attention
+        logits (what the native kernels do not compute)."""
+        return self.attention_softcap is not None
+
+    def windowed(self, layers: tuple[int, int]) -> bool:
+        """Whether one of global layers ``[first, last)`` has a sliding window (then a stage of them prefills
+        through torch: the native prefill kernels take no window)."""
+        first, last = layers
+        return any(first <= i < last for i in self.windowed_layers)
 
     @classmethod
     @abstractmethod

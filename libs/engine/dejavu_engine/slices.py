@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine import native
-from dejavu_engine.family import ForwardContext
+from dejavu_engine.family import ForwardContext, cat_local_rope
 from dejavu_engine.geometry import BatchGeometry, Slice
+from dejavu_engine.sdpa import layer_mask, sdpa
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ def context(
         None,
         False,
         rope,  # type: ignore[arg-type]
+        local_rope=cat_local_rope(contexts, dim=1),
         parts=tuple(parts),
         native_plan=plan,
         torch_plan=torch_plan,
@@ -164,18 +165,21 @@ def attend(
     v_slabs: Sequence[torch.Tensor],
     ctx: SliceContext,
     scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One layer's attention of a pass of slices: ``q`` ``[1, heads, tokens, head_dim]``, ``k``/``v`` ``[1,
     kv_heads, tokens, head_dim]`` (the row's tokens), ``k_slabs``/``v_slabs`` the pool's slabs of the layer
     (``[slab_blocks, kv_heads, block_size, head_dim]`` each). Writes every token's K/V into its request's block,
     then returns each token's attention over its request's positions up to its own, ``[1, tokens, heads *
-    head_dim]``."""
+    head_dim]``. A sliding-window layer (``ctx.local``) masks each slice with its own context's ``window_mask``;
+    ``softcap`` soft-caps the logits (:func:`~dejavu_engine.attention.sdpa`): the torch path only."""
     head_dim = q.shape[-1]
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     if ctx.native_plan is not None:
+        assert not ctx.local and softcap is None, "native attention with a window or a soft cap"
         return _attend_native(q, k, v, list(k_slabs), list(v_slabs), ctx.native_plan, scale)
     assert ctx.torch_plan is not None
-    return _attend_torch(q, k, v, k_slabs, v_slabs, ctx, scale)
+    return _attend_torch(q, k, v, k_slabs, v_slabs, ctx, scale, softcap)
 
 
 def _attend_native(
@@ -215,6 +219,7 @@ def _attend_torch(
     v_slabs: Sequence[torch.Tensor],
     ctx: SliceContext,
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     assert ctx.torch_plan is not None
     k_tokens, v_tokens = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [tokens, kv_heads, head_dim]
@@ -225,17 +230,7 @@ def _attend_torch(
     for (offset, length, start, own), (parts, n_blocks) in zip(ctx.parts, ctx.torch_plan.reads, strict=True):
         end = start + length
         keys, values = _gather(k_slabs, parts, n_blocks, end), _gather(v_slabs, parts, n_blocks, end)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, offset : offset + length],
-                keys,
-                values,
-                attn_mask=own.mask,
-                is_causal=own.causal,
-                scale=scale,
-                enable_gqa=q.shape[1] != keys.shape[1],
-            )
-        )
+        outs.append(sdpa(q[:, :, offset : offset + length], keys, values, *layer_mask(own, ctx.local), scale, softcap))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     _, heads, tokens, head_dim = out.shape
     return out.transpose(1, 2).reshape(1, tokens, heads * head_dim)

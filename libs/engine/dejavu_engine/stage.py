@@ -83,13 +83,19 @@ class Stage:
         # bfloat16 kernels for it): see dejavu_engine.gemm.
         self.packed_gemms = pack_gemms and gemm.can_pack(self.device, torch_dtype(dtype))
         # One-token attention of every row in one native call where the host can (CPU float32 or bfloat16,
-        # and the kernels build): see dejavu_engine.native. Torch's attention per microbatch otherwise.
-        self.native_attention = (
+        # and the kernels build): see dejavu_engine.native. Torch's attention per microbatch otherwise, and
+        # for a family that soft-caps attention logits (Family.torch_attention).
+        kernels_here = (
             native_attention and self.device.type == "cpu" and dtype in native.DTYPES and native.load() is not None
         )
+        self.native_attention = kernels_here and not self.family.torch_attention(self.layers)
+        # Which of this stage's layers attend within the family's sliding window (ForwardContext.local): the
+        # native decode kernels attend the window's spans; the stage prefills through torch.
+        self._local = [i in self.family.windowed_layers for i in range(first, last)]
+        self.windowed = any(self._local)
         # The same kernels' pointwise ops (RMSNorm, SwiGLU) for the families that have them, where they are
         # vectorized (AVX-512 hosts; elsewhere torch's ops are faster).
-        kernels = native.load() if self.native_attention else None
+        kernels = native.load() if kernels_here else None
         self.family.kernels = kernels if getattr(kernels, "POINTWISE_FAST", False) else None
         # Prefill of left-padded prompts computes their tokens only, back to back (ForwardContext.segments).
         self.ragged_prefill = ragged_prefill
@@ -192,7 +198,7 @@ class Stage:
         ctx = self.family.context(geometry, n, self.device, torch_dtype(self.dtype))
         if n == 1:
             ctx = self._natively(ctx, [ctx], [cache])
-        elif self.native_attention and ctx.mask is None and ctx.causal and geometry.rows is None:
+        elif self.native_attention and not self.windowed and ctx.mask is None and ctx.causal and geometry.rows is None:
             ctx = replace(ctx, native_prefill=True)  # whole unpadded prompts: the native prefill kernel
         hidden = self._layers(x, zip(cache.k, cache.v, strict=True), ctx, on_layer_done)
         if not self.is_last:
@@ -208,10 +214,11 @@ class Stage:
     ) -> torch.Tensor:
         """Embed (a first stage) and run every layer of this stage over ``x`` with ``ctx``, layer ``i`` over the
         ``i``-th ``(k, v)`` of ``caches``: a cache's layer, one per group of a grouped call, or a pool's slabs
-        (:func:`_pool_layers`)."""
+        (:func:`_pool_layers`). A sliding-window layer runs with ``ctx`` marked ``local``."""
         hidden = self.family.embed(self._embed_w, x, ctx) if self.is_first else x
+        local = replace(ctx, local=True) if any(self._local) else ctx
         for index, (w, (k_layer, v_layer)) in enumerate(zip(self._layer_w, caches, strict=True)):
-            hidden = self.family.layer(w, hidden, k_layer, v_layer, ctx)
+            hidden = self.family.layer(w, hidden, k_layer, v_layer, local if self._local[index] else ctx)
             if on_layer_done is not None:
                 on_layer_done(self.layers[0] + index)
         return hidden
@@ -247,7 +254,7 @@ class Stage:
         lengths = [geometry.cur_len - pad for pad in geometry.pad_lens]
         contexts = [self.family.context(BatchGeometry((0,), n), n, self.device, dtype) for n in lengths]
         ctx = ForwardContext.ragged(geometry, contexts)
-        if self.native_attention and all(c.mask is None for c in contexts):
+        if self.native_attention and not self.windowed and all(c.mask is None for c in contexts):
             ctx = replace(ctx, native_prefill=True)
         return ctx
 
@@ -337,9 +344,11 @@ class Stage:
 
     def _paged_context(self, groups: Sequence[tuple[PagedKVCache, BatchGeometry]]) -> ForwardContext:
         """The context of one decode step of ``groups`` through the paged kernel (each row's span and block
-        table); takes the blocks of the positions the step writes."""
+        table, and in a stage with sliding-window layers their spans cut to the window); takes the blocks of the
+        positions the step writes."""
         dtype = torch_dtype(self.dtype)
-        contexts, tables, spans = [], [], []
+        contexts, tables = [], []
+        spans: list[tuple[int, int]] = []
         for cache, geometry in groups:
             self._check(cache, geometry, geometry.batch, 1)
             contexts.append(self.family.context(geometry, 1, self.device, dtype))
@@ -349,14 +358,19 @@ class Stage:
         width = max(t.shape[1] for t in tables)
         table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in tables])
         ctx = ForwardContext.grouped(contexts) if len(contexts) > 1 else contexts[0]
-        return replace(ctx, spans=torch.tensor(spans, dtype=torch.long), tables=table)
+        window_spans = None
+        if self.windowed:
+            window = self.family.window
+            assert window is not None
+            window_spans = torch.tensor([(max(start, end - window), end) for start, end in spans], dtype=torch.long)
+        return replace(ctx, spans=torch.tensor(spans, dtype=torch.long), tables=table, window_spans=window_spans)
 
     @functools.cached_property
     def prefills_into_blocks(self) -> bool:
         """Whether a prefill of whole prompts over a paged cache writes each layer's K/V straight into the
         pool's blocks (:meth:`_prefill_blocks`): the paged kernels apply, and the family's prompts are plainly
-        causal (no mask, no biases), so the native prefill kernel computes their attention."""
-        if not (self.paged_attention and hasattr(native.load(), "paged_write")):
+        causal (no mask, no biases, no sliding window), so the native prefill kernel computes their attention."""
+        if self.windowed or not (self.paged_attention and hasattr(native.load(), "paged_write")):
             return False
         probe = self.family.context(BatchGeometry((0,), 2), 2, self.device, torch_dtype(self.dtype))
         return probe.mask is None and probe.causal
@@ -518,14 +532,17 @@ class Stage:
     ) -> ForwardContext:
         """``ctx`` with the spans that route a one-token call's attention through the native kernel,
         where this stage uses it and the call fits it: masks that only select positions (no additive
-        biases such as ALiBi) and contiguous caches. Otherwise ``ctx`` unchanged."""
+        biases such as ALiBi) and contiguous caches (and, in a stage with sliding-window layers, the spans of those
+        layers: ``window_spans``). Otherwise ``ctx`` unchanged."""
         if not self.native_attention:
             return ctx
         if any(c.mask is not None and c.mask.dtype != torch.bool for c in contexts):
             return ctx
         if not all(cache.k.is_contiguous() and cache.v.is_contiguous() for cache in caches):
             return ctx
-        return replace(ctx, spans=decode_spans([c.geometry for c in contexts]))
+        geometries = [c.geometry for c in contexts]
+        window_spans = decode_spans(geometries, self.family.window) if self.windowed else None
+        return replace(ctx, spans=decode_spans(geometries), window_spans=window_spans)
 
     def _input(self, io: StageIO) -> torch.Tensor:
         """The tensor this stage takes from ``io``, on this stage's device: token ids come from the host and

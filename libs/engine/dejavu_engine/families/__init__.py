@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dejavu_engine.families.bloom import Bloom
+from dejavu_engine.families.gemma import Gemma2, Gemma3Text
 from dejavu_engine.families.gpt2 import GPT2
 from dejavu_engine.families.llama import Llama
 from dejavu_engine.families.mistral import Mistral
@@ -20,13 +21,15 @@ FAMILIES: dict[str, type[Family]] = {
     "qwen2": Qwen2,
     "qwen3": Qwen3,
     "phi3": Phi3,
+    "gemma2": Gemma2,
+    "gemma3_text": Gemma3Text,
     "opt": OPT,
     "gpt2": GPT2,
     "bloom": Bloom,
 }
 
 _MOE = "a mixture-of-experts MLP (routed experts)"
-_GEMMA = "Gemma's layer (scaled embeddings, (1 + weight) RMSNorm, GELU-gated MLP)"
+_GEMMA = "Gemma 1's layer (Gemma 2's without its post-attention and feed-forward norms)"
 # What the engine lacks for model types people serve that it does not implement.
 MISSING: dict[str, str] = {
     "mixtral": _MOE,
@@ -37,9 +40,7 @@ MISSING: dict[str, str] = {
     "deepseek_v2": f"{_MOE} and multi-head latent attention",
     "deepseek_v3": f"{_MOE} and multi-head latent attention",
     "gemma": _GEMMA,
-    "gemma2": f"{_GEMMA}, logit soft-capping and alternating sliding-window layers",
-    "gemma3": f"{_GEMMA}, per-head q/k norms, alternating sliding-window layers and a vision tower",
-    "gemma3_text": f"{_GEMMA}, per-head q/k norms and alternating sliding-window layers",
+    "gemma3": "Gemma 3's vision tower (its text model, model_type gemma3_text, is supported)",
     "phi": "Phi-1/2's layer (parallel attention and MLP, a partial rotary embedding, LayerNorm)",
 }
 

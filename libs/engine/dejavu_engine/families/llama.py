@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from dejavu_engine.attention import attend, bool_mask, positions
+from dejavu_engine.attention import attend, bool_mask, positions, window_allowed
 from dejavu_engine.families.rope import Rotary
 from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, fuse
 from dejavu_engine.gemm import linear, residual_linear
@@ -55,7 +55,7 @@ class Llama(Family):
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{cls.model_type}: activation {config.get('hidden_act')!r} is not supported (silu only)")
         heads = config["num_attention_heads"]
-        spec = ModelSpec(
+        return ModelSpec(
             model_type=cls.model_type,
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
@@ -67,22 +67,11 @@ class Llama(Family):
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids(config),
         )
-        cls.check_attention(config, spec)
-        return spec
-
-    @classmethod
-    def check_attention(cls, config: dict[str, Any], spec: ModelSpec) -> None:
-        """Raises ValueError where the config asks for attention other than full causal attention."""
-        windows = sliding_windows(config, spec)
-        if windows:
-            layers = "every layer" if len(windows) == spec.num_layers else f"layers {_spans(windows)}"
-            raise ValueError(
-                f"{cls.model_type}: sliding-window attention (a window of {config['sliding_window']} positions on "
-                f"{layers}, of the model's {spec.max_positions}) is not supported"
-            )
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
+        self.windowed_layers = frozenset(sliding_windows(config, self.spec))
+        self.window = int(config["sliding_window"]) if self.windowed_layers else None
         self.eps = float(config.get("rms_norm_eps", self.default_eps))
         try:
             self.rope = Rotary(config, self.spec.head_dim, self.rope_aliases, self.default_original_max)
@@ -131,7 +120,8 @@ class Llama(Family):
         mask, causal = bool_mask(geometry, n, device)
         # [batch, n, 1, dim]: broadcast over the heads of a [batch, n, heads, dim] projection.
         rope = (cos.unsqueeze(2), sin.unsqueeze(2))
-        return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope)
+        window = None if self.window is None else window_allowed(geometry, n, self.window, device)
+        return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope, window_mask=window)
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return F.embedding(input_ids, w["embed"])
@@ -189,7 +179,8 @@ class Llama(Family):
 
 def sliding_windows(config: dict[str, Any], spec: ModelSpec) -> list[int]:
     """The layers whose attention a config limits to a sliding window narrower than the model's positions (a
-    window of at least ``max_position_embeddings`` positions never drops a key): ``layer_types``' sliding
+    window of at least ``max_position_embeddings`` positions never drops a key, and the layers then attend fully,
+    on the native kernels where the stage has them): ``layer_types``' sliding
     layers where the config lists them, Qwen's ``use_sliding_window`` from ``max_window_layers`` on, else every
     layer when a ``sliding_window`` is set (Mistral, Phi-3)."""
     window = config.get("sliding_window")
@@ -203,14 +194,3 @@ def sliding_windows(config: dict[str, Any], spec: ModelSpec) -> list[int]:
     if "use_sliding_window" in config:
         return list(range(int(config.get("max_window_layers", 0)), spec.num_layers))
     return list(range(spec.num_layers))
-
-
-def _spans(layers: list[int]) -> str:
-    """Increasing layer numbers as runs: ``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

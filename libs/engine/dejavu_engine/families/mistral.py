@@ -1,5 +1,5 @@
-"""Mistral: Llama's layer; its checkpoints without a sliding window (``sliding_window`` null, as from v0.2 on)
-or with one no narrower than the model's positions. A narrower window is refused (:meth:`Llama.check_attention`)."""
+"""Mistral: Llama's layer, every layer within a sliding window of ``sliding_window`` positions where the config sets
+one narrower than the model's positions (v0.1; null from v0.2 on): see :func:`~.llama.sliding_windows`."""
 
 from __future__ import annotations
 
