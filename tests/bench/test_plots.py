@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,57 @@ def test_the_chaos_bench_records_when_requests_end_by_outcome() -> None:
     chaos = bench_chaos.Chaos(None, None, {}, argparse.Namespace(interval=5.0, seed=0), outcomes)
     assert 0 <= chaos.recovery_s(before, outcomes) <= time.monotonic() - before  # the first exact completion
     assert (outcomes.exact, outcomes.failed, outcomes.wrong, dict(outcomes.errors)) == (2, 1, 1, {"HTTP 503": 1})
+
+
+def test_a_stream_its_client_left_is_counted_apart_and_the_timeline_stays_plottable(tmp_path: Path) -> None:
+    outcomes = bench_chaos.Outcomes()
+    outcomes.add("exact", mix="stream max_tokens")
+    outcomes.add("disconnected", mix="stream max_tokens")
+    assert (outcomes.exact, outcomes.disconnected) == (1, 1)
+    assert set(outcomes.ended_at) == {"exact"}  # the plot knows exact, failed, wrong and hung only
+    assert outcomes.by_mix == {"stream max_tokens exact": 1, "stream max_tokens disconnected": 1}
+    doc = {**_chaos(), "outcomes_at_s": {kind: [1.0] * len(t) for kind, t in outcomes.ended_at.items()}}
+    plot_chaos(doc, tmp_path / "chaos.png", "chaos")
+    _assert_png(tmp_path / "chaos.png")
+
+
+def test_the_chaos_traffic_mix_follows_its_shares() -> None:
+    rng = random.Random(0)
+    none = argparse.Namespace(non_streaming=0.0, no_max_tokens=0.0, disconnect=0.0, max_tokens=16)
+    asks = [bench_chaos._ask(rng, none) for _ in range(200)]
+    assert all(a.stream and a.max_tokens == 16 and a.leave_after is None for a in asks)
+    every = argparse.Namespace(non_streaming=0.0, no_max_tokens=1.0, disconnect=1.0, max_tokens=16)
+    asks = [bench_chaos._ask(rng, every) for _ in range(200)]
+    assert all(a.max_tokens is None and a.leave_after in (1, 2, 3) for a in asks)
+    whole = argparse.Namespace(non_streaming=1.0, no_max_tokens=0.5, disconnect=1.0, max_tokens=16)
+    asks = [bench_chaos._ask(rng, whole) for _ in range(200)]
+    assert all(not a.stream and a.leave_after is None for a in asks)  # only a stream can be left
+    assert {a.max_tokens for a in asks} == {None, 16}
+
+
+def test_memory_growth_is_per_process_and_only_for_the_same_process() -> None:
+    warm = {
+        "controller": {"pid": 1, "rss_mb": 100.0},
+        "t0": {"pid": 2, "rss_mb": 200.0},
+        "redis": {"pid": 3, "rss_mb": 10.0},
+    }
+    end = {
+        "controller": {"pid": 1, "rss_mb": 105.0},
+        "t0": {"pid": 9, "rss_mb": 100.0},  # killed and restarted: another process
+        "redis": {"pid": 3, "rss_mb": None},  # its reading failed
+        "spare0": {"pid": 4, "rss_mb": 50.0},  # not read at the warm-up
+    }
+    assert bench_chaos._growth(warm, end) == {
+        "controller": 5.0,
+        "t0": "restarted",
+        "redis": "gone",
+        "spare0": "restarted",
+    }
+
+
+def test_an_unknown_fault_is_refused_before_anything_starts() -> None:
+    with pytest.raises(SystemExit, match="unknown faults \\['cut'\\]"):
+        bench_chaos.main(["--faults", "kill,cut"])
 
 
 def _broken_chaos(change) -> dict[str, Any]:
