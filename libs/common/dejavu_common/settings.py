@@ -174,12 +174,14 @@ class EngineSettings(BaseModel):
         "cached prefix (engine.prefix_caching). Off: the microbatch cohorts every other deployment runs.",
     )
     token_budget: int = Field(
-        512,
+        256,
         ge=16,
         le=1 << 20,
         description="Positions one pass of a request-scheduled pipeline computes at most: the running requests' "
         "decodes first, then prompts, a prompt longer than what is left split into chunks over several passes "
-        "(so a long prompt delays the streaming requests by one chunk's pass at a time, not its whole prefill).",
+        "(so a long prompt delays the streaming requests by one chunk's pass at a time, not its whole prefill). "
+        "Smaller: smoother streams (a lower inter-token latency tail) for later first tokens of long prompts; "
+        "larger: the reverse (docs/benchmarks.md measures 128, 256 and 512).",
     )
     prefix_caching: bool = Field(
         True,

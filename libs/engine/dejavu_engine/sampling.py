@@ -166,7 +166,12 @@ def draw(scores: torch.Tensor, params: SamplingSpec, step: int) -> int:
         raise ValueError("non-greedy sampling needs a seed; resolve the parameters at admission")
     generator = torch.Generator(device="cpu").manual_seed(step_seed(params.seed, step))
     probs = filtered_probs(scores.detach().to("cpu"), params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # Inverse transform sampling: one uniform number of the step's generator through the cumulative distribution
+    # (the first token whose cumulative probability passes it; a token of probability 0 is never picked). It draws
+    # from the same distribution as torch.multinomial at one random number instead of one per vocabulary entry.
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingSpec, step: int, context: RowContext = _EMPTY) -> int:

@@ -36,7 +36,7 @@ class Batching(enum.StrEnum):
 
 
 DEFAULT_MAX_RUNNING = 64  # the runtime's controller.max_running default
-DEFAULT_TOKEN_BUDGET = 512  # budget: positions per pass
+DEFAULT_TOKEN_BUDGET = 256  # budget: positions per pass (engine.token_budget's default)
 
 
 @dataclass(frozen=True)
