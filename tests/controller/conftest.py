@@ -129,6 +129,7 @@ class ScriptedBackend:
     ready: bool = True
     fail_after: int | None = None
     fail_reason: FinishReason = FinishReason.ERROR
+    refusal: str | None = None  # the reason a REFUSED ``fail_reason`` carries
     kv_bytes_per_token: int = 1024
     requests: list[GenerationRequest] = field(default_factory=list)
     cancelled: set[str] = field(default_factory=set)
@@ -167,7 +168,7 @@ class ScriptedBackend:
                 await asyncio.sleep(self.token_delay_s)
                 if self.fail_after is not None and i == self.fail_after:
                     done = True
-                    yield TokenEvent((), self.fail_reason)
+                    yield TokenEvent((), self.fail_reason, refusal=self.refusal)
                     return
                 if self.runtime_metrics is not None:
                     self.runtime_metrics.add_kv_bytes(self.kv_bytes_per_token)

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from dejavu_common.messages import GrammarKind, GrammarSpec
+from dejavu_common.messages import FinishReason, GrammarKind, GrammarSpec
 
 from .conftest import API_KEY, MODEL, LiveServer, ScriptedBackend
 
@@ -102,3 +102,22 @@ def test_what_the_grammar_engine_refuses_is_a_400(
     body: dict[str, Any] = caught.value.body  # type: ignore[assignment]
     assert body["param"] == param and words in body["message"], body
     assert backend.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_grammar_the_last_stage_refuses_is_a_400_before_anything_is_sent(
+    oai: openai.OpenAI, backend: ScriptedBackend, stream: bool, n: int
+) -> None:
+    """What the gateway's own checks let through but the workers' grammar engine refuses comes back as the
+    request's first event (REFUSED, with xgrammar's reason): a 400 then, streamed or not, every choice closed."""
+    backend.fail_after, backend.fail_reason = 0, FinishReason.REFUSED
+    backend.refusal = "Regex parsing error at position 1: Word boundary is not supported"
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, n=n, stream=stream, extra_body={"guided_regex": r"\bfoo"}
+        )
+    body: dict[str, Any] = caught.value.body  # type: ignore[assignment]
+    assert body["code"] == "invalid_grammar" and "regex grammar" in body["message"], body
+    assert "Word boundary is not supported" in body["message"]
+    assert len(backend.requests) == n and backend.active == 0

@@ -89,12 +89,24 @@ def test_json_object_regex_and_choice(pipeline: Pipeline, tokenizer: Tokenizer) 
         assert reason is FinishReason.STOP and text in choice.choices, text
 
 
-def test_a_grammar_that_does_not_compile_ends_its_row_at_once(pipeline: Pipeline, tokenizer: Tokenizer) -> None:
+def test_a_grammar_that_does_not_compile_refuses_its_row_only(pipeline: Pipeline, tokenizer: Tokenizer) -> None:
+    """The row of a grammar xgrammar refuses ends REFUSED without a token, saying why; the row batched beside it
+    samples as it would alone."""
     bad = GrammarSpec(kind=GrammarKind.REGEX, source="(?<=a)b")  # lookbehind: xgrammar refuses it
     with pytest.raises(grammar.GrammarError, match="Lookbehind"):
         grammar.compile_source(bad)
-    [(text, reason)] = _run(pipeline, tokenizer, _chat(tokenizer, "Hi"), bad, [None])
-    assert (text, reason) == ("", FinishReason.STOP)
+    good = GrammarSpec(kind=GrammarKind.REGEX, source="(yes|no)")
+    prompt = _chat(tokenizer, "Hi")
+    spec = SamplingSpec(max_tokens=8, temperature=0, grammar=bad)
+    fine = spec.model_copy(update={"grammar": good})
+    logits = torch.zeros(2, pipeline.stages[-1].spec.vocab_size)
+    rows = sample_rows(logits, [spec, fine], [0, 0], [RowContext(prompt)] * 2)
+    assert rows[0].token == -1 and "Lookbehind" in (rows[0].refused or "")
+    assert rows[1].refused is None and rows[1].token >= 0
+    eos = tokenizer.eos_token_ids
+    done, _ = generate_batch(pipeline, [Request(prompt, spec, eos), Request(prompt, fine, eos)])
+    assert (done[0].token_ids, done[0].finish_reason) == ((), FinishReason.REFUSED)
+    assert tokenizer.decode(done[1].token_ids) in ("yes", "no") and done[1].finish_reason is FinishReason.STOP
 
 
 def test_a_row_whose_matcher_is_rebuilt_from_its_tokens_samples_the_same_tokens(

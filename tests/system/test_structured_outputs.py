@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 import redis
 from openai import OpenAI
@@ -135,6 +136,21 @@ def test_json_schema_chat_is_valid_json_equal_to_the_engine(
         assert whole.choices[0].message.content in ("yes", "no")
         assert whole.choices[0].finish_reason == "stop"
         check_tool_calls(client, settings.model.name)
+        check_refused(client, settings.model.name)
+
+
+def check_refused(client: OpenAI, model: str) -> None:
+    """A regex the gateway's checks let through but the grammar engine cannot compile (a word boundary) is a 400
+    with the engine's reason, streamed and not, before anything is sent; the server answers on."""
+    messages: Any = [{"role": "user", "content": "Say foo."}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="Word boundary") as refused:
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, stream=stream, extra_body={"guided_regex": r"\bfoo\b"}
+            )
+        assert refused.value.code == "invalid_grammar"
+    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content
 
 
 WEATHER_ARGS = {

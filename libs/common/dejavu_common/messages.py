@@ -292,6 +292,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached (or the context is full)
     CANCELLED = "cancelled"  # the client went away
     ERROR = "error"  # the serving runtime failed this request (the others go on)
+    REFUSED = "refused"  # the last stage cannot run it as asked (its grammar does not compile): a 400, no token
 
 
 class Logprob(BaseModel):
@@ -314,7 +315,8 @@ class TokenStep(Message):
     ``tokens[r]`` is -1 for a row that emitted nothing this step (it had already finished);
     ``finished[r]`` is set on the step a row finishes. ``logprobs[r]``: the log probabilities of row
     ``r``'s token, for a row whose request asked for them (empty when no row did). ``prompt_logprobs[r]``
-    (step 0 only, for a row that asked): one entry per prompt position, None for the first.
+    (step 0 only, for a row that asked): one entry per prompt position, None for the first. ``refusals[r]``:
+    why row ``r`` ends REFUSED (the grammar engine's reason), for the rows that do (empty when none does).
     """
 
     mb_id: int
@@ -323,12 +325,13 @@ class TokenStep(Message):
     finished: tuple[FinishReason | None, ...]
     logprobs: tuple[Logprob | None, ...] = ()
     prompt_logprobs: tuple[tuple[Logprob | None, ...] | None, ...] = ()
+    refusals: tuple[str | None, ...] = ()
 
     @model_validator(mode="after")
     def _one_per_row(self) -> Self:
         rows = len(self.tokens)
-        if len(self.logprobs) not in (0, rows) or len(self.prompt_logprobs) not in (0, rows):
-            raise ValueError("a token step's log probabilities, if any, have one entry per row")
+        if any(len(x) not in (0, rows) for x in (self.logprobs, self.prompt_logprobs, self.refusals)):
+            raise ValueError("a token step's log probabilities and refusals, if any, have one entry per row")
         return self
 
 

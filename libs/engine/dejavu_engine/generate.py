@@ -145,6 +145,9 @@ def _sample(step: ScheduledPass, logits: torch.Tensor, outputs: dict[str, _Outpu
     sampled = sample_rows(logits[rows], params, [state.generated for _, state in done], contexts)
     tokens: dict[str, int] = {}
     for (_, state), out, stop, row in zip(done, outs, stops, sampled, strict=True):
+        if row.refused is not None:  # its grammar does not compile: it ends without a token
+            out.finished = FinishReason.REFUSED
+            continue
         tokens[state.request_id] = row.token
         if row.logprob is not None:
             out.logprobs.append(row.logprob)
@@ -197,13 +200,16 @@ def generate_batch(
         if not step:
             raise RuntimeError("requests are left but the scheduler planned no pass")  # the pool holds them all
         sampled = _sample(step, _run_pass(pipeline, pools, step), outputs)
+        for s in step.slices:  # a refused request ends without a token
+            if outputs[s.request.request_id].finished is FinishReason.REFUSED:
+                scheduler.finish(s.request.request_id)
         stopped = [rid for rid in sampled if outputs[rid].finished is not None]
         scheduler.update(step, sampled, stopped)
         if prefill_s is not None:
             steps += 1
-        elif all(state is not None and state.generated for state in states):
+        elif all(state is not None and (state.generated or outputs[state.request_id].finished) for state in states):
             prefill_s = time.perf_counter() - start
-    assert prefill_s is not None  # a request leaves the passes only once it has a token
+    assert prefill_s is not None  # a request leaves the passes only once it has a token or is refused
     timings = BatchTimings(prefill_s, steps, time.perf_counter() - start - prefill_s)
     completions = []
     for state, out in zip(states, outputs.values(), strict=True):

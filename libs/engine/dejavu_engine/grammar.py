@@ -15,8 +15,9 @@ per-process LRU caches keep that cheap:
 The grammar ends the row: its stop ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) are allowed only
 where the grammar is complete. A row that has no stop id, or whose grammar has ended or rejected a token
 (a token the mask did not allow: see ``sampling.process_logits``), is no longer constrained (None). A
-grammar the worker cannot compile allows only the row's stop ids (the row ends at once) and logs an error;
-the gateway rejects such grammars before they reach a worker wherever its checks can tell.
+grammar the worker cannot compile raises :class:`GrammarError` for the row: the worker ends the row with
+``FinishReason.REFUSED`` before its first token, and the gateway answers that request 400 with xgrammar's
+reason (its own checks refuse what they can tell cheaply before a worker sees the request).
 
 xgrammar needs the tokenizer's vocabulary: the last stage of a pipeline registers its checkpoint folder
 (:func:`register_vocabulary`), and a row's logits width picks it. The mask is computed on the CPU and is
@@ -52,7 +53,7 @@ _ANY_OBJECT = '{"type": "object"}'
 
 
 class GrammarError(ValueError):
-    """A grammar that xgrammar cannot compile."""
+    """A grammar that xgrammar cannot compile; its message is xgrammar's reason."""
 
 
 def compile_source(spec: GrammarSpec) -> xgrammar.Grammar:
@@ -141,15 +142,15 @@ def allowed_tokens(
     (its stop ids where the grammar is complete); None where it no longer constrains the row.
 
     ``row_key`` tells rows apart for the matcher cache (any hashable that differs between concurrent rows;
-    a collision costs a rebuild, never a wrong mask). Raises ValueError if no vocabulary of that width is
-    registered."""
+    a collision costs a rebuild, never a wrong mask). Raises :class:`GrammarError` if the grammar does not
+    compile, ValueError if no vocabulary of that width is registered."""
     with _lock:
         vocabulary = _vocabularies.get(vocab_size)
         if vocabulary is None:
             raise ValueError(f"no tokenizer registered for logits of width {vocab_size}: grammars cannot apply")
         compiled = _compiled_grammar(vocabulary, spec)
         if isinstance(compiled, GrammarError):
-            return _only(stop_ids, vocab_size) if stop_ids else None
+            raise GrammarError(str(compiled))  # a fresh one: the cached one keeps no traceback
         row = _row_matcher(compiled, (spec, row_key, stop_ids, vocab_size), generated, stop_ids)
         if not row.live:
             return None
@@ -166,7 +167,7 @@ def _compiled_grammar(vocabulary: _Vocabulary, spec: GrammarSpec) -> Any:
     try:
         compiled = vocabulary.get_compiler().compile_grammar(compile_source(spec))
     except (GrammarError, RuntimeError) as exc:  # RuntimeError: xgrammar's, from compiling over the vocabulary
-        log.error("a %s grammar does not compile, its rows end at once: %s", spec.kind.value, exc)
+        log.warning("a %s grammar does not compile, its requests are refused: %s", spec.kind.value, exc)
         compiled = exc if isinstance(exc, GrammarError) else GrammarError(_first_line(str(exc)))
     _compiled[key] = compiled
     if len(_compiled) > MAX_COMPILED:
@@ -202,12 +203,6 @@ def _mask(matcher: Any, vocab_size: int) -> torch.Tensor:
     matcher.fill_next_token_bitmask(bitmask)
     bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.flatten()[:vocab_size].bool()
-
-
-def _only(ids: frozenset[int], vocab_size: int) -> torch.Tensor:
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[[t for t in ids if t < vocab_size]] = True
-    return mask
 
 
 def clear() -> None:

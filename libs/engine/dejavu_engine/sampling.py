@@ -61,10 +61,12 @@ class RowContext:
 
 @dataclass(frozen=True)
 class SampledRow:
-    """One row's token and, when its request asked, the log probabilities at its position."""
+    """One row's token and, when its request asked, the log probabilities at its position; or, for a row whose
+    grammar the engine cannot compile, no token (-1) and the reason it is ``refused``."""
 
     token: int
     logprob: Logprob | None = None
+    refused: str | None = None
 
 
 _EMPTY = RowContext()
@@ -73,7 +75,8 @@ _EMPTY = RowContext()
 def process_logits(logits: torch.Tensor, params: SamplingSpec, context: RowContext = _EMPTY) -> torch.Tensor:
     """The processed logits ``[vocab]`` (float32) of one row: ``min_tokens``, ``logit_bias`` and the
     penalties applied to ``logits``, then the grammar's mask; the model's logits (as float32) when none is
-    set. The grammar wins: where it leaves none of the tokens 1-3 leave, the model's logits are masked."""
+    set. The grammar wins: where it leaves none of the tokens 1-3 leave, the model's logits are masked.
+    Raises ``grammar.GrammarError`` where the row's grammar does not compile."""
     raw = logits.detach().float()
     if not params.processes_logits:
         return raw
@@ -196,14 +199,19 @@ def sample_rows(
     contexts: Sequence[RowContext] | None = None,
 ) -> list[SampledRow]:
     """One token per row of ``logits`` ``[batch, vocab]``, row ``r`` at its own step ``steps[r]`` with its
-    own ``contexts[r]`` (default: none), and its log probabilities where ``params[r].logprobs`` asks."""
+    own ``contexts[r]`` (default: none), and its log probabilities where ``params[r].logprobs`` asks. A row
+    whose grammar does not compile is refused (``SampledRow.refused``); the other rows sample as usual."""
     if not len(params) == len(steps) == logits.shape[0] or (contexts is not None and len(contexts) != len(params)):
         raise ValueError("one SamplingSpec, one step (and one context) per row are required")
     if all(p.plain_greedy for p in params):  # one vectorised argmax for the common greedy batch
         return [SampledRow(t) for t in logits.argmax(-1).tolist()]
     rows = []
     for r, (p, s) in enumerate(zip(params, steps, strict=True)):
-        scores = process_logits(logits[r], p, contexts[r] if contexts is not None else _EMPTY)
+        try:
+            scores = process_logits(logits[r], p, contexts[r] if contexts is not None else _EMPTY)
+        except grammar.GrammarError as exc:
+            rows.append(SampledRow(-1, refused=str(exc)))
+            continue
         token = draw(scores, p, s)
         lp = None
         if p.logprobs is not None:

@@ -10,7 +10,7 @@ emitted so far, so a resumed microbatch rebuilds it from the token history.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dejavu_common.messages import FinishReason, Logprob, MicrobatchSpec, TokenStep
@@ -49,24 +49,30 @@ class RowTracker:
         rows: Sequence[int] | None = None,
         logprobs: Sequence[Logprob | None] = (),
         prompt_logprobs: Sequence[tuple[Logprob | None, ...] | None] = (),
+        refused: Mapping[int, str] | None = None,
     ) -> TokenStep:
         """Record the tokens sampled at ``step`` for ``rows`` (default: all rows) and return the step's entry.
 
-        ``sampled[i]`` is the token of row ``rows[i]``; rows outside ``rows`` emit -1 in the entry.
+        ``sampled[i]`` is the token of row ``rows[i]``; rows outside ``rows`` emit -1 in the entry. Rows in
+        ``cancelled`` end CANCELLED and rows in ``refused`` (the sampler could not run their grammar; the value
+        says why) REFUSED, both without a token.
         ``logprobs[i]`` and ``prompt_logprobs[i]`` (empty: none) are that row's log probabilities, which the
         entry carries for the rows that emit a token.
         """
         rows = list(range(len(self.spec.rows))) if rows is None else list(rows)
-        cancelled = set(cancelled)
+        cancelled, refused = set(cancelled), refused or {}
         tokens = [-1] * len(self.spec.rows)
         finished: list[FinishReason | None] = [None] * len(self.spec.rows)
         row_logprobs: list[Logprob | None] = [None] * len(self.spec.rows)
         row_prompt: list[tuple[Logprob | None, ...] | None] = [None] * len(self.spec.rows)
+        refusals: list[str | None] = [None] * len(self.spec.rows)
         for i, r in enumerate(rows):
             if self.finished[r] is not None:
                 continue
-            if r in cancelled:
-                self.finished[r] = finished[r] = FinishReason.CANCELLED
+            if r in cancelled or r in refused:
+                ended = FinishReason.CANCELLED if r in cancelled else FinishReason.REFUSED
+                self.finished[r] = finished[r] = ended
+                refusals[r] = refused.get(r)
                 continue
             tok = int(sampled[i])
             tokens[r] = tok
@@ -86,6 +92,7 @@ class RowTracker:
             finished=tuple(finished),
             logprobs=tuple(row_logprobs) if any(lp is not None for lp in row_logprobs) else (),
             prompt_logprobs=tuple(row_prompt) if any(lp is not None for lp in row_prompt) else (),
+            refusals=tuple(refusals) if any(reason is not None for reason in refusals) else (),
         )
 
     def _finish(self, row: int, token: int, step: int) -> FinishReason | None:

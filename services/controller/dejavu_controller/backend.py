@@ -43,12 +43,13 @@ class TokenEvent:
     """One step of one request: the new token ids (usually one), and the finish reason once. Where the
     request asked for log probabilities (``SamplingSpec.logprobs``), ``logprobs`` has one entry per token
     id; ``prompt_logprobs`` (``SamplingSpec.prompt_logprobs``) comes with the first token, one entry per
-    prompt position (None for the first)."""
+    prompt position (None for the first). A REFUSED finish says why in ``refusal``."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: tuple[Logprob, ...] = ()
     prompt_logprobs: tuple[Logprob | None, ...] | None = None
+    refusal: str | None = None
 
 
 @dataclass

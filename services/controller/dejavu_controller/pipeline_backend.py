@@ -607,7 +607,8 @@ class PipelineBackend:
             log.error("dropping malformed token entry for microbatch %d by %s: %s", mb_id, writer, exc)
             return
         rows = len(step.tokens)
-        if len(step.finished) != rows or any(len(x) not in (0, rows) for x in (step.logprobs, step.prompt_logprobs)):
+        per_row = (step.logprobs, step.prompt_logprobs, step.refusals)
+        if len(step.finished) != rows or any(len(x) not in (0, rows) for x in per_row):
             log.error("dropping token entry for microbatch %d: its per-row fields differ in length", mb_id)
             return
         for row, req in enumerate(mb.requests):
@@ -620,7 +621,8 @@ class PipelineBackend:
                 mb.finished_rows.add(row)
             logprob = step.logprobs[row] if step.logprobs else None
             prompt = step.prompt_logprobs[row] if step.prompt_logprobs else None
-            if not req.deliver(step.step, step.tokens[row], fin, logprob, prompt):
+            refusal = step.refusals[row] if step.refusals else None
+            if not req.deliver(step.step, step.tokens[row], fin, logprob, prompt, refusal):
                 continue
             if req.trace is not None:
                 req.trace.delivered(step.step, fin)

@@ -87,9 +87,11 @@ class Request:
         finish: FinishReason | None,
         logprob: Logprob | None = None,
         prompt_logprobs: tuple[Logprob | None, ...] | None = None,
+        refusal: str | None = None,
     ) -> bool:
         """Record step ``step``'s token (with its log probabilities, and the prompt's, where the request
-        asked) once; returns False for a duplicate (a resumed step). An error finish is never a duplicate:
+        asked; with why it was refused, for a REFUSED finish) once; returns False for a duplicate (a resumed
+        step). An error finish is never a duplicate:
         a microbatch re-run or resumed behind its last delivered step can still fail there (at its prompt,
         step 0), and its request must then fail, not wait.
 
@@ -117,7 +119,7 @@ class Request:
             logprobs = (logprob,) if logprob is not None else ()
         if finish is not None:
             self.transition(RequestStatus.FAILED if finish is FinishReason.ERROR else RequestStatus.FINISHED)
-        self.events.put_nowait(TokenEvent(ids, finish, logprobs, prompt_logprobs if token >= 0 else None))
+        self.events.put_nowait(TokenEvent(ids, finish, logprobs, prompt_logprobs if token >= 0 else None, refusal))
         return True
 
     def fail(self) -> None:

@@ -350,12 +350,16 @@ class PromptWorker(WorkerProcess):
             n = piece.dst_rows[1] - piece.dst_rows[0]
             tracker = RowTracker(specs[piece.mb_id], eos)
             mine = sampled[src : src + n]
+            refused = {r: s.refused for r, s in zip(range(*piece.dst_rows), mine, strict=True) if s.refused is not None}
+            for r, reason in refused.items():
+                log.info("row %d of microbatch %d refused: its grammar does not compile: %s", r, piece.mb_id, reason)
             entry = tracker.step(
                 0,
                 [s.token for s in mine],
                 rows=range(*piece.dst_rows),
                 logprobs=[s.logprob for s in mine],
                 prompt_logprobs=prompts[src : src + n] if any(p is not None for p in prompts) else (),
+                refused=refused,
             )
             src += n
             pipe.xadd(keys.tokens(piece.mb_id), token_entry(self.signer, keys.tokens(piece.mb_id), entry.encode()))

@@ -123,7 +123,8 @@ class RequestLoop:
         idle = True
         while not stop():
             self._take_tasks(block=idle)  # nothing ran last time: wait a moment for a task instead of spinning
-            self._check_cancelled()
+            if idle:  # a pass reads the cancellations after it computes; without one, they are read here
+                self._end_cancelled(self._cancelled(self.served.values()))
             step = self.scheduler.schedule()
             self._preempted(step)
             idle = not step
@@ -157,8 +158,9 @@ class RequestLoop:
             return
         for i, logits in out.every.items():
             self._note_prompt_logprobs(self.served[slices[i].request.request_id], slices[i].start, logits)
+        cancels = self._cancelled(self.served.values())  # one read a pass, every request's
         sampling = [i for i, s in enumerate(slices) if s.samples]
-        entries = self._sample(step, sampling, out.last) if sampling else []
+        entries = self._sample(step, sampling, out.last, cancels) if sampling else []
         if entries:
             pipe = self.redis.pipeline(transaction=False)
             for entry in entries:
@@ -170,7 +172,7 @@ class RequestLoop:
             rid, token = str(entry.mb_id), entry.tokens[0]
             if token >= 0:
                 sampled[rid] = token
-            else:  # cancelled: nothing to append
+            else:  # cancelled or refused: nothing to append
                 self.scheduler.finish(rid)
             if entry.finished[0] is not None:
                 stopped.append(rid)
@@ -186,13 +188,17 @@ class RequestLoop:
         for rid in stopped:
             if rid in self.served:
                 self._leave(rid)
+        self._end_cancelled(cancels)  # the cancelled requests whose slices did not sample (or not in the pass)
         kind = PassKind.MIXED if any(s.decode for s in slices) and any(not s.decode for s in slices) else (
             PassKind.DECODE if all(s.decode for s in slices) else PassKind.PREFILL)  # fmt: skip
         self.metrics.observe_pass(kind, time.perf_counter() - started, step.tokens)
 
-    def _sample(self, step: ScheduledPass, rows: list[int], logits: torch.Tensor) -> list[TokenStep]:
+    def _sample(
+        self, step: ScheduledPass, rows: list[int], logits: torch.Tensor, cancels: dict[int, set[int]]
+    ) -> list[TokenStep]:
         """The entry of every request whose slice sampled: its token (penalties seeing its prompt and what it
-        emitted), its finish, the log probabilities it asked for; a request cancelled meanwhile ends instead."""
+        emitted), its finish, the log probabilities it asked for; a request cancelled meanwhile (``cancels``)
+        ends CANCELLED instead, one whose grammar does not compile REFUSED (the gateway answers it 400)."""
         served = [self.served[step.slices[i].request.request_id] for i in rows]
         params = [s.spec.rows[0].sampling for s in served]
         contexts = None
@@ -201,12 +207,14 @@ class RequestLoop:
                         for s in served]  # fmt: skip
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         tokens = sample_rows(logits[index], params, [s.tracker.generated[0] for s in served], contexts)
-        cancels = self._cancelled(served)
         entries = []
         for s, row in zip(served, tokens, strict=True):
             prompts = [self._prompt_logprobs(s)] if s.prompt_logprobs is not None and not s.tracker.outputs[0] else []
-            step_index = s.tracker.generated[0]
-            entries.append(s.tracker.step(step_index, [row.token], cancels[s.mb_id], (0,), [row.logprob], prompts))
+            if row.refused is not None:
+                log.info("request of microbatch %d refused: its grammar does not compile: %s", s.mb_id, row.refused)
+            refused = {0: row.refused} if row.refused is not None else None
+            entries.append(s.tracker.step(s.tracker.generated[0], [row.token], cancels.get(s.mb_id, ()), (0,),
+                                          [row.logprob], prompts, refused=refused))  # fmt: skip
         return entries
 
     # -- intake ---------------------------------------------------------------------------------
@@ -275,14 +283,11 @@ class RequestLoop:
             self._publish_failure(spec, 0, error)
 
     # -- ends -----------------------------------------------------------------------------------
-    def _check_cancelled(self) -> None:
-        """End the requests not in a pass whose clients went away (one in a pass ends when it samples)."""
-        idle = [s for s in self.served.values() if not s.state.in_flight]
-        cancels = self._cancelled(idle)
-        for s in idle:
-            if cancels[s.mb_id]:
-                self._publish_end(s, FinishReason.CANCELLED)
-                self._leave(str(s.mb_id))
+    def _end_cancelled(self, cancels: dict[int, set[int]]) -> None:
+        """End the requests not in flight whose clients went away (``cancels``: :meth:`_cancelled`'s reading)."""
+        for s in [s for s in self.served.values() if cancels.get(s.mb_id) and not s.state.in_flight]:
+            self._publish_end(s, FinishReason.CANCELLED)
+            self._leave(str(s.mb_id))
 
     def _publish_end(self, served: Served, reason: FinishReason) -> None:
         """End ``served``'s stream with ``reason`` at the step it reached, without a token."""

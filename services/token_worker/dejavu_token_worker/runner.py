@@ -532,7 +532,11 @@ class StageRunner:
             ]
         sampled = sample_rows(logits, params, [step] * len(rows), contexts)
         prompts = row_prompt_logprobs(spec, rows, prompt) if prompt is not None else ()
-        return tracker.step(step, [s.token for s in sampled], cancelled, rows, [s.logprob for s in sampled], prompts)
+        refused = {r: s.refused for r, s in zip(rows, sampled, strict=True) if s.refused is not None}
+        for r, reason in refused.items():
+            log.info("row %d of microbatch %d refused: its grammar does not compile: %s", r, spec.mb_id, reason)
+        tokens, logprobs = [s.token for s in sampled], [s.logprob for s in sampled]
+        return tracker.step(step, tokens, cancelled, rows, logprobs, prompts, refused=refused)
 
 
 def prompt_tokens(geometry: BatchGeometry) -> int:

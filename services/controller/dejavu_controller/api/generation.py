@@ -19,7 +19,7 @@ import anyio
 from dejavu_common.tokenizer import IncrementalDetokenizer, Tokenizer
 from dejavu_controller.backend import Backend, FinishReason, GenerationRequest, Logprob, TokenEvent
 
-from .errors import GatewayTimeoutError, ServerError, ServiceUnavailableError
+from .errors import GatewayTimeoutError, InvalidRequestError, ServerError, ServiceUnavailableError
 from .metrics import GatewayMetrics, Outcome
 
 log = logging.getLogger(__name__)
@@ -93,12 +93,17 @@ class Generation:
         return self._first is not None
 
     async def start(self) -> None:
-        """Submit the request and wait for its first event (admission errors propagate)."""
+        """Submit the request and wait for its first event (admission errors propagate). A request the last
+        stage refuses (its grammar does not compile) raises :class:`InvalidRequestError` here, before any
+        response is sent (a 400)."""
         try:
             events = self._backend.generate(self.request)
             # An ``async def generate`` that returns the iterator raises admission errors when awaited.
             self._events = await events if inspect.isawaitable(events) else events
-            self._first = await self._next_event()
+            self._first = first = await self._next_event()
+            if first is not None and first.finish_reason is FinishReason.REFUSED:
+                self._first = None
+                raise self._refused(first)
         except BaseException:
             await self.close()
             raise
@@ -192,8 +197,16 @@ class Generation:
             raise ServerError("the serving runtime failed this request", code="generation_failed")
         if reason is FinishReason.CANCELLED:
             raise ServiceUnavailableError("the serving runtime cancelled this request", code="cancelled_by_server")
+        if reason is FinishReason.REFUSED:
+            raise self._refused(event)
         text.append(self._detokenizer.flush())
         return self._finished("".join(text), reason, event)
+
+    def _refused(self, event: TokenEvent) -> InvalidRequestError:
+        grammar = self.request.sampling.grammar
+        what = f"{grammar.kind.value} grammar" if grammar is not None else "request"
+        reason = event.refusal or "no reason given"
+        return InvalidRequestError(f"the grammar engine cannot compile this {what}: {reason}", code="invalid_grammar")
 
     def _record_timing(self, new_tokens: int) -> None:
         now = time.monotonic()

@@ -195,6 +195,7 @@ _FINISH_OUTCOMES = {
     FinishReason.LENGTH: Outcome.LENGTH,
     FinishReason.CANCELLED: Outcome.CANCELLED,
     FinishReason.ERROR: Outcome.FAILED,
+    FinishReason.REFUSED: Outcome.REJECTED,
 }
 
 

@@ -7,8 +7,9 @@ torch-free and cannot run xgrammar, so it checks here what xgrammar refuses that
 400 naming the field: malformed JSON, a schema that is not an object, unknown ``type`` names, lower bounds
 above upper bounds, ``$ref`` that do not resolve inside the schema, and regular expressions that do not
 compile or use what xgrammar's regular expressions lack (lookaround, backreferences, named groups, Unicode
-property classes). A grammar that passes these checks but that xgrammar still refuses ends its rows at once
-with an empty output (``dejavu_engine.grammar``).
+property classes). A grammar that passes these checks but that xgrammar still refuses is refused by the last
+stage before its first token (``FinishReason.REFUSED``, with xgrammar's reason), which ``Generation.start``
+answers 400 before any response is sent.
 """
 
 from __future__ import annotations
