@@ -7,10 +7,13 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from pydantic import SecretStr
@@ -18,8 +21,10 @@ from pydantic import SecretStr
 from dejavu_cli.launcher import Launcher
 from dejavu_common import keys
 from dejavu_common.admin import generate_keypair
-from dejavu_common.messages import KVHeld
+from dejavu_common.messages import KVHeld, Topology
 from dejavu_common.settings import Mode, Settings
+
+T = TypeVar("T")
 
 
 def _free_port() -> int:
@@ -133,3 +138,38 @@ def logs(launcher: Launcher, tail: int | None = 4000) -> str:
             text = "".join(line for line in text.splitlines(keepends=True) if not _ucx_table(line))[-tail:]
         parts.append(f"--- {p.name}\n{text}")
     return "\n".join(parts)
+
+
+def token_stage_worker(settings: Settings, stage: int) -> str:
+    """The worker that holds token stage ``stage`` in the published topology."""
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        return Topology.decode(client.get(keys.TOPOLOGY)).token_stages[stage].worker_id
+    finally:
+        client.close()
+
+
+def killed_mid_stream(launcher: Launcher, victim: str, stream: Callable[[threading.Event], T]) -> T:
+    """Run ``stream(progress)`` (a client's request) on a thread, SIGKILL worker ``victim`` once it sets
+    ``progress``, and return what it returns. Asserts the request was still under way when the worker died,
+    then did not hang, raised nothing, and that the controller repaired the pipelines."""
+    progress = threading.Event()
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(stream(progress))
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert progress.wait(120), f"the stream made no progress\n{logs(launcher)}"
+    os.kill(launcher.child(victim).proc.pid, signal.SIGKILL)
+    assert not result, "the request ended before the worker was killed"
+    thread.join(240)
+    assert not thread.is_alive(), "the request hung"
+    assert not errors, f"{errors}\n{logs(launcher)}"
+    assert "repairing the pipelines" in logs(launcher, tail=None)
+    return result[0]

@@ -6,8 +6,6 @@ exactly (the spare rebuilds each row's grammar state from its delivered tokens).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,17 +13,15 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-import redis
 from openai import OpenAI
 
-from dejavu_common import keys
-from dejavu_common.messages import GrammarKind, GrammarSpec, SamplingSpec, Topology
+from dejavu_common.messages import GrammarKind, GrammarSpec, SamplingSpec
 from dejavu_common.settings import Mode
 from dejavu_common.tokenizer import Tokenizer
 from dejavu_engine.generate import Completion, Request, generate_batch
 from dejavu_engine.pipeline import Pipeline
 
-from .cluster import cluster_settings, logs, running
+from .cluster import cluster_settings, killed_mid_stream, logs, running, token_stage_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model, pytest.mark.slow]
 
@@ -210,25 +206,6 @@ def test_a_token_stage_killed_mid_constrained_stream_resumes_every_choice_exactl
     settings = cluster_settings(redis_url, model, mode=Mode.COLOCATED, token_depth=2, token_microbatch=2)
     with running(settings, spares=1) as launcher:
         client = OpenAI(base_url=launcher.api_url + "/v1", api_key="unused", timeout=180, max_retries=0)
-        topology = Topology.decode(redis.Redis.from_url(settings.redis.url).get(keys.TOPOLOGY))
-        victim = topology.token_stages[1].worker_id
-        progress = threading.Event()
-        result: dict[str, dict[int, dict]] = {}
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                result["got"] = stream_choices(client, settings.model.name, progress)
-            except BaseException as exc:  # asserted below
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        assert progress.wait(120), f"the stream made no progress\n{logs(launcher)}"
-        os.kill(launcher.child(victim).proc.pid, signal.SIGKILL)
-        assert "got" not in result  # killed mid-stream: the rest of both choices needs the stage that died
-        thread.join(240)
-        assert not thread.is_alive(), "the request hung"
-        assert not errors, f"{errors}\n{logs(launcher)}"
-        check_choices(result["got"], engine, launcher)
-        assert "repairing the pipelines" in logs(launcher, tail=None)
+        victim = token_stage_worker(settings, 1)
+        got = killed_mid_stream(launcher, victim, lambda seen: stream_choices(client, settings.model.name, seen))
+        check_choices(got, engine, launcher)
