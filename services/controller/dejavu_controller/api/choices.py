@@ -1,5 +1,6 @@
-"""What the endpoints share about a request's choices: one backend request per choice (``n``), and the log
-probabilities of their tokens in OpenAI's two shapes (legacy completions, chat)."""
+"""What the endpoints share about a request's choices: one backend request per choice (``n`` of each prompt
+of a completions batch), and the log probabilities of their tokens in OpenAI's two shapes (legacy
+completions, chat)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
     return [
         dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=request.sampling.for_choice(i))
         for i in range(n)
+    ]
+
+
+def batch_requests(prompts: Sequence[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """The backend requests of ``n`` choices of each of ``prompts`` (the requests of one HTTP request's
+    prompts, under its request id), in choice order: prompt ``i``'s choice ``j`` is choice ``i * n + j``, with
+    the request id ``<id>-<choice>`` and choice ``j``'s seed stream, so each prompt samples as it would alone;
+    one prompt's are :func:`choice_requests`."""
+    if len(prompts) == 1:
+        return choice_requests(prompts[0], n)
+    return [
+        dataclasses.replace(
+            prompt, request_id=f"{prompt.request_id}-{i * n + j}", sampling=prompt.sampling.for_choice(j)
+        )
+        for i, prompt in enumerate(prompts)
+        for j in range(n)
     ]
 
 

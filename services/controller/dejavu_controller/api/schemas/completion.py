@@ -4,21 +4,38 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from dejavu_common.messages import MAX_LOGPROBS
 
-from .common import SamplingRequest, Usage, _unsupported
+from .common import MAX_CHOICES, SamplingRequest, Usage, _unsupported
 
-# A prompt as text or as token ids; OpenAI also accepts a batch (a list of either) of which we take one.
+# A prompt as text or as token ids, or a batch of prompts: a list of either (OpenAI's and vLLM's batch form).
 Prompt = str | list[int] | list[str] | list[list[int]]
+# One prompt of a request: text or token ids.
+OnePrompt = str | list[int]
 
 # OpenAI's default for this endpoint (chat defaults to the remaining context instead).
 DEFAULT_MAX_TOKENS = 16
 
 
+def prompt_param(index: int, count: int) -> str:
+    """The name of prompt ``index`` of ``count`` in errors: ``prompt`` alone, ``prompt[3]`` in a batch."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
+
+
+def prompts_of(value: Prompt) -> list[OnePrompt]:
+    """The prompts ``value`` holds, in order: itself when it is one prompt (text or token ids), else its items."""
+    if isinstance(value, str) or (value and all(isinstance(item, int) for item in value)):
+        return [value]  # type: ignore[list-item]
+    return list(value)  # type: ignore[arg-type]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: Prompt
+    prompt: Prompt = Field(
+        description=f"A text, a list of token ids, or a batch: a list of either ({MAX_CHOICES} choices at most "
+        "in all, prompts x `n`)."
+    )
     max_tokens: int | None = Field(None, ge=0, description="Tokens to generate at most; 0 (with `echo`): none.")
     echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs, if asked).")
     suffix: str | None = None
@@ -29,17 +46,27 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Prompt) -> str | list[int]:
-        """Normalize to one prompt: a string or a list of token ids."""
-        if isinstance(value, str):
-            return value
-        if value and all(isinstance(item, int) for item in value):
-            if any(item < 0 for item in value):  # type: ignore[operator]
-                raise ValueError("token ids must be >= 0")
-            return value  # type: ignore[return-value]
-        if len(value) != 1:
-            raise ValueError("exactly one prompt per request is supported (got a batch or an empty list)")
-        return cls._one_prompt(value[0])  # type: ignore[arg-type]
+    def _check_prompts(cls, value: Prompt, info: ValidationInfo) -> Prompt:
+        """At least one prompt, token ids >= 0, and at most ``MAX_CHOICES`` choices in all (prompts x ``n``;
+        ``n`` is validated before, as a field of the base class)."""
+        prompts = prompts_of(value)
+        if not prompts:
+            raise ValueError("at least one prompt is required (got an empty list)")
+        for index, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) and any(token < 0 for token in prompt):
+                raise ValueError(f"token ids must be >= 0 (in {prompt_param(index, len(prompts))})")
+        n = info.data.get("n", 1)
+        if len(prompts) * n > MAX_CHOICES:
+            raise ValueError(
+                f"{len(prompts)} prompts with n = {n} make {len(prompts) * n} choices; at most {MAX_CHOICES} "
+                "are allowed per request (prompts x n)"
+            )
+        return value
+
+    @property
+    def prompts(self) -> list[OnePrompt]:
+        """The request's prompts in order (prompt ``i``'s choice ``j`` is choice ``i * n + j``)."""
+        return prompts_of(self.prompt)
 
     @field_validator("suffix")
     @classmethod
