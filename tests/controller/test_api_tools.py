@@ -1,7 +1,8 @@
 """Tool calling through the official openai client against a real uvicorn server over the scripted backend
-(whose reply is set per test): the tools reach the prompt, ``required`` and a named function reach the backend
-as a grammar, replies are read into ``tool_calls`` (streamed and not) with ``finish_reason: tool_calls``, and
-the follow-up turn with ``tool`` messages is accepted."""
+(whose reply is set per test, one token per stream delta): the tools reach the prompt, ``required`` and a named
+function reach the backend as a grammar, replies are read into ``tool_calls`` (streamed as OpenAI's deltas, which
+the client accumulates into the answer not streamed) with ``finish_reason: tool_calls``, and the follow-up turn
+with ``tool`` messages is accepted."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from dejavu_common.messages import GrammarKind
 from dejavu_common.settings import Settings
@@ -36,6 +38,7 @@ ADD = {
 }
 TOOLS: list[Any] = [WEATHER, ADD]
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
 HERMES = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -133,12 +136,74 @@ def test_a_named_function_is_its_arguments_streamed_and_not(oai: openai.OpenAI, 
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
 
-def test_a_cut_forced_call_is_content_with_finish_length(oai: openai.OpenAI, backend: ScriptedBackend) -> None:
+def test_a_cut_forced_call_keeps_its_arguments_so_far_with_finish_length(
+    oai: openai.OpenAI, backend: ScriptedBackend
+) -> None:
     backend.reply = '{"city": "Oslo and more"}'
-    named: Any = {"type": "function", "function": {"name": "get_weather"}}
-    reply = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=3)
+    reply = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=3)
     choice = reply.choices[0]
-    assert choice.finish_reason == "length" and not choice.message.tool_calls and choice.message.content
+    [(_, name, arguments)] = _call_texts(choice.message.tool_calls)
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert name == "get_weather" and arguments.startswith("{") and backend.reply.startswith(arguments)
+    assert arguments != backend.reply
+    content, calls, finish = _streamed(
+        oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=3, stream=True
+        )
+    )
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", arguments)]
+
+
+STREAMED_REPLIES: list[tuple[Any, str]] = [
+    ("auto", HERMES),
+    (
+        "auto",
+        'A<tool_call>{"name":"add","arguments":{"a":1,"b":[2,"}"]}}</tool_call>\n'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> ok',
+    ),
+    ("auto", "No tools needed: 2 < 3, and <tool"),
+    ("auto", '<tool_call>{"name": 5}</tool_call> is not a call'),
+    ("none", HERMES),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "add", "parameters": {"a": 1}}]'),
+    (NAMED, '{"city": "Oslo"}'),
+    (NAMED, "not an object"),
+]
+
+
+@pytest.mark.parametrize(("tool_choice", "reply"), STREAMED_REPLIES)
+def test_a_stream_accumulates_to_the_answer_not_streamed(
+    oai: openai.OpenAI, backend: ScriptedBackend, tool_choice: Any, reply: str
+) -> None:
+    """The official client's accumulation of the stream equals the answer not streamed, and each call comes
+    as OpenAI streams it: a delta with its id, type and name and empty arguments, then argument fragments."""
+    backend.reply = reply
+    answer = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
+    state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
+    deltas = []
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, stream=True
+    )
+    for chunk in stream:
+        list(state.handle_chunk(chunk))
+        deltas += [call for choice in chunk.choices for call in choice.delta.tool_calls or []]
+    streamed = state.get_final_completion().choices[0]
+    expected = answer.choices[0]
+    assert streamed.finish_reason == expected.finish_reason
+    assert (streamed.message.content or "") == (expected.message.content or "")
+    calls = _call_texts(expected.message.tool_calls)
+    assert _call_texts(streamed.message.tool_calls) == calls
+    assert (expected.finish_reason == "tool_calls") is bool(calls)
+    for index, (_, name, arguments) in enumerate(calls):
+        first, *rest = [d.model_dump() for d in deltas if d.index == index]
+        assert first["id"] and first["type"] == "function" and first["function"] == {"name": name, "arguments": ""}
+        assert all(d["id"] is None and d["type"] is None and d["function"]["name"] is None for d in rest)
+        assert len(rest) > 1 and "".join(d["function"]["arguments"] for d in rest) == arguments
+
+
+def _call_texts(calls: Any) -> list[tuple[str, str, str]]:
+    """Type, name and arguments of each of a message's tool calls."""
+    return [(call.type, call.function.name, call.function.arguments) for call in calls or []]
 
 
 def test_none_offers_no_tools_and_reads_no_calls(oai: openai.OpenAI, backend: ScriptedBackend) -> None:

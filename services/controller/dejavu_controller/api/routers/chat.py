@@ -22,12 +22,10 @@ from dejavu_controller.api.schemas.chat import (
     ChatCompletionResponse,
     ChatDelta,
     ChoiceLogprobs,
-    FunctionCallDelta,
-    ToolCall,
-    ToolCallDelta,
 )
 from dejavu_controller.api.schemas.common import Usage
-from dejavu_controller.api.tools import ToolCallReader, template_messages, template_tools, tool_grammar
+from dejavu_controller.api.tool_calls import Piece, ToolCallReader
+from dejavu_controller.api.tools import template_messages, template_tools, tool_grammar
 from dejavu_controller.backend import FinishReason
 
 router = APIRouter(tags=["chat"])
@@ -39,8 +37,9 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | StreamingResponse:
     """Answer a conversation; ``stream: true`` answers with server-sent events. ``n`` choices run as ``n``
     sequences; ``logprobs`` reports each token's log probability (and ``top_logprobs`` likeliest ones').
-    With ``tools``, each choice's reply is read into ``tool_calls`` (``dejavu_controller.api.tools``); a
-    streamed call comes whole in one delta, and a choice that calls tools finishes with ``tool_calls``."""
+    With ``tools``, each choice's reply is read into ``tool_calls`` (``dejavu_controller.api.tool_calls``); a
+    streamed call comes as OpenAI's deltas (the name, then the arguments' text as it is generated), and a
+    choice that calls tools finishes with ``tool_calls`` (the token limit's ``length`` where it cut a call)."""
     check_model(gateway, body.model)
     native_tools = gateway.tokenizer.template_takes_tools
     messages = template_messages(body, native_tools)
@@ -62,7 +61,8 @@ async def create_chat_completion(
     readers = [ToolCallReader(body) for _ in generations]
 
     def finish_reason(index: int, reason: FinishReason) -> str:
-        return "tool_calls" if readers[index].calls else reason.value
+        reader = readers[index]
+        return "tool_calls" if reader.calls and not reader.cut else reason.value
 
     def logprobs_of(delta: TextDelta) -> ChoiceLogprobs | None:
         return chat_logprobs(texts, delta.token_ids, delta.logprobs) if top is not None else None
@@ -80,18 +80,16 @@ async def create_chat_completion(
 
         def chunks_of(index: int, delta: TextDelta) -> list[ChatCompletionChunk]:
             reader = readers[index]
-            text, calls = reader.push(delta.text)
+            pieces = reader.push(delta.text)
             if delta.finish_reason is not None:
-                rest, more = reader.finish()
-                text, calls = text + rest, calls + more
+                pieces += reader.finish()
+            logprobs = logprobs_of(delta)
+            if not pieces and top is not None and delta.token_ids:  # a token whose text is empty or held back
+                pieces = [""]
             chunks = []
-            if text or (top is not None and delta.token_ids):  # a token whose text is empty has logprobs
-                content = ChatDelta(content=text)
-                chunks.append(chunk([ChatChunkChoice(index=index, delta=content, logprobs=logprobs_of(delta))]))
-            first = len(reader.calls) - len(calls)
-            for k, call in enumerate(calls):
-                called = ChatDelta(tool_calls=[_call_delta(first + k, call)])
-                chunks.append(chunk([ChatChunkChoice(index=index, delta=called)]))
+            for k, piece in enumerate(pieces):  # the delta's logprobs go with its first chunk
+                choice = ChatChunkChoice(index=index, delta=_delta(piece), logprobs=logprobs if k == 0 else None)
+                chunks.append(chunk([choice]))
             if delta.finish_reason is not None:  # OpenAI ends with an empty delta carrying the reason
                 reason = finish_reason(index, delta.finish_reason)
                 chunks.append(chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=reason)]))
@@ -117,9 +115,8 @@ async def create_chat_completion(
     choices = []
     for index, done in enumerate(completions):
         reader = readers[index]
-        text, _ = reader.push(done.text)
-        rest, _ = reader.finish()
-        content = text + rest
+        pieces = reader.push(done.text) + reader.finish()
+        content = "".join(piece for piece in pieces if isinstance(piece, str))
         message = AssistantMessage(
             content=None if reader.calls and not content.strip() else content, tool_calls=reader.calls or None
         )
@@ -136,8 +133,6 @@ async def create_chat_completion(
     )
 
 
-def _call_delta(index: int, call: ToolCall) -> ToolCallDelta:
-    """A whole tool call as one stream delta."""
-    return ToolCallDelta(
-        index=index, id=call.id, function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments)
-    )
+def _delta(piece: Piece) -> ChatDelta:
+    """A piece of a reply as a stream delta: content, or one delta of a tool call."""
+    return ChatDelta(content=piece) if isinstance(piece, str) else ChatDelta(tool_calls=[piece])

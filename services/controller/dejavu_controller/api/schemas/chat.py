@@ -237,17 +237,30 @@ class ChatCompletionResponse(BaseModel):
 
 
 class FunctionCallDelta(BaseModel):
+    """A call's name (its first delta only) and the next fragment of its arguments' text; unset fields are
+    left out."""
+
     name: str | None = None
     arguments: str = ""
 
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
 
 class ToolCallDelta(BaseModel):
-    """A streamed tool call: each call comes whole in one delta (its ``index`` among the choice's calls)."""
+    """A streamed tool call's delta (``index``: the call's among the choice's calls), as OpenAI streams it: the
+    first carries ``id``, ``type`` and the name with empty arguments, the next ones only the ``index`` and the
+    next fragment of the arguments; unset fields are left out."""
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
+    id: str | None = None
+    type: Literal["function"] | None = None
     function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatDelta(BaseModel):
