@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -34,6 +34,56 @@ class ModelSpec:
     max_positions: int
     tie_word_embeddings: bool
     eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class SpecKeys:
+    """Where a family's config.json keeps the facts of its :class:`ModelSpec`, and what a fact it lacks defaults to.
+
+    Each key field names the config keys of one fact in the order they are read (transformers' ``attribute_map``
+    aliases, as GPT-2's ``n_embd`` for ``hidden_size``): the first one set (present, neither null nor 0) counts.
+    ``num_kv_heads`` defaults to ``num_heads`` and ``head_dim`` to ``hidden_size // num_heads``; with no keys the
+    family reads neither (plain multi-head attention whatever the config holds). ``max_positions`` defaults to
+    ``max_positions_default`` where that is set; any other fact the config lacks is refused by name.
+    ``tie_word_embeddings`` is the config's own flag, else ``tied_default``.
+    """
+
+    num_layers: tuple[str, ...] = ("num_hidden_layers",)
+    hidden_size: tuple[str, ...] = ("hidden_size",)
+    num_heads: tuple[str, ...] = ("num_attention_heads",)
+    num_kv_heads: tuple[str, ...] = ("num_key_value_heads",)
+    head_dim: tuple[str, ...] = ("head_dim",)
+    max_positions: tuple[str, ...] = ("max_position_embeddings",)
+    max_positions_default: int | None = None
+    tied_default: bool = True
+
+
+def spec_from_config(model_type: str, config: dict[str, Any], keys: SpecKeys) -> ModelSpec:
+    """The :class:`ModelSpec` of a config.json whose facts stand where ``keys`` says; raises ValueError naming a fact
+    the config lacks or holds as something other than a positive whole number."""
+
+    def read(fact: str, names: tuple[str, ...], default: int | None = None) -> int:
+        value = next((config[name] for name in names if config.get(name)), default)
+        if value is None:
+            raise ValueError(f"{model_type}: config.json has no {fact} ({' or '.join(names)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{model_type}: config.json's {fact} is {value!r}, not a positive whole number")
+        return value
+
+    hidden = read("hidden size", keys.hidden_size)
+    heads = read("attention head count", keys.num_heads)
+    return ModelSpec(
+        model_type=model_type,
+        num_layers=read("layer count", keys.num_layers),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=read("key/value head count", keys.num_kv_heads, heads),
+        head_dim=read("head size", keys.head_dim, hidden // heads),
+        vocab_size=read("vocabulary size", ("vocab_size",)),
+        max_positions=read("position count", keys.max_positions, keys.max_positions_default),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", keys.tied_default)),
+        eos_token_ids=eos_ids(config),
+    )
 
 
 @dataclass(frozen=True)
@@ -187,6 +237,9 @@ def cat_local_rope(contexts: Sequence[ForwardContext], dim: int) -> tuple[torch.
 class Family(ABC):
     """One architecture (Llama, OPT, GPT-2, BLOOM): weight names and forward math.
 
+    ``model_type`` is config.json's name of the architecture; ``spec_keys`` says where its config keeps the facts of
+    its :class:`ModelSpec` (:meth:`read_spec`, one reading for every family).
+
     ``window`` is the sliding window (in positions) of the global layers ``windowed_layers``; their attention
     masks with the contexts' ``window_mask`` or attends ``window_spans`` (:class:`ForwardContext`).
     ``attention_softcap`` is a soft cap of the attention logits (``cap * tanh(logits / cap)``, Gemma 2): torch's
@@ -197,6 +250,8 @@ class Family(ABC):
     oneDNN-packed copies (:mod:`dejavu_engine.gemm`).
     """
 
+    model_type: ClassVar[str]
+    spec_keys: ClassVar[SpecKeys] = SpecKeys()
     gemm_roles: tuple[str, ...] = ()
     head_gemm_roles: tuple[str, ...] = ()
     window: int | None = None
@@ -222,9 +277,16 @@ class Family(ABC):
         return any(first <= i < last for i in self.windowed_layers)
 
     @classmethod
-    @abstractmethod
     def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
-        """Shape facts from config.json; raises ValueError for unsupported options."""
+        """Shape facts from config.json, where :attr:`spec_keys` says; raises ValueError for an unsupported option
+        (:meth:`check_config`) or a fact the config lacks."""
+        cls.check_config(config)
+        return spec_from_config(cls.model_type, config, cls.spec_keys)
+
+    @classmethod  # noqa: B027 - a family may refuse no option
+    def check_config(cls, config: dict[str, Any]) -> None:
+        """Raises ValueError for an option of config.json the family does not implement (an activation, an
+        attention variant); the base refuses none."""
 
     @abstractmethod
     def embedding_names(self) -> dict[str, str]:

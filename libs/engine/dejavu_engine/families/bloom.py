@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import alibi_mask, attend, positions
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, module_names
+from dejavu_engine.family import Family, ForwardContext, SpecKeys, Weights, module_names
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "transformer."
@@ -18,22 +18,16 @@ _ALIBI_MAX_POSITIONS = 1 << 20
 
 
 class Bloom(Family):
-    @classmethod
-    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
-        hidden = config.get("hidden_size") or config["n_embed"]
-        heads = config.get("n_head") or config["num_attention_heads"]
-        return ModelSpec(
-            model_type="bloom",
-            num_layers=config.get("n_layer") or config["num_hidden_layers"],
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=hidden // heads,
-            vocab_size=config["vocab_size"],
-            max_positions=_ALIBI_MAX_POSITIONS,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            eos_token_ids=eos_ids(config),
-        )
+    model_type = "bloom"
+    spec_keys = SpecKeys(
+        num_layers=("n_layer", "num_hidden_layers"),
+        hidden_size=("hidden_size", "n_embed"),
+        num_heads=("n_head", "num_attention_heads"),
+        num_kv_heads=(),
+        head_dim=(),
+        max_positions=(),
+        max_positions_default=_ALIBI_MAX_POSITIONS,
+    )
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

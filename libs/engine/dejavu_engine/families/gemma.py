@@ -17,12 +17,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
-from dejavu_engine.attention import attend, bool_mask, positions, window_allowed
 from dejavu_engine.families.llama import Llama
 from dejavu_engine.families.rope import Rotary
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids
+from dejavu_engine.family import ForwardContext, SpecKeys, Weights
 from dejavu_engine.gemm import linear
-from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model."
 _ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -43,94 +41,53 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 class Gemma2(Llama):
     model_type = "gemma2"
+    spec_keys = SpecKeys(max_positions_default=8192)
     # Which layers have a sliding window where a config lists no layer_types: every other one, from the first.
     default_pattern = 2
 
     @classmethod
-    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
+    def check_config(cls, config: dict[str, Any]) -> None:
         activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
         if activation not in _ACTIVATIONS:
             raise ValueError(f"{cls.model_type}: activation {activation!r} is not supported (GELU-tanh only)")
         if config.get("use_bidirectional_attention"):
             raise ValueError(f"{cls.model_type}: bidirectional attention (use_bidirectional_attention) is unsupported")
-        heads = config["num_attention_heads"]
-        return ModelSpec(
-            model_type=cls.model_type,
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
-            max_positions=config.get("max_position_embeddings", 8192),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            eos_token_ids=eos_ids(config),
-        )
 
     def __init__(self, config: dict[str, Any]) -> None:
-        Family.__init__(self, config)
-        spec = self.spec
-        self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self.scaling = float(config.get("query_pre_attn_scalar", spec.head_dim)) ** -0.5
+        super().__init__(config)
+        self.scaling = float(config.get("query_pre_attn_scalar", self.spec.head_dim)) ** -0.5
         self.attention_softcap = config.get("attn_logit_softcapping")
         self.final_softcap = config.get("final_logit_softcapping")
+
+    def sliding(self, config: dict[str, Any]) -> tuple[int | None, frozenset[int]]:
+        """``layer_types``' sliding layers (where the config lists none, every ``sliding_window_pattern``-th layer
+        attends fully, the others in the window), none where the window is at least the model's positions."""
+        num_layers = self.spec.num_layers
         pattern = int(config.get("sliding_window_pattern") or self.default_pattern)
         types = config.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(spec.num_layers)
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
         ]
-        if len(types) != spec.num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"{self.model_type}: layer_types {types} are not one of full/sliding_attention per layer")
         window = config.get("sliding_window")
-        if isinstance(window, int) and window < spec.max_positions:
-            self.window = window
-            self.windowed_layers = frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
-        try:
-            self.rope, self.local_rope = self.rotaries(config)
-        except ValueError as exc:
-            raise ValueError(f"{self.model_type}: {exc}") from exc
+        if not isinstance(window, int) or window >= self.spec.max_positions:
+            return None, frozenset()
+        return window, frozenset(i for i, kind in enumerate(types) if kind == "sliding_attention")
 
-    def rotaries(self, config: dict[str, Any]) -> tuple[Rotary, Rotary | None]:
-        """The rotary embedding of the full-attention layers and, where it differs, the sliding-window layers'."""
-        return Rotary(config, self.spec.head_dim), None
+    def biased_roles(self) -> frozenset[str]:
+        """q, k, v and o per ``attention_bias``; the MLP has none."""
+        return super().biased_roles() & {"q", "k", "v", "o"}
 
     def layer_names(self, layer: int) -> dict[str, str]:
+        """Llama's, with a norm after the attention and one before and after the MLP in place of ``ln_2``."""
         p = f"{_PREFIX}layers.{layer}."
-        names = {
-            "ln_1": p + "input_layernorm.weight",
-            "q": p + "self_attn.q_proj.weight",
-            "k": p + "self_attn.k_proj.weight",
-            "v": p + "self_attn.v_proj.weight",
-            "o": p + "self_attn.o_proj.weight",
+        names = super().layer_names(layer)
+        del names["ln_2"]
+        return names | {
             "post_attn": p + "post_attention_layernorm.weight",
             "pre_mlp": p + "pre_feedforward_layernorm.weight",
             "post_mlp": p + "post_feedforward_layernorm.weight",
-            "gate": p + "mlp.gate_proj.weight",
-            "up": p + "mlp.up_proj.weight",
-            "down": p + "mlp.down_proj.weight",
         }
-        if self.config.get("attention_bias"):
-            names |= {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in ("q", "k", "v", "o")}
-        return names
-
-    def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
-        pos = positions(geometry, n, device)
-        cos, sin = self.rope.embed(geometry, pos, dtype)
-        mask, causal = bool_mask(geometry, n, device)
-        local_rope = None
-        if self.local_rope is not None:
-            local_cos, local_sin = self.local_rope.embed(geometry, pos, dtype)
-            local_rope = (local_cos.unsqueeze(2), local_sin.unsqueeze(2))
-        window = None if self.window is None else window_allowed(geometry, n, self.window, device)
-        return ForwardContext(
-            geometry,
-            geometry.cur_len - n,
-            pos,
-            mask,
-            causal,
-            rope=(cos.unsqueeze(2), sin.unsqueeze(2)),
-            window_mask=window,
-            local_rope=local_rope,
-        )
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         scale = torch.tensor(self.spec.hidden_size**0.5, dtype=torch.float32).to(w["embed"].dtype)
@@ -139,18 +96,7 @@ class Gemma2(Llama):
     def layer(
         self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        spec = self.spec
-        batch, n, _ = hidden.shape
-        heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        x = self.norm(hidden, w["ln_1"])
-        qkv = linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
-        self.normalize_qk(w, qkv)
-        cos, sin = ctx.local_rope if ctx.local and ctx.local_rope is not None else ctx.rope  # type: ignore[misc]
-        qk = self.rotary(qkv, cos, sin, heads + kv_heads)
-        q = qk[:, :, :heads].transpose(1, 2)
-        k = qk[:, :, heads:].transpose(1, 2)
-        v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        out = attend(q, k, v, k_cache, v_cache, ctx, self.scaling, self.attention_softcap)
+        out = self.attention(w, self.norm(hidden, w["ln_1"]), k_cache, v_cache, ctx)
         hidden = hidden + self.norm(linear(out, w["o"], w.get("o_bias")), w["post_attn"])
         x = self.norm(hidden, w["pre_mlp"])
         gate, up = linear(x, w["gate_up"], None).chunk(2, dim=-1)

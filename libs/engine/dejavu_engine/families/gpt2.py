@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, module_names
+from dejavu_engine.family import Family, ForwardContext, SpecKeys, Weights, module_names
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "transformer."
@@ -20,27 +20,23 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
 
 
 class GPT2(Family):
+    model_type = "gpt2"
+    spec_keys = SpecKeys(
+        num_layers=("n_layer",),
+        hidden_size=("n_embd",),
+        num_heads=("n_head",),
+        num_kv_heads=(),
+        head_dim=(),
+        max_positions=("n_positions",),
+    )
     transposed_roles = ("qkv", "proj", "fc", "fc_proj")  # Conv1D weights, stored [in, out]
 
     @classmethod
-    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
+    def check_config(cls, config: dict[str, Any]) -> None:
         if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported GPT-2 activation {config.get('activation_function')!r}")
         if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
             raise ValueError("unsupported GPT-2 attention scaling options")
-        heads = config["n_head"]
-        return ModelSpec(
-            model_type="gpt2",
-            num_layers=config["n_layer"],
-            hidden_size=config["n_embd"],
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=config["n_embd"] // heads,
-            vocab_size=config["vocab_size"],
-            max_positions=config["n_positions"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            eos_token_ids=eos_ids(config),
-        )
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

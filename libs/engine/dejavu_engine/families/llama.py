@@ -11,11 +11,12 @@ import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, window_allowed
 from dejavu_engine.families.rope import Rotary
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, fuse
+from dejavu_engine.family import Family, ForwardContext, ModelSpec, SpecKeys, Weights, fuse
 from dejavu_engine.gemm import linear, residual_linear
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model."
+_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -43,40 +44,38 @@ def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class Llama(Family):
     model_type = "llama"
+    spec_keys = SpecKeys(max_positions_default=2048, tied_default=False)
     gemm_roles = ("qkv", "o", "gate_up", "down")
     head_gemm_roles = ("lm_head",)
     default_eps = 1e-6
     # The family's own names of rope types (Phi-3's "su"), and its pretraining length where a config has none.
     rope_aliases: ClassVar[dict[str, str]] = {}
     default_original_max: int | None = None
+    # The attention's scale of q·k (None: head_dim ** -0.5).
+    scaling: float | None = None
 
     @classmethod
-    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
+    def check_config(cls, config: dict[str, Any]) -> None:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{cls.model_type}: activation {config.get('hidden_act')!r} is not supported (silu only)")
-        heads = config["num_attention_heads"]
-        return ModelSpec(
-            model_type=cls.model_type,
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
-            max_positions=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(config),
-        )
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        self.windowed_layers = frozenset(sliding_windows(config, self.spec))
-        self.window = int(config["sliding_window"]) if self.windowed_layers else None
         self.eps = float(config.get("rms_norm_eps", self.default_eps))
+        self.window, self.windowed_layers = self.sliding(config)
         try:
-            self.rope = Rotary(config, self.spec.head_dim, self.rope_aliases, self.default_original_max)
+            self.rope, self.local_rope = self.rotaries(config)
         except ValueError as exc:
             raise ValueError(f"{self.model_type}: {exc}") from exc
+
+    def sliding(self, config: dict[str, Any]) -> tuple[int | None, frozenset[int]]:
+        """The sliding window and the layers it limits (:func:`sliding_windows`; no window where none are)."""
+        layers = frozenset(sliding_windows(config, self.spec))
+        return (int(config["sliding_window"]) if layers else None), layers
+
+    def rotaries(self, config: dict[str, Any]) -> tuple[Rotary, Rotary | None]:
+        """The rotary embedding of the full-attention layers and, where it differs, the sliding-window layers'."""
+        return Rotary(config, self.spec.head_dim, self.rope_aliases, self.default_original_max), None
 
     def embedding_names(self) -> dict[str, str]:
         return {"embed": f"{_PREFIX}embed_tokens.weight"}
@@ -94,11 +93,17 @@ class Llama(Family):
             "up": p + "mlp.up_proj.weight",
             "down": p + "mlp.down_proj.weight",
         }
+        biased = self.biased_roles()
+        return names | {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in _PROJECTIONS if r in biased}
+
+    def biased_roles(self) -> frozenset[str]:
+        """The projections with a bias: q, k, v and o per ``attention_bias``, gate, up and down per ``mlp_bias``."""
+        roles: set[str] = set()
         if self.config.get("attention_bias"):
-            names |= {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in ("q", "k", "v", "o")}
+            roles |= {"q", "k", "v", "o"}
         if self.config.get("mlp_bias"):
-            names |= {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in ("gate", "up", "down")}
-        return names
+            roles |= {"gate", "up", "down"}
+        return frozenset(roles)
 
     def head_names(self) -> dict[str, str]:
         lm_head = self.embedding_names()["embed"] if self.spec.tie_word_embeddings else "lm_head.weight"
@@ -116,12 +121,20 @@ class Llama(Family):
 
     def context(self, geometry: BatchGeometry, n: int, device: torch.device, dtype: torch.dtype) -> ForwardContext:
         pos = positions(geometry, n, device)
-        cos, sin = self.rope.embed(geometry, pos, dtype)
         mask, causal = bool_mask(geometry, n, device)
-        # [batch, n, 1, dim]: broadcast over the heads of a [batch, n, heads, dim] projection.
-        rope = (cos.unsqueeze(2), sin.unsqueeze(2))
         window = None if self.window is None else window_allowed(geometry, n, self.window, device)
-        return ForwardContext(geometry, geometry.cur_len - n, pos, mask, causal, rope=rope, window_mask=window)
+        local_rope = None if self.local_rope is None else heads_rope(self.local_rope, geometry, pos, dtype)
+        rope = heads_rope(self.rope, geometry, pos, dtype)
+        return ForwardContext(
+            geometry,
+            geometry.cur_len - n,
+            pos,
+            mask,
+            causal,
+            rope=rope,
+            window_mask=window,
+            local_rope=local_rope,
+        )
 
     def embed(self, w: Weights, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return F.embedding(input_ids, w["embed"])
@@ -129,21 +142,29 @@ class Llama(Family):
     def layer(
         self, w: Weights, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        attention = self.attention(w, self.norm(hidden, w["ln_1"]), k_cache, v_cache, ctx)
+        hidden = residual_linear(hidden, attention, w["o"], w.get("o_bias"))
+        x = self.norm(hidden, w["ln_2"])
+        gated = self.gated(linear(x, w["gate_up"], w.get("gate_up_bias")))
+        return residual_linear(hidden, gated, w["down"], w.get("down_bias"))
+
+    def attention(
+        self, w: Weights, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The attention of a layer's normed input ``x`` ``[batch, n, hidden]``, before the output projection:
+        ``[batch, n, heads * head_dim]``. A sliding-window layer (``ctx.local``) rotates with ``ctx.local_rope``
+        where the context has one."""
         spec = self.spec
-        batch, n, _ = hidden.shape
+        batch, n, _ = x.shape
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
-        x = self.norm(hidden, w["ln_1"])
         qkv = linear(x, w["qkv"], w.get("qkv_bias")).view(batch, n, heads + 2 * kv_heads, spec.head_dim)
         self.normalize_qk(w, qkv)
-        cos, sin = ctx.rope  # type: ignore[misc]  # always set by Llama.context
+        cos, sin = ctx.local_rope if ctx.local and ctx.local_rope is not None else ctx.rope  # type: ignore[misc]
         qk = self.rotary(qkv, cos, sin, heads + kv_heads)  # rotary embedding of q and k in one pass
         q = qk[:, :, :heads].transpose(1, 2)
         k = qk[:, :, heads:].transpose(1, 2)
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
-        hidden = residual_linear(hidden, attend(q, k, v, k_cache, v_cache, ctx), w["o"], w.get("o_bias"))
-        x = self.norm(hidden, w["ln_2"])
-        gated = self.gated(linear(x, w["gate_up"], w.get("gate_up_bias")))
-        return residual_linear(hidden, gated, w["down"], w.get("down_bias"))
+        return attend(q, k, v, k_cache, v_cache, ctx, self.scaling, self.attention_softcap)
 
     def head(self, w: Weights, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm(hidden, w["norm"])
@@ -175,6 +196,15 @@ class Llama(Family):
             return self.kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+
+def heads_rope(
+    rope: Rotary, geometry: BatchGeometry, pos: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope``'s ``(cos, sin)`` of a call's positions as ``[batch, n, 1, head_dim]``: broadcast over the heads of a
+    ``[batch, n, heads, head_dim]`` projection."""
+    cos, sin = rope.embed(geometry, pos, dtype)
+    return cos.unsqueeze(2), sin.unsqueeze(2)
 
 
 def sliding_windows(config: dict[str, Any], spec: ModelSpec) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch convention)
 
 from dejavu_engine.attention import attend, bool_mask, positions, split_heads
-from dejavu_engine.family import Family, ForwardContext, ModelSpec, Weights, eos_ids, module_names
+from dejavu_engine.family import Family, ForwardContext, SpecKeys, Weights, module_names
 from dejavu_engine.geometry import BatchGeometry
 
 _PREFIX = "model.decoder."
@@ -20,25 +20,15 @@ _EPS = 1e-5  # nn.LayerNorm's default, which OPT uses
 
 
 class OPT(Family):
+    model_type = "opt"
+    spec_keys = SpecKeys(num_kv_heads=(), head_dim=())
+
     @classmethod
-    def read_spec(cls, config: dict[str, Any]) -> ModelSpec:
+    def check_config(cls, config: dict[str, Any]) -> None:
         if config.get("activation_function", "relu") not in _ACTIVATIONS:
             raise ValueError(f"unsupported OPT activation {config.get('activation_function')!r}")
         if not config.get("layer_norm_elementwise_affine", True):
             raise ValueError("OPT without elementwise-affine LayerNorm is not supported")
-        heads = config["num_attention_heads"]
-        return ModelSpec(
-            model_type="opt",
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
-            max_positions=config["max_position_embeddings"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            eos_token_ids=eos_ids(config),
-        )
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

@@ -8,6 +8,6 @@ from dejavu_engine.families.llama import Llama
 class Qwen2(Llama):
     model_type = "qwen2"
 
-    def layer_names(self, layer: int) -> dict[str, str]:
-        names = super().layer_names(layer)
-        return names | {f"{r}_bias": names[r].removesuffix("weight") + "bias" for r in ("q", "k", "v")}
+    def biased_roles(self) -> frozenset[str]:
+        """q, k and v always, and the rest per the config (as Llama)."""
+        return super().biased_roles() | {"q", "k", "v"}
