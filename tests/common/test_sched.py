@@ -7,7 +7,17 @@ import random
 
 import pytest
 
-from dejavu_common.sched import BlockBook, Budget, OutOfBlocks, RequestState, RequestTooLong, Scheduler, Status
+from dejavu_common.sched import (
+    FREED,
+    BlockBook,
+    Budget,
+    OutOfBlocks,
+    RequestState,
+    RequestTooLong,
+    Scheduler,
+    Status,
+    most_blocks,
+)
 from dejavu_common.sched.state import IllegalTransition
 
 BS = 4
@@ -19,22 +29,33 @@ def _req(rid: str, prompt: list[int], max_tokens: int = 4, extra: bytes = b"") -
 
 class FakeModel:
     """Stands in for the stages: writes each computed position's token id into its block, checks that each slice
-    attends over exactly its request's tokens, and samples a token that depends on every id before it."""
+    attends over exactly its request's tokens (with a sliding ``window``, those of its first query's window on, read
+    from blocks it references, never a FREED entry), and samples a token that depends on every id before it.
+    ``held[rid]``: the most blocks a request's table named at once."""
 
-    def __init__(self, book: BlockBook, vocab: int = 50) -> None:
+    def __init__(self, book: BlockBook, vocab: int = 50, window: int | None = None) -> None:
         self.kv: dict[tuple[int, int], int] = {}
         self.book = book
         self.vocab = vocab
+        self.window = window
+        self.held: dict[str, int] = {}
 
     def run(self, sched: Scheduler, done) -> dict[str, int]:
         sampled = {}
         for s in done.slices:
             r = s.request
-            assert len(s.table) * BS >= s.start + s.length
-            for p in range(s.start, s.start + s.length):
+            end = s.start + s.length
+            assert len(s.table) * BS >= end
+            live = [b for b in s.table if b != FREED]
+            assert s.table[len(s.table) - len(live) :] == tuple(live), "freed entries lead the table"
+            assert all(self.book.ref(b) > 0 for b in live), f"{r.request_id} names a block it does not reference"
+            self.held[r.request_id] = max(self.held.get(r.request_id, 0), len(live))
+            for p in range(s.start, end):
                 self.kv[(s.table[p // BS], p % BS)] = r.token_ids[p]
-            seen = [self.kv.get((s.table[p // BS], p % BS)) for p in range(s.start + s.length)]
-            assert seen == r.token_ids[: s.start + s.length], f"{r.request_id} attends over the wrong KV"
+            first = 0 if self.window is None else max(0, s.start - self.window + 1)
+            assert FREED not in s.table[first // BS : -(-end // BS)], f"{r.request_id} reads a freed block"
+            seen = [self.kv.get((s.table[p // BS], p % BS)) for p in range(first, end)]
+            assert seen == r.token_ids[first:end], f"{r.request_id} attends over the wrong KV"
             if s.samples:
                 sampled[r.request_id] = hash(tuple(r.token_ids)) % self.vocab
         return sampled
@@ -326,3 +347,158 @@ def test_a_request_the_whole_pool_could_not_hold_is_refused_at_intake() -> None:
         sched.reserve(_req("big2", [1] * 17, max_tokens=0))
     sched.add(_req("fits", [1] * 10, max_tokens=6))
     _drain(sched, FakeModel(sched.book))
+
+
+# -- sliding windows --------------------------------------------------------------------------------
+
+WINDOW = 6  # positions: a query at i reads keys i - 5 .. i
+
+
+def test_most_blocks_counts_the_window_and_a_pass_not_the_whole_request() -> None:
+    assert most_blocks(1000, BS) == 250
+    assert most_blocks(1000, BS, WINDOW, chunk=1) == 3  # ceil(6 / 4) + 1: a decode's window and its block
+    assert most_blocks(1000, BS, WINDOW, chunk=8) == 5  # 5 positions before an 8-token chunk, straddling blocks
+    assert most_blocks(7, BS, WINDOW, chunk=8) == 2  # never more than the whole request
+    assert most_blocks(1000, BS, WINDOW) == 250  # whole prompts (no chunk) hold them all while they run
+
+
+def test_a_long_generation_under_a_window_holds_only_the_window_and_gives_the_same_tokens() -> None:
+    def run(window: int | None) -> tuple[list[int], FakeModel, BlockBook]:
+        book = BlockBook(200, BS)
+        sched = Scheduler(book, Budget(tokens=8, max_running=2), window)
+        model = FakeModel(book, window=window)
+        r = _req("long", list(range(1, 23)), max_tokens=150)  # a prompt of 22 over 3 chunks, then 150 tokens
+        sched.add(r)
+        while len(sched):
+            step = sched.schedule()
+            sched.update(step, model.run(sched, step))
+            gone = 0 if window is None or not len(sched) else max(0, (r.computed - window + 1) // BS)
+            assert r.table[:gone] == [FREED] * gone and FREED not in r.table[gone:]
+            assert book.stats().used == len(r.table) - gone  # the book holds what its table names, no more
+        assert book.free == 200 and book.stats().used == 0
+        return r.token_ids, model, book
+
+    plain, whole, _ = run(None)
+    windowed, model, book = run(WINDOW)
+    assert windowed == plain
+    assert whole.held["long"] == 172 // BS  # without a window: every block to the end
+    assert model.held["long"] <= most_blocks(172, BS, WINDOW, chunk=8) == 5
+    assert book.stats().cached_free == (172 - 1) // BS  # every full block it gave back is still cached
+
+
+def test_blocks_out_of_the_window_go_back_to_the_book_as_the_request_advances() -> None:
+    book = BlockBook(50, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=1), WINDOW)
+    model = FakeModel(book, window=WINDOW)
+    r = _req("a", list(range(1, 11)), max_tokens=20)  # 10 positions: the next query (10) reads 5..10
+    sched.add(r)
+    step = sched.schedule()
+    table = list(step.slices[0].table)
+    sched.update(step, model.run(sched, step))
+    assert r.table == [FREED, table[1], table[2]]  # block 0 (positions 0..3) went back
+    assert book.ref(table[0]) == 0 and book.hash_of(table[0]) is not None  # free, its prefix still cached
+    assert book.free == 50 - 2
+    for _ in range(6):  # to position 16: the next query reads 11..16, blocks 2.. stay
+        step = sched.schedule()
+        sched.update(step, model.run(sched, step))
+    assert r.computed == 16 and r.table[:2] == [FREED, FREED] and FREED not in r.table[2:]
+    sched.finish("a")
+    assert book.free == 50
+
+
+def test_a_prefix_hit_under_a_window_references_only_the_hits_inside_its_window() -> None:
+    book = BlockBook(50, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=2), WINDOW)
+    model = FakeModel(book, window=WINDOW)
+    prompt = list(range(1, 23))  # 5 full blocks and 2 tokens
+    sched.add(_req("a", prompt, max_tokens=3))
+    _drain(sched, model)
+    assert book.free == 50
+    b = _req("b", [*prompt, 40], max_tokens=3)
+    sched.add(b)
+    step = sched.schedule()
+    (piece,) = step.slices
+    assert piece.start == 20 and b.cached_tokens == 20  # five blocks hit; its first query (20) reads 15..20
+    assert piece.table[:3] == (FREED, FREED, FREED) and FREED not in piece.table[3:]
+    assert [book.ref(x) for x in piece.table[3:5]] == [1, 1]  # the window's two hits are referenced, the rest free
+    assert book.free == 50 - 3
+    sched.update(step, model.run(sched, step))
+    _drain(sched, model)
+    assert book.free == 50 and b.generated == 3
+
+
+def test_a_pool_too_small_for_a_request_without_a_window_serves_it_under_one() -> None:
+    long = [1] * 30
+    with pytest.raises(RequestTooLong, match="holds 32"):
+        Scheduler(BlockBook(8, BS), Budget(tokens=4, max_running=1)).add(_req("a", long, max_tokens=100))
+    sched = Scheduler(BlockBook(8, BS), Budget(tokens=4, max_running=1), WINDOW)
+    with pytest.raises(RequestTooLong, match="10 blocks at once under its sliding window"):
+        Scheduler(BlockBook(8, BS), Budget(tokens=30, max_running=1), WINDOW).add(_req("b", long, max_tokens=100))
+    r = _req("a", long, max_tokens=100)
+    sched.add(r)
+    model = FakeModel(sched.book, window=WINDOW)
+    _drain(sched, model)
+    assert r.generated == 100 and model.held["a"] <= 4 and sched.book.free == 8
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_under_a_window_gives_the_same_tokens_in_a_tight_pool_and_returns_every_block(
+    seed: int,
+) -> None:
+    """Preemptions, prefix hits (attached inside the window only), evictions of cached blocks given back by the
+    window, chunked prompts and several passes in flight: the same tokens as without a window in a roomy pool."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 30))] for _ in range(3)]
+    specs = [
+        (rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 25))], rng.randrange(0, 60))
+        for _ in range(rng.randrange(5, 25))
+    ]
+    budget = Budget(tokens=rng.randrange(4, 12), max_running=rng.randrange(1, 8), depth=rng.randrange(1, 4))
+
+    def run(blocks: int, window: int | None, caching: bool) -> tuple[list[list[int]], int]:  # tokens, preemptions
+        book = BlockBook(blocks, BS, caching=caching)
+        sched = Scheduler(book, budget, window)
+        model = FakeModel(book, window=window)
+        reqs = [_req(f"r{i}", p, m) for i, (p, m) in enumerate(specs)]
+        in_flight: list = []
+        preempted = 0
+        for r in reqs:
+            sched.add(r)
+            if rng.random() < 0.5:
+                step = sched.schedule()
+                preempted += len(step.preempted)
+                if step:
+                    in_flight.append(step)
+            while len(in_flight) >= budget.depth or (in_flight and rng.random() < 0.3):
+                done = in_flight.pop(0)
+                sched.update(done, model.run(sched, done))
+        for done in in_flight:
+            sched.update(done, model.run(sched, done))
+        preempted += sum(len(step.preempted) for step in _drain(sched, model))
+        assert book.free == blocks and book.stats().used == 0
+        if window is not None:
+            longest = max(len(p) + m for p, m in specs)
+            assert max(model.held.values()) <= most_blocks(longest, BS, window, budget.tokens)
+        return [r.token_ids for r in reqs], preempted
+
+    roomy, _ = run(400, None, True)
+    assert run(400, WINDOW, True)[0] == roomy
+    assert run(400, WINDOW, False)[0] == roomy
+    tight, _ = run(most_blocks(100, BS, WINDOW, budget.tokens) + 2, WINDOW, True)
+    assert tight == roomy
+
+
+def test_disaggregated_intake_under_a_window_reserves_the_whole_prompt_and_gives_back_what_falls_out() -> None:
+    book = BlockBook(12, BS)
+    sched = Scheduler(book, Budget(tokens=4, max_running=2), WINDOW)
+    with pytest.raises(RequestTooLong, match="holds 48"):  # its prompt streams in whole: 13 blocks
+        sched.reserve(_req("big", [1] * 48, max_tokens=2))
+    r = _req("a", list(range(1, 21)), max_tokens=30)
+    assert sched.reserve(r) and len(r.table) == 6 and book.free == 6
+    model = FakeModel(book, window=WINDOW)
+    for p in range(20):  # the stream lands
+        model.kv[(r.table[p // BS], p % BS)] = r.token_ids[p]
+    sched.arrived(r, 7)
+    assert r.table[:3] == [FREED] * 3 and book.free == 9  # the next query (20) reads 15..20
+    _drain(sched, model)
+    assert r.generated == 30 and book.free == 12

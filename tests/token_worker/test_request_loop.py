@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from engine.tiny_models import build_checkpoint
 from transformers import AutoModelForCausalLM
 
 from dejavu_common import keys
@@ -30,7 +31,7 @@ from dejavu_common.messages import (
     SamplingSpec,
     TokenStep,
 )
-from dejavu_common.sched import BlockBook, Budget, ScheduledPass, Scheduler
+from dejavu_common.sched import FREED, BlockBook, Budget, ScheduledPass, Scheduler, most_blocks
 from dejavu_common.settings import Settings
 from dejavu_common.signing import token_entry
 from dejavu_common.tokenizer import Tokenizer
@@ -151,10 +152,11 @@ def _loop(
     caching: bool = True,
     max_recomputes: int = 8,
 ) -> RequestLoop:
-    """A loop built as ``TokenWorker._request_loop`` builds it, over a pool of ``blocks`` blocks of ``BLOCK``."""
+    """A loop built as ``TokenWorker._request_loop`` builds it, over a pool of ``blocks`` blocks of ``BLOCK`` (the
+    stage's sliding window, if every layer has one, gives back the blocks out of it)."""
     pool = stage.block_pool(BLOCK, blocks, slab_blocks=16)
     book = BlockBook(pool.max_blocks, BLOCK, b"SmolLM2-135M|float32|16", caching=caching)
-    scheduler = Scheduler(book, Budget(tokens=tokens, max_running=max_running))
+    scheduler = Scheduler(book, Budget(tokens=tokens, max_running=max_running), stage.kv_window)
     metrics = WorkerMetrics("t0", "token")
     return RequestLoop(
         scheduler, SliceExecutor(stage, pool), client, "t0", metrics, None, stage.spec.eos_token_ids, [], max_recomputes
@@ -701,4 +703,46 @@ def test_a_sampled_request_restarted_from_its_stream_draws_what_it_would_have_dr
     _queue(client, _spec(2, prompt, sampling))
     loop.run(_until(loop, [2]))
     assert _stream(client, 2) == _stream(client, 1) and len(_stream(client, 1).tokens) == 8
+    assert _all_free(loop)
+
+
+def test_a_sliding_window_stage_gives_back_blocks_out_of_the_window_and_streams_transformers_tokens(
+    client: redis.Redis, tmp_path: Path
+) -> None:
+    """A tiny Mistral with a window of 32 positions in a pool of 8 blocks (128 positions): a 300-position request
+    (an 80-token prompt in chunks, 220 tokens) beside one sharing its first 64 prompt tokens (a prefix hit on blocks
+    the first already gave back), each holding at most the window's and a pass's blocks; both streams are
+    transformers' greedy ones."""
+    folder = build_checkpoint(
+        "mistral", tmp_path / "mistral", overrides={"sliding_window": 32, "max_position_embeddings": 512}
+    )
+    stage = Pipeline(folder, 1, "cpu", "float32").stages[0]
+    if not stage.paged_attention:
+        pytest.skip("the request loop needs the native paged attention kernels (see TokenWorker._schedules_requests)")
+    assert stage.kv_window == 32
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    ids = torch.randint(3, 380, (100,), generator=torch.Generator().manual_seed(9)).tolist()
+    cases = {1: (ids[:80], 220), 2: (ids[:64] + ids[80:90], 40)}
+    loop = _loop(client, stage, blocks=8, tokens=32)
+    held: dict[str, int] = {}
+    run = loop.executor.run
+
+    def recording(step: ScheduledPass, every: Collection[int] = ()) -> PassLogits:
+        for s in step.slices:
+            live = [b for b in s.table if b != FREED]
+            held[s.request.request_id] = max(held.get(s.request.request_id, 0), len(live))
+        return run(step, every)
+
+    loop.executor.run = recording  # type: ignore[method-assign]
+    for mb, (prompt, n) in cases.items():
+        _queue(client, _spec(mb, prompt, SamplingSpec(max_tokens=n, temperature=0, ignore_eos=True)))
+    loop.run(_until(loop, cases))
+    for mb, (prompt, n) in cases.items():
+        expected = list(prompt)
+        with torch.inference_mode():
+            for _ in range(n):
+                expected.append(int(model(torch.tensor([expected])).logits[0, -1].argmax()))
+        assert _stream(client, mb) == Stream(expected[len(prompt) :], FinishReason.LENGTH), f"microbatch {mb}"
+    assert loop.scheduler.book.stats().hits == 64  # the second request's first four blocks
+    assert max(held.values()) <= most_blocks(300, BLOCK, 32, 32) == 5
     assert _all_free(loop)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dejavu_common.messages import FinishReason, Logprob, SamplingSpec
-from dejavu_common.sched import BlockBook, Budget, RequestState, ScheduledPass, Scheduler
+from dejavu_common.sched import BlockBook, Budget, RequestState, ScheduledPass, Scheduler, most_blocks
 from dejavu_common.settings import Settings
 from dejavu_common.stopping import StopCriteria
 from dejavu_common.tokenizer import Tokenizer
@@ -100,6 +100,13 @@ def context_limit(pipeline: Pipeline, settings: Settings) -> int:
     return min(pipeline.spec.max_positions, settings.engine.max_context)
 
 
+def kv_window(pipeline: Pipeline) -> int | None:
+    """The sliding window every layer of every stage attends within (the one block table of a request serves them
+    all), or None: a pipeline whose requests give back the blocks that fall out of it (:class:`Scheduler`)."""
+    windows = {stage.kv_window for stage in pipeline.stages}
+    return windows.pop() if len(windows) == 1 else None
+
+
 def _tokens_of(step: ScheduledPass) -> torch.Tensor:
     """The token ids a pass feeds: each slice's positions, back to back in one row ``[1, tokens]``."""
     ids = [t for s in step.slices for t in s.request.token_ids[s.start : s.start + s.length]]
@@ -156,7 +163,12 @@ def _sample(step: ScheduledPass, logits: torch.Tensor, outputs: dict[str, _Outpu
 
 
 def generate_batch(
-    pipeline: Pipeline, requests: Sequence[Request], *, token_budget: int | None = None, block_size: int = 16
+    pipeline: Pipeline,
+    requests: Sequence[Request],
+    *,
+    token_budget: int | None = None,
+    block_size: int = 16,
+    pool_blocks: int | None = None,
 ) -> tuple[list[Completion], BatchTimings]:
     """Generate every request to completion (greedy rows match HF generate), each on its own positions and
     blocks (no padding) in a paged pool per stage, all in shared passes (:meth:`Stage.forward_slices`).
@@ -170,6 +182,12 @@ def generate_batch(
     what it generated; its draws are numbered by its own generated tokens. Requests with a non-greedy sampler
     must have a resolved seed. ``timings.prefill_s`` runs until every request has its first token, the decode
     steps are the passes after that.
+
+    Each stage's pool has ``pool_blocks`` blocks (rounded down to whole slabs of 32), by default room for every
+    request at once at the most it holds: its whole length, or where every layer attends within a sliding window
+    (:func:`kv_window`), the window's blocks and a pass's (the blocks that fall out of the window go back as a
+    request advances). A smaller pool preempts and recomputes requests (their cached prefixes kept); a request it
+    could never hold raises :class:`~dejavu_common.sched.RequestTooLong`.
     """
     if not requests:
         raise GenerationError("no requests")
@@ -177,15 +195,21 @@ def generate_batch(
         raise GenerationError("every prompt needs at least one token")
     if token_budget is not None and token_budget < 1:
         raise GenerationError(f"the token budget of a pass must be >= 1, got {token_budget}")
+    if pool_blocks is not None and pool_blocks < 1:
+        raise GenerationError(f"a pool needs >= 1 block, got {pool_blocks}")
     lengths = [len(r.prompt_ids) + r.sampling.max_tokens for r in requests]
-    # Room for every request at its longest at once, and a block each beyond (what admission keeps free for the
-    # running requests' next positions), in whole slabs; memory is made a slab at a time, as used.
-    blocks = sum(-(-n // block_size) for n in lengths) + len(requests)
-    slab = min(blocks, 32)
-    blocks = -(-blocks // slab) * slab
-    pools = [stage.block_pool(block_size, blocks, slab) for stage in pipeline.stages]
+    window = kv_window(pipeline)
     budget = Budget(tokens=token_budget or sum(lengths), max_running=len(requests))
-    scheduler = Scheduler(BlockBook(blocks, block_size), budget)
+    if pool_blocks is None:
+        # Room for every request at the most it holds at once, and a block each beyond (what admission keeps free
+        # for the running requests' next positions), in whole slabs; memory is made a slab at a time, as used.
+        blocks = sum(most_blocks(n, block_size, window, budget.tokens) for n in lengths) + len(requests)
+        slab = min(blocks, 32)
+        blocks = -(-blocks // slab) * slab
+    else:
+        blocks, slab = pool_blocks, min(pool_blocks, 32)
+    pools = [stage.block_pool(block_size, blocks, slab) for stage in pipeline.stages]
+    scheduler = Scheduler(BlockBook(pools[0].max_blocks, block_size), budget, window)
     outputs: dict[str, _Output] = {}
     for index, request in enumerate(requests):
         state = RequestState(str(index), list(request.prompt_ids), len(request.prompt_ids), request.sampling.max_tokens)
@@ -198,7 +222,7 @@ def generate_batch(
     while len(scheduler):
         step = scheduler.schedule()
         if not step:
-            raise RuntimeError("requests are left but the scheduler planned no pass")  # the pool holds them all
+            raise RuntimeError("requests are left but the scheduler planned no pass")  # the pool holds any one
         sampled = _sample(step, _run_pass(pipeline, pools, step), outputs)
         for s in step.slices:  # a refused request ends without a token
             if outputs[s.request.request_id].finished is FinishReason.REFUSED:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dejavu_common.sched import FREED
+
 
 @dataclass(frozen=True)
 class BatchGeometry:
@@ -90,6 +92,11 @@ class Slice:
     and the slice's tokens up to itself. One form covers a decode step (``length`` 1), a whole prompt
     (``start`` 0), a chunk of a prompt over its earlier chunks (chunked prefill) and a prompt after a prefix-cache
     hit (``start`` = the cached length).
+
+    In a stage whose every layer attends within a sliding window, the table's leading ``freed`` entries may be
+    :data:`~dejavu_common.sched.FREED`: blocks given back because no query of the slice (nor any later one) reads
+    their positions. Attention reads the table from entry ``freed`` on (:meth:`Stage.check_slices` checks that the
+    window needs nothing before it).
     """
 
     table: tuple[int, ...]
@@ -99,8 +106,18 @@ class Slice:
     def __post_init__(self) -> None:
         if self.start < 0 or self.length < 1:
             raise ValueError(f"a slice feeds >= 1 token from a position >= 0: start {self.start}, length {self.length}")
-        if any(b < 0 for b in self.table):
-            raise ValueError(f"block ids are >= 0, got table {self.table}")
+        freed = self.freed
+        if any(b < 0 for b in self.table[freed:]) or (self.table and freed == len(self.table)):
+            # Freed entries only lead a table, before the blocks the slice writes.
+            raise ValueError(f"block ids are >= 0 (freed entries lead a table, never end it), got table {self.table}")
+
+    @property
+    def freed(self) -> int:
+        """How many leading entries of the table are FREED (given back: never read)."""
+        n = 0
+        while n < len(self.table) and self.table[n] == FREED:
+            n += 1
+        return n
 
     @property
     def end(self) -> int:

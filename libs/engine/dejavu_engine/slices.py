@@ -12,6 +12,11 @@ pass; :func:`attend` is one layer's attention, on either path:
   one-token slice;
 - **torch** (the device-generic path, what CUDA runs): one indexed write of every token's K/V per slab, then per
   slice its blocks gathered in order and torch's SDPA with the slice's own mask (its causal offset, ALiBi biases).
+
+A slice whose table leads with freed blocks (:attr:`~dejavu_engine.geometry.Slice.freed`: a stage whose every layer
+has a sliding window, the blocks before its first query's window given back) is read from its first block that is
+not freed on, its window mask cut to the same positions; only the torch path runs such stages (the native kernels
+take no window and refuse a freed entry).
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ class TorchPlan:
     """The indices of the torch path (on the pool's device). ``writes`` holds, per slab that receives tokens,
     ``(slab, rows, blocks, offsets)``: the row's tokens ``rows`` go to positions ``offsets`` of the slab's blocks
     ``blocks``. ``reads[i]`` is slice ``i``'s blocks in logical order as ``(slab, picks, blocks)`` parts (``picks``:
-    which of its blocks, None for all of them) and how many blocks it reads."""
+    which of its blocks, None for all of them), how many blocks it reads, and the position of the first (past its
+    freed blocks; 0 where none are)."""
 
     writes: tuple[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor], ...]
-    reads: tuple[tuple[tuple[tuple[int, torch.Tensor | None, torch.Tensor], ...], int], ...]
+    reads: tuple[tuple[tuple[tuple[int, torch.Tensor | None, torch.Tensor], ...], int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,8 @@ def _tables(slices: Sequence[Slice], block_size: int) -> torch.Tensor:
 
 
 def _native_plan(slices: Sequence[Slice], block_size: int) -> NativePlan:
+    if any(piece.freed for piece in slices):
+        raise ValueError("the native kernels attend over every position of a slice: its table may free no block")
     offsets = [0]
     for piece in slices[:-1]:
         offsets.append(offsets[-1] + piece.length)
@@ -135,10 +143,18 @@ def _native_plan(slices: Sequence[Slice], block_size: int) -> NativePlan:
 
 
 def _torch_plan(slices: Sequence[Slice], block_size: int, slab_blocks: int, device: torch.device) -> TorchPlan:
-    tables = [torch.tensor(piece.table[: math.ceil(piece.end / block_size)], dtype=torch.long) for piece in slices]
+    # Each slice's blocks it reads: from its first one not freed to the one of its end.
+    firsts = [piece.freed for piece in slices]
+    tables = [
+        torch.tensor(piece.table[first : math.ceil(piece.end / block_size)], dtype=torch.long)
+        for piece, first in zip(slices, firsts, strict=True)
+    ]
     positions = torch.cat([torch.arange(piece.start, piece.end) for piece in slices])  # the row's tokens in order
     block_t = torch.cat(
-        [table[torch.arange(piece.start, piece.end) // block_size] for piece, table in zip(slices, tables, strict=True)]
+        [
+            table[torch.arange(piece.start, piece.end) // block_size - first]
+            for piece, table, first in zip(slices, tables, firsts, strict=True)
+        ]
     )
     offset_t = positions % block_size
     writes = []
@@ -146,14 +162,14 @@ def _torch_plan(slices: Sequence[Slice], block_size: int, slab_blocks: int, devi
         pick = (block_t // slab_blocks == slab).nonzero().squeeze(1)
         writes.append((slab, pick.to(device), (block_t[pick] % slab_blocks).to(device), offset_t[pick].to(device)))
     reads = []
-    for table in tables:
+    for table, first in zip(tables, firsts, strict=True):
         slabs = table // slab_blocks
         parts = []
         for slab in sorted(set(slabs.tolist())):
             picks = (slabs == slab).nonzero().squeeze(1)
             every = picks.numel() == table.numel()
             parts.append((slab, None if every else picks.to(device), (table[picks] % slab_blocks).to(device)))
-        reads.append((tuple(parts), table.numel()))
+        reads.append((tuple(parts), table.numel(), first * block_size))
     return TorchPlan(tuple(writes), tuple(reads))
 
 
@@ -227,10 +243,14 @@ def _attend_torch(
         k_slabs[slab][blocks, :, offsets, :] = k_tokens[rows]
         v_slabs[slab][blocks, :, offsets, :] = v_tokens[rows]
     outs = []
-    for (offset, length, start, own), (parts, n_blocks) in zip(ctx.parts, ctx.torch_plan.reads, strict=True):
+    for (offset, length, start, own), (parts, n_blocks, first) in zip(ctx.parts, ctx.torch_plan.reads, strict=True):
         end = start + length
-        keys, values = _gather(k_slabs, parts, n_blocks, end), _gather(v_slabs, parts, n_blocks, end)
-        outs.append(sdpa(q[:, :, offset : offset + length], keys, values, *layer_mask(own, ctx.local), scale, softcap))
+        keys, values = _gather(k_slabs, parts, n_blocks, end - first), _gather(v_slabs, parts, n_blocks, end - first)
+        mask, causal = layer_mask(own, ctx.local)
+        if first:  # keys from position ``first`` on: the window's mask over them (Stage.check_slices: it needs no more)
+            assert ctx.local and mask is not None, "freed blocks in a layer without a sliding window"
+            mask = mask[..., first:]
+        outs.append(sdpa(q[:, :, offset : offset + length], keys, values, mask, causal, scale, softcap))
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     _, heads, tokens, head_dim = out.shape
     return out.transpose(1, 2).reshape(1, tokens, heads * head_dim)
@@ -242,8 +262,8 @@ def _gather(
     n_blocks: int,
     end: int,
 ) -> torch.Tensor:
-    """A slice's positions ``[0, end)`` of one layer's K or V, ``[1, kv_heads, end, head_dim]``, gathered block by
-    block from ``slabs`` in logical order."""
+    """The first ``end`` positions of a slice's blocks it reads, of one layer's K or V, ``[1, kv_heads, end,
+    head_dim]``, gathered block by block from ``slabs`` in logical order."""
     if len(parts) == 1 and parts[0][1] is None:  # every block in one slab: one indexed copy
         slab, _, blocks = parts[0]
         picked = slabs[slab][blocks]

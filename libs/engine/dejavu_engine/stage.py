@@ -449,6 +449,13 @@ class Stage:
         return StageIO(logits=self.logits(hidden[0, last].unsqueeze(1)))
 
     @functools.cached_property
+    def kv_window(self) -> int | None:
+        """The sliding window every layer of this stage attends within, or None where a layer attends fully (Gemma
+        2/3, Qwen2 below ``max_window_layers``) or none has a window. Only where it is set may a slice's table
+        lead with freed blocks (:attr:`Slice.freed`): one table serves every layer, and a global one reads them all."""
+        return self.family.window if all(self._local) else None
+
+    @functools.cached_property
     def native_slices(self) -> bool:
         """Whether passes of slices (:meth:`forward_slices`) attend in the native kernels: a whole prompt's
         prefill goes straight into blocks here (:attr:`prefills_into_blocks`: the paged kernels are built and the
@@ -505,8 +512,9 @@ class Stage:
     def check_slices(self, pool: BlockPool, slices: Sequence[Slice]) -> None:
         """Raises ValueError unless ``slices`` can run as one pass of this stage over ``pool``: the pool holds
         this stage's layers and heads in its dtype on its device; each slice's table lists blocks of the pool
-        (made already) for every position up to its end, distinct ones; and no slice writes a block that another
-        slice of the pass reads or writes (a block being filled belongs to one request)."""
+        (made already) for every position up to its end, distinct ones, its leading freed entries (if any) before
+        the window of its first query (:attr:`kv_window`); and no slice writes a block that another slice of the
+        pass reads or writes (a block being filled belongs to one request)."""
         if not slices:
             raise ValueError("a pass needs at least one slice")
         block = pool.geometry.block_size
@@ -518,14 +526,28 @@ class Stage:
             blocks = piece.table[: math.ceil(piece.end / block)]
             if len(blocks) * block < piece.end:
                 raise ValueError(f"slice {i}'s table of {len(piece.table)} blocks does not reach position {piece.end}")
-            if len(set(blocks)) != len(blocks) or max(blocks) >= made:
+            self._check_freed(i, piece, block)
+            read = blocks[piece.freed :]
+            if len(set(read)) != len(read) or max(read) >= made:
                 raise ValueError(f"slice {i}'s table {blocks} repeats a block or names one past the pool's {made}")
             for b in blocks[piece.start // block :]:
                 writer[b] = writer.get(b, i) if writer.get(b, i) == i else -1
         for i, piece in enumerate(slices):
-            for b in piece.table[: math.ceil(piece.end / block)]:
+            for b in piece.table[piece.freed : math.ceil(piece.end / block)]:
                 if writer.get(b, i) != i:
                     raise ValueError(f"block {b} is written by one slice of the pass and used by another (slice {i})")
+
+    def _check_freed(self, i: int, piece: Slice, block: int) -> None:
+        """Raises ValueError where slice ``i``'s freed blocks hold a position its first query attends."""
+        if not piece.freed:
+            return
+        if self.kv_window is None:
+            raise ValueError(f"slice {i}'s table has freed blocks, but a layer of stage {self.layers} reads them all")
+        if piece.freed * block > max(0, piece.start - self.kv_window + 1):
+            raise ValueError(
+                f"slice {i} attends from position {max(0, piece.start - self.kv_window + 1)} (a window of "
+                f"{self.kv_window}), but its blocks before position {piece.freed * block} are freed"
+            )
 
     def _natively(
         self, ctx: ForwardContext, contexts: Sequence[ForwardContext], caches: Sequence[KVCache]

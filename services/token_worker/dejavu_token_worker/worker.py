@@ -174,7 +174,7 @@ class TokenWorker(WorkerProcess):
             "on" if engine.prefix_caching else "off",
         )
         return RequestLoop(
-            Scheduler(book, budget),
+            Scheduler(book, budget, stage.kv_window),  # blocks out of a sliding window go back as requests advance
             SliceExecutor(stage, pool),
             self.redis,
             self.worker_id,

@@ -5,11 +5,12 @@ pass, and the planner's simulator runs the same object over simulated time. See 
 :mod:`.state`.
 """
 
-from dejavu_common.sched.blocks import BlockBook, BookStats, OutOfBlocks, chain_hashes
-from dejavu_common.sched.policy import Budget, RequestTooLong, ScheduledPass, Scheduler, Slice
+from dejavu_common.sched.blocks import FREED, BlockBook, BookStats, OutOfBlocks, chain_hashes
+from dejavu_common.sched.policy import Budget, RequestTooLong, ScheduledPass, Scheduler, Slice, most_blocks
 from dejavu_common.sched.state import IllegalTransition, RequestState, Status
 
 __all__ = [
+    "FREED",
     "BlockBook",
     "BookStats",
     "Budget",
@@ -22,4 +23,5 @@ __all__ = [
     "Slice",
     "Status",
     "chain_hashes",
+    "most_blocks",
 ]

@@ -24,6 +24,11 @@ from dataclasses import dataclass
 
 _IDS = struct.Struct("<I")
 
+FREED = -1
+"""A block table's entry for a block its request gave back while running (every position it held is out of the
+sliding window of every query still to come): no block id, never read. A table keeps its length, so position ``p``
+stays at entry ``p // block_size``; freed entries are always its leading ones."""
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than asked for (callers check :meth:`BlockBook.can_allocate` first)."""

@@ -18,6 +18,17 @@ counter (:attr:`RequestState.computed`) that chases its token ids, and each pass
 A prompt longer than what is left of the budget is split into chunks (chunked prefill) that end on block
 boundaries, so every chunk but a prompt's last fills whole blocks, and its blocks enter the prefix cache as soon
 as the pass that wrote them returns. The last chunk of a prompt samples the first token.
+
+**Sliding windows.** A scheduler made with a ``window`` serves stages whose every layer attends within that sliding
+window (a query at ``i`` sees keys ``j`` with ``i - window < j <= i``: Mistral, Phi-3 with a window, Qwen2 with
+every layer windowed). Once a request has computed ``c`` positions, no query still to come (at ``c`` or later)
+reads a position before ``c - window + 1``, so every block wholly before it is given back as the request advances
+(its reference dropped; a block in the prefix cache stays there, evictable as any free block), and its table entry
+becomes :data:`FREED`; an admission on a prefix hit references only the hit blocks inside its first query's window.
+A long generation then holds at most ``ceil(window / block_size) + 1`` blocks of its own, and a request is refused
+as too long, and a pool sized (:func:`most_blocks`), by what it holds at once, not by its whole length. Where a
+stage mixes windowed and global layers (Gemma 2/3, Qwen2 below ``max_window_layers``), one block table serves every
+layer and the global ones read every position: such a pipeline's scheduler has no window and keeps every block.
 """
 
 from __future__ import annotations
@@ -27,12 +38,24 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from dejavu_common.sched.blocks import BlockBook
+from dejavu_common.sched.blocks import FREED, BlockBook
 from dejavu_common.sched.state import RequestState, Status
 
 
 class RequestTooLong(ValueError):
     """A request whose prompt and longest answer need more blocks than the whole pool has."""
+
+
+def most_blocks(positions: int, block_size: int, window: int | None = None, chunk: int | None = None) -> int:
+    """The most blocks of ``block_size`` positions that a request of ``positions`` positions holds at once: all of
+    them, or under a sliding ``window`` (see the module's docstring) at most those of the window before a pass's
+    first position and of the pass's ``chunk`` positions (its longest slice; None: its whole length), one more where
+    they straddle a block boundary."""
+    whole = -(-positions // block_size)
+    if window is None:
+        return whole
+    span = window - 1 + (positions if chunk is None else chunk)
+    return min(whole, -(-span // block_size) + 1)
 
 
 @dataclass(frozen=True)
@@ -88,11 +111,16 @@ class ScheduledPass:
 
 
 class Scheduler:
-    """The queues and the book of one pipeline, and the policy over them (see the module's docstring)."""
+    """The queues and the book of one pipeline, and the policy over them (see the module's docstring). ``window``:
+    the sliding window every layer of the pipeline's stages attends within (its blocks out of it are given back),
+    None where a layer attends fully."""
 
-    def __init__(self, book: BlockBook, budget: Budget) -> None:
+    def __init__(self, book: BlockBook, budget: Budget, window: int | None = None) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window spans >= 1 position, got {window}")
         self.book = book
         self.budget = budget
+        self.window = window
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # holding blocks (arriving or running), in admission order
         self._by_id: dict[str, RequestState] = {}
@@ -115,12 +143,13 @@ class Scheduler:
         or ``max_running`` has no room. :attr:`RequestState.cached_tokens` is then what need not be sent."""
         if request.request_id in self._by_id:
             raise ValueError(f"request {request.request_id} is already scheduled")
-        self._check_fits(request)
+        self._check_fits(request, streamed=True)
         if len(self.running) >= self.budget.max_running:
             return False
         hits = self._lookup(request, len(request.token_ids))
         need = self.book.blocks_for(request.prompt_len + 1) - len(hits)
-        if not self.book.can_allocate(need + self.book.idle(hits) + self._headroom()):
+        live = hits[self._gone(len(hits) * self.book.block_size) :]
+        if not self.book.can_allocate(need + self.book.idle(live) + self._headroom()):
             return False
         self.book.count_lookup(request.prompt_len, len(hits) * self.book.block_size)
         new = self._take(request, hits, need)
@@ -138,6 +167,7 @@ class Scheduler:
         request.token_ids.append(first_token)
         request.move(Status.RUNNING)
         self._commit(request)
+        self._slide(request)
 
     def finish(self, request_id: str) -> RequestState | None:
         """End a request now (cancelled, failed, stopped): its blocks go back at once, or when its pass returns."""
@@ -200,7 +230,8 @@ class Scheduler:
             start = len(hits) * self.book.block_size
             n = self._chunk(request, start, left)
             need = self.book.blocks_for(start + n) - len(hits)
-            if not self.book.can_allocate(need + self.book.idle(hits) + self._headroom()):
+            live = hits[self._gone(start) :]  # the hits its first query's window reads: the ones it references
+            if not self.book.can_allocate(need + self.book.idle(live) + self._headroom()):
                 break
             self.waiting.remove(request)
             self.book.count_lookup(min(request.prompt_len, len(request.token_ids)), start)
@@ -230,6 +261,7 @@ class Scheduler:
                 continue
             request.computed = s.start + s.length
             self._commit(request)
+            self._slide(request)
             wants = request.generated < request.max_tokens  # max_tokens 0: the prompt alone (its log probabilities)
             if s.samples and wants:
                 token = sampled.get(request.request_id)
@@ -254,11 +286,18 @@ class Scheduler:
                 self._free(request)
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _check_fits(self, request: RequestState) -> None:
+    def _check_fits(self, request: RequestState, streamed: bool = False) -> None:
+        """Raises :class:`RequestTooLong` where the pool could never hold what ``request`` holds at once (with
+        ``streamed``, its whole prompt and first token, all reserved before its prompt KV streams in)."""
         longest = request.prompt_len + request.max_tokens
-        if self.book.blocks_for(longest) > self.book.num_blocks:
+        chunk = min(self.budget.tokens, self.budget.chunk or self.budget.tokens)
+        held = most_blocks(longest, self.book.block_size, self.window, chunk)
+        if streamed:
+            held = max(held, self.book.blocks_for(request.prompt_len + 1))
+        if held > self.book.num_blocks:
+            window = "" if self.window is None else f" ({held} blocks at once under its sliding window)"
             raise RequestTooLong(
-                f"request {request.request_id} may need {longest} positions; the KV pool holds "
+                f"request {request.request_id} may need {longest} positions{window}; the KV pool holds "
                 f"{self.book.num_blocks * self.book.block_size}"
             )
 
@@ -311,12 +350,32 @@ class Scheduler:
         return request.block_hashes(self.book, hits + 1)[hits] in computing
 
     def _take(self, request: RequestState, hits: list[int], need: int) -> list[int]:
-        self.book.attach(hits)
+        """Reference ``request``'s hits (those inside its first query's window; the others are FREED entries of its
+        table from the start) and allocate ``need`` fresh blocks; returns those."""
+        gone = self._gone(len(hits) * self.book.block_size)
+        self.book.attach(hits[gone:])
         new = self.book.allocate(need)
-        request.table = list(hits)
+        request.table = [FREED] * gone + hits[gone:]
+        request.freed = gone
         request.committed = len(hits)
         request.cached_tokens = len(hits) * self.book.block_size
         return new
+
+    def _gone(self, computed: int) -> int:
+        """How many leading blocks no query at position ``computed`` or later reads (its window starts at
+        ``computed - window + 1``): none without a window."""
+        if self.window is None:
+            return 0
+        return max(0, (computed - self.window + 1) // self.book.block_size)
+
+    def _slide(self, request: RequestState) -> None:
+        """Give back the blocks of ``request`` that fell out of the window (committed ones stay in the cache)."""
+        gone = min(self._gone(request.computed), request.committed, len(request.table))
+        if gone <= request.freed:
+            return
+        self.book.release(request.table[request.freed : gone])
+        request.table[request.freed : gone] = [FREED] * (gone - request.freed)
+        request.freed = gone
 
     def _headroom(self) -> int:
         """Blocks kept free for the running requests' next positions (one each) when admitting another."""
@@ -337,9 +396,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _free(self, request: RequestState) -> None:
-        self.book.release(request.table)
+        self.book.release(request.table[request.freed :])
         request.table = []
         request.committed = 0
+        request.freed = 0
 
     def _commit(self, request: RequestState) -> None:
         """Enter the request's blocks that its written positions fill into the prefix cache."""

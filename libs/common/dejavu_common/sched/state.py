@@ -49,6 +49,7 @@ class RequestState:
     status: Status = Status.WAITING
     in_flight: bool = False  # in a pass that has not returned: not scheduled again until it does
     committed: int = 0  # leading full blocks entered into the prefix cache
+    freed: int = 0  # leading table entries given back out of a sliding window (FREED), never more than committed
     cached_tokens: int = 0  # prompt positions found cached when it was last admitted
     preemptions: int = 0
     _hashes: list[bytes] = field(default_factory=list, repr=False)
