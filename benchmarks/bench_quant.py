@@ -1,11 +1,14 @@
 """Quantized weights benchmark: accuracy and decode speed of the default model in each weight format.
 
-Usage: dejavu bench quant [--formats float32 int8 gguf] [--tokens 64] [--steps 24] [--rounds 3] [--threads 1]
+Usage: dejavu bench quant [--formats float32 int8 gguf-widened gguf] [--tokens 64] [--steps 24] [--rounds 3]
+                          [--batches 1 4] [--threads 1]
 
 Formats (``model.weights``; each folder prepared once, :func:`dejavu_engine.checkpoint.ensure_default_model`):
 ``float32`` the GGUF file dequantized by transformers (the reference), ``gguf`` the file as published (Q4_1
-layers, a Q8_0 embedding / tied head), kept quantized in memory, ``int8`` the float32 weights quantized to int8
-per output channel; ``bfloat16`` is the float32 folder computed in bfloat16.
+layers, a Q8_0 embedding / tied head), kept quantized in memory with its 4-bit values packed two a byte,
+``gguf-widened`` the same file with its 4-bit values widened to int8 at load (the packed kernels' baseline: the
+same arithmetic from twice the bytes of values), ``int8`` the float32 weights quantized to int8 per output
+channel; ``bfloat16`` is the float32 folder computed in bfloat16.
 
 Accuracy, per format against float32:
 * perplexity of a fixed text (:data:`TEXT`, one prefill with every position's logits);
@@ -13,9 +16,11 @@ Accuracy, per format against float32:
   the same tokens (teacher forcing, one prefill) and the share of positions where its own argmax is float32's
   token is reported, with the length of its own free greedy run before it first departs from float32's.
 
-Speed: ms per token of a batch-1 decode step after a 64-token prompt, every format timed in turn, ``--rounds``
-rounds (the median step of each round, then the median over rounds), with the bytes each holds. Prints a table
-and writes benchmarks/results/quant.json.
+Speed: ms per decode step (a token for each row) at each of ``--batches`` rows after a 64-token prompt, every
+format timed in turn within each batch size, ``--rounds`` rounds (the median step of each round, then the median
+over rounds), with the bytes each holds; and each format's time against float32's and gguf's against
+gguf-widened's, a ratio per round (formats timed side by side), then their median. Prints a table and writes
+benchmarks/results/quant.json.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
+from dejavu_engine import gguf_file
 from dejavu_engine.checkpoint import ensure_default_model
 from dejavu_engine.geometry import BatchGeometry
 from dejavu_engine.stage import Stage
@@ -42,7 +49,7 @@ from dejavu_engine.threads import configure_torch_threads
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 RESULTS = Path(__file__).resolve().parent / "results" / "quant.json"
-FORMATS = ("float32", "bfloat16", "int8", "gguf")
+FORMATS = ("float32", "bfloat16", "int8", "gguf-widened", "gguf")
 
 TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed by rewiring panels, "
@@ -68,9 +75,17 @@ def folders(formats: list[str]) -> dict[str, tuple[Path, str]]:
     settings = Settings()
     out = {}
     for fmt in formats:
-        weights = {"float32": "float", "bfloat16": "float"}.get(fmt, fmt)
+        weights = {"float32": "float", "bfloat16": "float", "gguf-widened": "gguf"}.get(fmt, fmt)
         out[fmt] = (ensure_default_model(settings, weights=weights), "bfloat16" if fmt == "bfloat16" else "float32")
     return out
+
+
+def load_stage(fmt: str, folder: Path, dtype: str) -> Stage:
+    """The whole model in format ``fmt``; ``gguf-widened`` reads the GGUF file with no block type kept packed."""
+    if fmt == "gguf-widened":
+        with mock.patch.object(gguf_file, "PACKED_TYPES", frozenset()):
+            return Stage(folder, (0, 30), dtype=dtype)
+    return Stage(folder, (0, 30), dtype=dtype)
 
 
 def forced_logits(stage: Stage, ids: list[int]) -> torch.Tensor:
@@ -114,33 +129,54 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def decode_ms(stage: Stage, ids: list[int], steps: int) -> float:
-    """Median ms of ``steps`` batch-1 decode steps after a prefill of ``ids``."""
-    cache = stage.allocate_cache(1, len(ids) + steps + 1)
-    geometry = BatchGeometry.for_prompts([len(ids)])
-    stage.prefill(StageIO(input_ids=torch.tensor([ids])), cache, geometry)
+def decode_ms(stage: Stage, ids: list[int], steps: int, batch: int) -> float:
+    """Median ms of ``steps`` decode steps of ``batch`` rows after a prefill of ``ids`` in each row."""
+    cache = stage.allocate_cache(batch, len(ids) + steps + 1)
+    geometry = BatchGeometry.for_prompts([len(ids)] * batch)
+    stage.prefill(StageIO(input_ids=torch.tensor([ids] * batch)), cache, geometry)
     times = []
     for _ in range(steps):
         geometry = geometry.advance()
         start = time.perf_counter()
-        stage.decode(StageIO(input_ids=torch.tensor([[17]])), cache, geometry)
+        stage.decode(StageIO(input_ids=torch.full((batch, 1), 17)), cache, geometry)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
+def ratios(rows: dict[str, dict[str, Any]], batches: list[int]) -> dict[str, dict[str, float]]:
+    """Per batch size, the median over rounds of each round's time of a format over its baseline's: every format
+    over float32, and gguf over gguf-widened (the packed kernels against the widened ones)."""
+    pairs = [(fmt, "float32") for fmt in rows if fmt != "float32"]
+    if "gguf" in rows and "gguf-widened" in rows:
+        pairs.append(("gguf", "gguf-widened"))
+    out = {}
+    for fmt, base in pairs:
+        out[f"{fmt} / {base}"] = {
+            str(b): round(
+                statistics.median(
+                    t / u for t, u in zip(rows[fmt]["decode_ms"][str(b)], rows[base]["decode_ms"][str(b)], strict=True)
+                ),
+                3,
+            )
+            for b in batches
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["float32", "int8", "gguf"])
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=["float32", "int8", "gguf-widened", "gguf"])
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt for the agreement")
     parser.add_argument("--steps", type=int, default=24, help="decode steps a round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4], help="rows of a decode step")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
     args = parser.parse_args()
     configure_torch_threads(args.threads)
     formats = list(dict.fromkeys(["float32", *args.formats]))
     where = folders(formats)
     tokenizer = Tokenizer.from_pretrained(where["float32"][0])
-    stages = {fmt: Stage(folder, (0, 30), dtype=dtype) for fmt, (folder, dtype) in where.items()}
+    stages = {fmt: load_stage(fmt, folder, dtype) for fmt, (folder, dtype) in where.items()}
     text = tokenizer.encode(TEXT)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     with torch.inference_mode():
@@ -154,26 +190,35 @@ def main() -> None:
                 "perplexity": round(perplexity(stage, text), 4),
                 "greedy_agreement": round(sum(h for h, _ in hits) / sum(n for _, n in hits), 4),
                 "free_run_same_tokens": runs,
-                "decode_ms": [],
+                "decode_ms": {str(b): [] for b in args.batches},
             }
         warm = tokenizer.encode(TEXT)[:64]
         for _ in range(args.rounds):
-            for fmt, stage in stages.items():
-                rows[fmt]["decode_ms"].append(round(decode_ms(stage, warm, args.steps), 2))
-    print(f"{'format':10} {'MB':>7} {'ppl':>9} {'agree':>7} {'ms/token':>9}  free run (tokens equal to float32)")
+            for batch in args.batches:
+                for fmt, stage in stages.items():
+                    rows[fmt]["decode_ms"][str(batch)].append(round(decode_ms(stage, warm, args.steps, batch), 2))
+    times = "".join(f" {f'ms b{b}':>8}" for b in args.batches)
+    print(f"{'format':13} {'MB':>7} {'ppl':>9} {'agree':>7}{times}  free run (tokens equal to float32)")
     for fmt, row in rows.items():
-        row["decode_ms_median"] = statistics.median(row["decode_ms"])
+        row["decode_ms_median"] = {b: statistics.median(ms) for b, ms in row["decode_ms"].items()}
+        times = "".join(f" {row['decode_ms_median'][str(b)]:8.2f}" for b in args.batches)
         print(
-            f"{fmt:10} {row['weights_mb']:7.1f} {row['perplexity']:9.4f} {row['greedy_agreement']:7.2%} "
-            f"{row['decode_ms_median']:9.2f}  {row['free_run_same_tokens']} of {args.tokens}"
+            f"{fmt:13} {row['weights_mb']:7.1f} {row['perplexity']:9.4f} {row['greedy_agreement']:7.2%}{times}  "
+            f"{row['free_run_same_tokens']} of {args.tokens}"
         )
+    relative = ratios(rows, args.batches)
+    for pair, by_batch in relative.items():
+        print(f"{pair:26} " + "  ".join(f"b{b} {r:.3f}" for b, r in by_batch.items()))
     result = {
         "host": platform.node(),
         "threads": args.threads,
         "load_average": os.getloadavg(),
         "text_tokens": len(text),
         "tokens": args.tokens,
+        "steps": args.steps,
+        "rounds": args.rounds,
         "formats": rows,
+        "time_ratios": relative,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

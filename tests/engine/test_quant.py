@@ -9,6 +9,9 @@ a group): a few more roundings a term (the scaling, the group's sum into the row
 ``|x| (|scale q| + |offset|)``, not ``|x w|``. So each output is held to ``(K + 2) u * (|x| @ T^T)`` with ``T =
 |scale q| + |offset|`` (plus float32's smallest normal for outputs that are 0), a bound that an error in a
 single weight, scale, offset, group or row would exceed by orders of magnitude.
+
+Packed 4-bit weights are held to more: the kernels unpack each value and form the same products in the same order
+as for the weight widened to int8, so their results are the widened weight's bit for bit (``torch.equal``).
 """
 
 from __future__ import annotations
@@ -47,11 +50,20 @@ def _random_weight(n: int, k: int, groups: int, offsets: bool, seed: int) -> Qua
     return QuantizedWeight(q, scale, offset, kind="test")
 
 
+def _random_packed(n: int, k: int, offsets: bool, seed: int) -> QuantizedWeight:
+    """A 4-bit weight of blocks of 32 with every byte random: Q4_1's form (zero 0, offsets) or Q4_0's (zero 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // quant.BLOCK, generator=gen) * 0.02 + 1e-4
+    offset = (torch.rand(n, k // quant.BLOCK, generator=gen) - 0.5) * 0.1 if offsets else None
+    return QuantizedWeight(q, scale, offset, kind="Q4_1" if offsets else "Q4_0", zero=0 if offsets else 8)
+
+
 def _terms(w: QuantizedWeight) -> torch.Tensor:
     """``|scale * q| + |offset|`` a weight: the magnitudes of the terms the kernel adds for it (the product and
     the offset are added apart, so a weight that cancels to ~0 still carries their rounding)."""
     offset = w.offset.abs() if w.offset is not None else None
-    return quant._dequantize_rows(w.q.abs(), w.scale.abs(), offset)
+    return quant._dequantize_rows(w.widen().q.abs(), w.scale.abs(), offset)
 
 
 def _assert_within_bound(
@@ -79,6 +91,113 @@ def test_kernel_is_the_float_math_of_the_dequantized_weight(k: int, groups: int,
         x = torch.randn(rows, k)
         _assert_within_bound(quant.linear(x, w, None), x, dense, None, _terms(w))
         _assert_within_bound(quant.linear(x, w, bias), x, dense, bias, _terms(w))
+
+
+# Odd shapes: rows of 1, 3 and 19 blocks, output rows that leave a part of the kernel's block of weight rows.
+PACKED_SHAPES = [(1, 32), (7, 96), (37, 608), (97, 1536)]
+
+
+@pytest.mark.parametrize("offsets", [False, True], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("n", "k"), PACKED_SHAPES)
+def test_a_packed_weight_computes_its_widened_weight_bit_for_bit(n: int, k: int, offsets: bool) -> None:
+    w = _random_packed(n, k, offsets, seed=n + k)
+    wide = w.widen()
+    assert wide.q.dtype == torch.int8 and wide.q.shape == (n, k) and wide.shape == w.shape == (n, k)
+    assert wide.q.min() >= -w.zero and wide.q.max() <= 15 - w.zero
+    bias = torch.randn(n)
+    for rows in (1, 2, 5, 16, 40):  # 40: past DECODE_ROWS, dequantized tiles and torch's GEMM
+        x = torch.randn(rows, k)
+        for b in (None, bias):
+            y = quant.linear(x, w, b)
+            assert torch.equal(y, quant.linear(x, wide, b)), (rows, b is not None)
+            _assert_within_bound(y, x, wide.dequantize(), b, _terms(w))
+
+
+def test_packed_nibbles_are_in_ggufs_order() -> None:
+    """Byte i of a block holds the block's value i in its low nibble and value i + 16 in its high one."""
+    q = torch.zeros(1, 32, dtype=torch.uint8)
+    q[0, :16] = torch.arange(16, dtype=torch.uint8) | (15 - torch.arange(16, dtype=torch.uint8)) << 4
+    q[0, 16:] = 0x5A
+    w = QuantizedWeight(q, torch.ones(1, 2), None, kind="Q4_0", zero=8)
+    expected = torch.cat([torch.arange(16), 15 - torch.arange(16), torch.full((16,), 10), torch.full((16,), 5)]) - 8
+    assert torch.equal(w.widen().q[0], expected.to(torch.int8))
+    assert torch.equal(w.dequantize()[0], expected.float())
+    x = torch.zeros(1, 64)
+    x[0, 17] = 1.0  # picks value 17: byte 1's high nibble
+    assert quant.linear(x, w).item() == 14 - 8
+
+
+def test_packed_dequantization_is_the_widened_weights_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    for offsets in (False, True):
+        w = _random_packed(70, 576, offsets, seed=int(offsets))
+        reference = w.widen().dequantize()
+        assert torch.equal(w.dequantize(), reference)
+        assert torch.equal(w.dequantize((10, 33)), reference[10:33])
+        assert torch.equal(w.dense(), reference) and torch.equal(w.t().dense(), reference.t())
+        with monkeypatch.context() as patch:  # without the kernels: torch's unpacking, the same values
+            patch.setattr(quant, "_ops", lambda: None)
+            assert torch.equal(w.dequantize((3, 70)), reference[3:])
+            x = torch.randn(3, 576)
+            assert torch.equal(quant.linear(x, w), quant.linear(x, w.widen()))
+
+
+def test_a_packed_weight_stands_where_a_dense_one_does() -> None:
+    q_proj, k_proj = _random_packed(64, 96, True, seed=21), _random_packed(33, 96, True, seed=22)
+    fused = torch.cat([q_proj, k_proj])  # a fused projection stays packed
+    assert fused.packed and fused.shape == (97, 96) and fused.zero == 0
+    wide = torch.cat([q_proj.widen(), k_proj.widen()])
+    assert torch.equal(fused.widen().q, wide.q)
+    x = torch.randn(5, 96)
+    assert torch.equal(F.linear(x, fused), F.linear(x, wide))
+    first, second = fused.split([64, 33])
+    assert first.packed and torch.equal(first.q, q_proj.q) and torch.equal(second.dequantize(), k_proj.dequantize())
+    assert torch.equal(gemm.linear(x, second, None), gemm.linear(x, k_proj.widen(), None))
+    r = torch.randn(5, 33)
+    assert torch.equal(gemm.residual_linear(r, x, second, None), gemm.residual_linear(r, x, k_proj.widen(), None))
+    conv = q_proj.t()  # GPT-2's Conv1D [in, out]
+    assert conv.shape == (96, 64)
+    bias = torch.randn(64)
+    assert torch.equal(torch.addmm(bias, x, conv), torch.addmm(bias, x, q_proj.widen().t()))
+    assert torch.equal(torch.matmul(x, conv), torch.matmul(x, q_proj.widen().t()))
+    ids = torch.tensor([[3, 0, 63], [17, 3, 40]])
+    embedded = F.embedding(ids, q_proj)
+    assert embedded.shape == (2, 3, 96)
+    assert torch.equal(embedded, q_proj.dense()[ids]) and torch.equal(embedded, F.embedding(ids, q_proj.widen()))
+    mixed = torch.cat([q_proj, k_proj.widen()])  # packed and int8 values: no common layout, the dense tensor
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q_proj.dense(), k_proj.dense()]))
+
+
+def test_a_packed_weight_holds_half_the_bytes_of_its_values() -> None:
+    w = _random_packed(48, 320, True, seed=5)
+    assert w.numel() == 48 * 320 and w.nbytes == 48 * 160 + 2 * 48 * 10 * 4
+    assert w.numel() * w.element_size() == w.nbytes and w.widen().nbytes == w.nbytes + 48 * 160
+    assert w.group == 32 and "packed" in repr(w)
+
+
+def test_bad_packed_weights_are_refused() -> None:
+    q = torch.zeros(2, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        QuantizedWeight(q, torch.ones(2, 1))
+    with pytest.raises(ValueError, match="blocks of 32"):
+        QuantizedWeight(torch.zeros(2, 24, dtype=torch.uint8), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="nibble"):
+        QuantizedWeight(q, torch.ones(2, 2), zero=16)
+    with pytest.raises(ValueError, match="no zero"):
+        QuantizedWeight(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), zero=8)
+    w = QuantizedWeight(q, torch.ones(2, 2), zero=8)
+    with pytest.raises(ValueError, match="features"):
+        quant.linear(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="int8 per-channel"):
+        w.to_stored()
+    op = quant._ops()
+    with pytest.raises(RuntimeError, match="scale a block of 32"):
+        op.quant_linear4(torch.randn(1, 64), q, torch.ones(2, 3), None, None, 8)
+    with pytest.raises(RuntimeError, match="columns"):
+        op.quant_linear4(torch.randn(1, 32), q, torch.ones(2, 2), None, None, 8)
+    with pytest.raises(RuntimeError, match="zero"):
+        op.quant_dequantize4(q, torch.ones(2, 2), None, 20, 0, 2)
+    with pytest.raises(RuntimeError, match="rows"):
+        op.quant_dequantize4(q, torch.ones(2, 2), None, 8, 1, 3)
 
 
 def test_many_rows_of_a_tall_weight_of_blocks_go_through_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
 """GGUF weights read as published: block decoding against the ``gguf`` package's own dequantization (real tensors
-of the shipped file, and every supported block type), names and rows against transformers' conversion, and the
-default model served from its GGUF file against the same model dequantized by transformers."""
+of the shipped file, and every supported block type), names and rows against transformers' conversion, the 4-bit
+types kept packed against the same weights widened to int8, and the default model served from its GGUF file
+against the same model dequantized by transformers and against itself with its 4-bit weights widened."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 from safetensors import safe_open
 
 from dejavu_common.settings import Settings
-from dejavu_engine import native
+from dejavu_engine import gguf_file, native, quant
 from dejavu_engine.checkpoint import (
     CheckpointError,
     default_model_path,
@@ -28,15 +29,11 @@ from dejavu_engine.checkpoint import (
     is_complete,
 )
 from dejavu_engine.geometry import BatchGeometry
-from dejavu_engine.gguf_file import BLOCK_TYPES, GGUFTensors, decode_blocks
+from dejavu_engine.gguf_file import BLOCK_TYPES, PACKED_TYPES, GGUFTensors, decode_blocks
 from dejavu_engine.quant import QuantizedWeight
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import CheckpointReader
-
-
-def _dequantized(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> np.ndarray:
-    return QuantizedWeight(q, scale, offset).dequantize().numpy()
 
 
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
@@ -46,9 +43,34 @@ def test_every_block_type_decodes_to_gguf_values(kind: str) -> None:
     data[2] = 0  # an all-zero row: scale 0
     qtype = GGMLQuantizationType[kind]
     blocks = quants.quantize(data, qtype)
-    q, scale, offset = decode_blocks(blocks, kind, 96)
-    assert q.dtype == torch.int8 and scale.shape == (6, 3) and (offset is not None) == BLOCK_TYPES[kind][1]
-    assert np.array_equal(_dequantized(q, scale, offset), quants.dequantize(blocks, qtype))
+    w = decode_blocks(blocks, kind, 96)
+    assert w.packed == (kind in PACKED_TYPES) and w.kind == kind and w.shape == (6, 96)
+    assert w.scale.shape == (6, 3) and (w.offset is not None) == BLOCK_TYPES[kind][1]
+    assert np.array_equal(w.dequantize().numpy(), quants.dequantize(blocks, qtype))
+    wide = decode_blocks(blocks, kind, 96, packed=False)
+    assert wide.q.dtype == torch.int8 and torch.equal(wide.q, w.widen().q)
+    assert np.array_equal(wide.dequantize().numpy(), quants.dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_TYPES))
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (37, 608)])
+def test_every_block_type_computes_what_its_widened_values_compute(kind: str, n: int, k: int) -> None:
+    """Packed or not, a weight read from the file multiplies rows bit for bit as its values widened to int8 do
+    (Q4_0, Q4_1 packed; the other types are int8 either way), through the decode kernel (up to 16 rows) and the
+    dequantized tiles (40)."""
+    if native.load() is None:
+        pytest.skip("native kernels cannot be built here")
+    qtype = GGMLQuantizationType[kind]
+    blocks = quants.quantize(np.random.default_rng(n * k).standard_normal((n, k)).astype(np.float32), qtype)
+    w, wide = decode_blocks(blocks, kind, k), decode_blocks(blocks, kind, k, packed=False)
+    assert w.nbytes == wide.nbytes - (n * k // 2 if kind in PACKED_TYPES else 0)
+    gen = torch.Generator().manual_seed(k)
+    for rows in (1, 2, 5, 16, 40):
+        x = torch.randn(rows, k, generator=gen)
+        assert torch.equal(quant.linear(x, w), quant.linear(x, wide)), rows
+        # gguf's own values: a coarse check (test_quant holds the kernel to float32's error bound)
+        reference = x.double() @ torch.from_numpy(quants.dequantize(blocks, qtype)).double().t()
+        torch.testing.assert_close(quant.linear(x, w).double(), reference, rtol=1e-4, atol=1e-4)
 
 
 def test_the_shipped_files_tensors_decode_to_gguf_values() -> None:
@@ -60,8 +82,9 @@ def test_the_shipped_files_tensors_decode_to_gguf_values() -> None:
             continue
         kinds.add(kind)
         rows = np.asarray(tensor.data)[:512]  # token_embd has 49152 rows: its first 512 suffice
-        q, scale, offset = decode_blocks(rows, kind, int(tensor.shape[0]))
-        assert np.array_equal(_dequantized(q, scale, offset), quants.dequantize(rows, tensor.tensor_type)), kind
+        w = decode_blocks(rows, kind, int(tensor.shape[0]))
+        assert w.packed == (kind in PACKED_TYPES)
+        assert np.array_equal(w.dequantize().numpy(), quants.dequantize(rows, tensor.tensor_type)), kind
     assert kinds == {"Q4_1", "Q8_0"}
 
 
@@ -133,6 +156,32 @@ def test_the_default_model_served_from_its_gguf_file_is_its_dequantized_model(sm
     float_first, float_tokens = _greedy(dense, ids, 12)
     assert tokens == float_tokens
     torch.testing.assert_close(first, float_first, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_default_model_with_packed_4_bit_weights_is_the_model_with_them_widened(
+    gguf_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its Q4_1 layers kept two values a byte compute what they compute widened to int8, bit for bit: the same
+    logits (a prompt of more rows than the decode kernel takes, through the dequantized tiles; each decode step
+    through the kernel) and the same greedy tokens, from fewer bytes."""
+    if native.load() is None:
+        pytest.skip("native kernels cannot be built here")
+    packed = Stage(gguf_folder, (0, 30))
+    weights = [w for w in packed.weights.values() if isinstance(w, QuantizedWeight)]
+    assert {w.kind for w in weights if w.packed} == {"Q4_1"} and {w.kind for w in weights if not w.packed} == {"Q8_0"}
+    monkeypatch.setattr(gguf_file, "PACKED_TYPES", frozenset())
+    widened = Stage(gguf_folder, (0, 30))
+    assert not any(w.packed for w in widened.weights.values() if isinstance(w, QuantizedWeight))
+    assert packed.param_bytes < 0.8 * widened.param_bytes
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 378, 2520, 314, 1789, 28, 506, 1790, 314, 2868, 30, 378,
+                         1345, 1464, 314, 260, 3115, 30]])  # fmt: skip
+    assert ids.shape[1] > quant.DECODE_ROWS
+    first, tokens = _greedy(packed, ids, 12)
+    wide_first, wide_tokens = _greedy(widened, ids, 12)
+    assert tokens == wide_tokens
+    assert torch.equal(first, wide_first)
 
 
 @pytest.mark.model

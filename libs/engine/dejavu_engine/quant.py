@@ -1,23 +1,36 @@
-"""Weight-only quantized weights, kept quantized in memory: int8 values with float32 scales per group.
+"""Weight-only quantized weights, kept quantized in memory: int8 or 4-bit values with float32 scales per group.
 
-A :class:`QuantizedWeight` is a 2-D weight ``W`` held as int8 values ``q [N, K]``, float32 scales ``scale [N, G]``
-and optional float32 offsets ``offset [N, G]``: ``W[n, k] = scale[n, g] * q[n, k] (+ offset[n, g])`` with
-``g = k // (K // G)``. ``N`` is the output dimension (``F.linear``'s ``[out, in]``). Two formats use it:
+A :class:`QuantizedWeight` is a 2-D weight ``W [N, K]`` held as values ``v [N, K]``, float32 scales ``scale [N,
+G]`` and optional float32 offsets ``offset [N, G]``: ``W[n, k] = scale[n, g] * v[n, k] (+ offset[n, g])`` with
+``g = k // (K // G)``. ``N`` is the output dimension (``F.linear``'s ``[out, in]``). The values ``q`` are held
+one of two ways:
+
+* **int8**, one a byte: ``q`` int8 ``[N, K]``, ``v = q``.
+* **4-bit, packed** two a byte in blocks of :data:`BLOCK` values, a scale (and offset) a block: ``q`` uint8
+  ``[N, K / 2]``, 16 bytes a block, byte ``i`` of a block holding the block's value ``i`` in its low nibble and
+  value ``i + 16`` in its high nibble (GGUF's own order for Q4_0 and Q4_1: the file's bytes as they are), and
+  ``v = nibble - zero`` (:attr:`~QuantizedWeight.zero`: 8 for Q4_0, 0 for Q4_1). A block's low nibbles are its
+  first 16 values, so the kernel unpacks whole registers of consecutive values with a mask or a shift.
+
+Formats that use it:
 
 * **int8 per output channel** (``G = 1``, no offset): symmetric, ``scale = max|W[n]| / 127`` (:func:`quantize`);
   a prepared ``int8`` checkpoint stores it (``<name>`` int8 and ``<name>_scale``: :mod:`dejavu_engine.weights`).
 * **GGUF blocks** of 32 (:mod:`dejavu_engine.gguf_file`): Q8_0, Q4_0, Q5_0 (symmetric) and Q4_1, Q5_1 (a
-  per-block minimum as offset), their 4/5/8-bit values widened to int8 at load, their float16 scales to
-  float32: lossless, so the weights are the published file's exactly (1.25 bytes a weight for Q4_1/Q5_1, 1.125
-  for the others, against 4 in float32).
+  per-block minimum as offset), their float16 scales widened to float32. Q4_0 and Q4_1 stay packed (0.625 and
+  0.75 bytes a weight held with the float32 scales and minimums, against 0.5625 and 0.625 in the file); Q8_0 is
+  int8 as published, and Q5_0 and Q5_1 are widened to int8 at load (1.125 and 1.25 bytes a weight: their fifth
+  bits sit in a separate word a block, which the kernels do not unpack). All lossless: the weights are the
+  published file's exactly.
 
-:func:`linear` multiplies rows by it in the native kernel (``csrc/quant.cpp``), which widens each weight in
-registers and reads each byte once: always for per-channel int8, up to :data:`DECODE_ROWS` rows (a decode step)
-for blocks; more rows of a weight of blocks (a prefill, compute-bound) dequantize it to float32 a tile of
-:data:`TILE_ROWS` output rows at a time and run torch's GEMM on each. Without the kernels every call
+:func:`linear` multiplies rows by it in the native kernel (``csrc/quant.cpp``), which widens (and unpacks) each
+weight in registers and reads each byte once: always for per-channel int8, up to :data:`DECODE_ROWS` rows (a
+decode step) for blocks; more rows of a weight of blocks (a prefill, compute-bound) dequantize it to float32 a
+tile of :data:`TILE_ROWS` output rows at a time and run torch's GEMM on each. Without the kernels every call
 dequantizes first. The arithmetic is that of ``x @ dequantize(W).T`` in float32 either way (the kernel distributes
 the scales and offsets; another summation order than a float GEMM's), and an activation of another dtype is
-multiplied in float32 and rounded back.
+multiplied in float32 and rounded back. A packed weight computes exactly what the same weight widened to int8
+(:meth:`QuantizedWeight.widen`) computes, bit for bit: the kernel forms the same products in the same order.
 
 A QuantizedWeight stands where a family has a dense weight: :mod:`dejavu_engine.gemm` routes ``linear`` /
 ``residual_linear`` here, and it implements torch's ``__torch_function__`` protocol so the families' direct
@@ -47,14 +60,17 @@ log = logging.getLogger("dejavu.engine.quant")
 DECODE_ROWS = 16
 TILE_ROWS = 256  # output rows of a weight dequantized at a time for many rows (a few hundred KiB: cache-resident)
 INT8_MAX = 127
+BLOCK = 32  # values of a block of packed 4-bit values (GGUF's block), two a byte
+_HALF = BLOCK // 2  # bytes a packed block: value i in byte i's low nibble, value i + 16 in its high one
 
 
 class QuantizedWeight:
-    """A 2-D weight kept as int8 values and float32 scales (and offsets) per group of each output row.
+    """A 2-D weight kept as int8 or packed 4-bit values and float32 scales (and offsets) per group of each output
+    row (the layouts: the module's docstring).
 
-    ``transposed``: the logical tensor is ``[K, N]`` (HF's Conv1D stores ``[in, out]``); ``q`` stays ``[N, K]``.
-    ``kind`` names the format (``"int8"``, ``"Q4_1"``, ...). Immutable; :meth:`t` and :meth:`split` share ``q``'s
-    memory.
+    ``transposed``: the logical tensor is ``[K, N]`` (HF's Conv1D stores ``[in, out]``); ``q`` stays ``[N, K]``
+    (``[N, K / 2]`` packed). ``kind`` names the format (``"int8"``, ``"Q4_1"``, ...); ``zero`` is what a packed
+    value's nibble is less (0 for int8 values). Immutable; :meth:`t` and :meth:`split` share ``q``'s memory.
     """
 
     _base = None  # no dense tensor underneath (what stages check of packed weights' views)
@@ -67,11 +83,24 @@ class QuantizedWeight:
         offset: torch.Tensor | None = None,
         transposed: bool = False,
         kind: str = "int8",
+        zero: int = 0,
     ) -> None:
-        if q.dtype != torch.int8 or q.dim() != 2:
-            raise ValueError(f"quantized values must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
+        if q.dtype not in (torch.int8, torch.uint8) or q.dim() != 2:
+            raise ValueError(
+                f"quantized values must be a 2-D int8 (or packed 4-bit uint8) tensor, got {q.dtype} {tuple(q.shape)}"
+            )
         if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != q.shape[0]:
             raise ValueError(f"scales must be float32 [{q.shape[0]}, groups], got {scale.dtype} {tuple(scale.shape)}")
+        if q.dtype == torch.uint8:
+            if q.shape[1] % _HALF or scale.shape[1] * _HALF != q.shape[1]:
+                raise ValueError(
+                    f"packed 4-bit values come in blocks of {BLOCK} with a scale each: {q.shape[1]} bytes a row "
+                    f"need {q.shape[1] // _HALF} scales, got {scale.shape[1]}"
+                )
+            if not 0 <= zero <= 15:
+                raise ValueError(f"a packed value's zero is a nibble (0 to 15), got {zero}")
+        elif zero != 0:
+            raise ValueError(f"int8 values take no zero, got {zero}")
         if scale.shape[1] < 1 or q.shape[1] % scale.shape[1]:
             raise ValueError(f"{scale.shape[1]} groups do not divide a row of {q.shape[1]} values")
         if offset is not None and (offset.dtype != torch.float32 or offset.shape != scale.shape):
@@ -81,6 +110,7 @@ class QuantizedWeight:
         self.offset = offset.contiguous() if offset is not None else None
         self.transposed = transposed
         self.kind = kind
+        self.zero = zero
 
     @classmethod
     def from_stored(cls, q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
@@ -97,7 +127,7 @@ class QuantizedWeight:
 
     def to_stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q, scale)`` as :meth:`from_stored` reads them (int8 per channel only)."""
-        if self.offset is not None or self.scale.shape[1] != 1:
+        if self.offset is not None or self.scale.shape[1] != 1 or self.packed:
             raise ValueError(f"only int8 per-channel weights are stored this way, not {self.kind}")
         if self.transposed:
             return self.q.t().contiguous(), self.scale.t().contiguous()
@@ -105,8 +135,18 @@ class QuantizedWeight:
 
     # --- the tensor facts stages and planners read ---------------------------------------------------------
     @property
+    def packed(self) -> bool:
+        """Whether the values are 4-bit, two a byte (else int8)."""
+        return self.q.dtype == torch.uint8
+
+    @property
+    def columns(self) -> int:
+        """``K``: values a row (an ``[out, in]`` weight's ``in``)."""
+        return self.q.shape[1] * 2 if self.packed else self.q.shape[1]
+
+    @property
     def shape(self) -> torch.Size:
-        n, k = self.q.shape
+        n, k = self.q.shape[0], self.columns
         return torch.Size((k, n) if self.transposed else (n, k))
 
     @property
@@ -127,10 +167,10 @@ class QuantizedWeight:
     @property
     def group(self) -> int:
         """Values per scale along a row (``K`` for per-channel int8)."""
-        return self.q.shape[1] // self.scale.shape[1]
+        return self.columns // self.scale.shape[1]
 
     def numel(self) -> int:
-        return self.q.numel()
+        return self.q.shape[0] * self.columns
 
     def element_size(self) -> float:
         """Bytes per weight, scales included, so ``numel() * element_size()`` is :attr:`nbytes`."""
@@ -146,7 +186,7 @@ class QuantizedWeight:
         return self
 
     def t(self) -> QuantizedWeight:
-        return QuantizedWeight(self.q, self.scale, self.offset, not self.transposed, self.kind)
+        return QuantizedWeight(self.q, self.scale, self.offset, not self.transposed, self.kind, self.zero)
 
     @property
     def T(self) -> QuantizedWeight:  # noqa: N802 (torch's name)
@@ -158,10 +198,20 @@ class QuantizedWeight:
             raise ValueError("a quantized weight splits along its output rows only")
         parts = zip(self.q.split(list(sizes)), self.scale.split(list(sizes)), strict=True)
         offsets = self.offset.split(list(sizes)) if self.offset is not None else [None] * len(sizes)
-        return tuple(QuantizedWeight(q, s, o, False, self.kind) for (q, s), o in zip(parts, offsets, strict=True))
+        return tuple(
+            QuantizedWeight(q, s, o, False, self.kind, self.zero) for (q, s), o in zip(parts, offsets, strict=True)
+        )
+
+    def widen(self) -> QuantizedWeight:
+        """The same weight with its values as int8, one a byte (itself where they are): what a packed weight's
+        kernels compute is what this one's compute, bit for bit."""
+        if not self.packed:
+            return self
+        return QuantizedWeight(_values(self.q, self.zero), self.scale, self.offset, self.transposed, self.kind)
 
     def __repr__(self) -> str:
-        return f"QuantizedWeight({self.kind}, shape={tuple(self.shape)}, group={self.group})"
+        packed = ", packed" if self.packed else ""
+        return f"QuantizedWeight({self.kind}, shape={tuple(self.shape)}, group={self.group}{packed})"
 
     # --- the math ------------------------------------------------------------------------------------------
     def dequantize(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -170,8 +220,11 @@ class QuantizedWeight:
         first, last = rows if rows is not None else (0, self.q.shape[0])
         op = _ops()
         if op is not None and self.device.type == "cpu":
+            if self.packed:
+                return op.quant_dequantize4(self.q, self.scale, self.offset, self.zero, first, last)
             return op.quant_dequantize(self.q, self.scale, self.offset, first, last)
-        return _dequantize_rows(self.q[first:last], self.scale[first:last], _rows(self.offset, first, last))
+        values = _values(self.q[first:last], self.zero)
+        return _dequantize_rows(values, self.scale[first:last], _rows(self.offset, first, last))
 
     def dense(self) -> torch.Tensor:
         """The logical float32 tensor (``[K, N]`` when :attr:`transposed`)."""
@@ -183,8 +236,9 @@ class QuantizedWeight:
         if self.transposed:
             raise ValueError("an embedding is looked up by its rows; this quantized weight is transposed")
         flat = ids.reshape(-1)
-        rows = _dequantize_rows(self.q[flat], self.scale[flat], self.offset[flat] if self.offset is not None else None)
-        return rows.view(*ids.shape, self.q.shape[1])
+        offset = self.offset[flat] if self.offset is not None else None
+        rows = _dequantize_rows(_values(self.q[flat], self.zero), self.scale[flat], offset)
+        return rows.view(*ids.shape, self.columns)
 
     @classmethod
     def __torch_function__(
@@ -217,7 +271,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     tiles and torch's GEMM."""
     if weight.transposed:
         raise ValueError("linear takes an [out, in] weight; this quantized weight is transposed")
-    n, k = weight.q.shape
+    n, k = weight.q.shape[0], weight.columns
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
     x2 = x.reshape(-1, k)
@@ -227,7 +281,11 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     op = _ops()
     per_channel = weight.scale.shape[1] == 1 and weight.offset is None
     if op is not None and x2.device.type == "cpu" and (x2.shape[0] <= DECODE_ROWS or per_channel):
-        y = op.quant_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight.q, weight.scale, weight.offset, b)
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        if weight.packed:
+            y = op.quant_linear4(x2, weight.q, weight.scale, weight.offset, b, weight.zero)
+        else:
+            y = op.quant_linear(x2, weight.q, weight.scale, weight.offset, b)
     else:
         y = _dequantized_linear(x2, weight)
         if b is not None:
@@ -272,6 +330,17 @@ def _ops() -> Any:
 
 def _rows(t: torch.Tensor | None, first: int, last: int) -> torch.Tensor | None:
     return t[first:last] if t is not None else None
+
+
+def _values(q: torch.Tensor, zero: int) -> torch.Tensor:
+    """The int8 values ``[rows, K]`` of rows of values ``q``: themselves if int8, else unpacked from their nibbles
+    (each block's low nibbles, then its high ones) less ``zero``."""
+    if q.dtype == torch.int8:
+        return q
+    rows, width = q.shape
+    blocks = q.view(rows, width // _HALF, _HALF)
+    nibbles = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).view(rows, width * 2)
+    return nibbles.to(torch.int8) - zero
 
 
 def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -329,11 +398,13 @@ def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     first = parts[0]
     if any(t.kind != first.kind or t.scale.shape[1] != first.scale.shape[1] for t in parts):
         return NotImplemented
+    if any(t.q.dtype != first.q.dtype or t.zero != first.zero for t in parts):
+        return NotImplemented
     if any((t.offset is None) != (first.offset is None) for t in parts):
         return NotImplemented
     offset = torch.cat([t.offset for t in parts]) if first.offset is not None else None  # type: ignore[misc]
     return QuantizedWeight(
-        torch.cat([t.q for t in parts]), torch.cat([t.scale for t in parts]), offset, False, first.kind
+        torch.cat([t.q for t in parts]), torch.cat([t.scale for t in parts]), offset, False, first.kind, first.zero
     )
 
 

@@ -1,17 +1,26 @@
-// Weight-only quantized GEMMs: x (float32) times int8 weights with float32 scales (and offsets) per group.
+// Weight-only quantized GEMMs: x (float32) times quantized weights with float32 scales (and offsets) per group.
 //
-// A weight W [N, K] is held as int8 values q [N, K], scales s [N, G] and optional offsets o [N, G], with G groups
-// of K / G consecutive values per output row: W[n, k] = s[n, g] * q[n, k] (+ o[n, g]), g = k / (K / G). One
-// group per row (G = 1) is symmetric int8 per output channel; groups of 32 are GGUF's blocks (Q8_0, Q4_0, Q5_0
-// symmetric; Q4_1, Q5_1 with a per-block minimum as offset), widened to int8 once at load.
+// A weight W [N, K] is held as values q, scales s [N, G] and optional offsets o [N, G], with G groups of K / G
+// consecutive values per output row: W[n, k] = s[n, g] * q[n, k] (+ o[n, g]), g = k / (K / G). The values come two
+// ways:
+// * int8, one a byte (q [N, K]). One group per row (G = 1) is symmetric int8 per output channel; groups of 32 are
+//   GGUF's blocks (Q8_0, and Q5_0, Q5_1 widened to int8 at load).
+// * 4-bit, two a byte in blocks of 32 values (q uint8 [N, K / 2], 16 bytes a block): byte i of a block holds
+//   the block's value i in its low nibble and value i + 16 in its high nibble (GGUF's own order for Q4_0 and Q4_1,
+//   so the file's bytes are used as they are), and the value is the nibble minus `zero` (8 for Q4_0, 0 for Q4_1).
+//   A block's low nibbles are its first 16 values and its high ones the next 16, so one load of its bytes, masked
+//   or shifted, gives whole registers of consecutive values (AVX-512: 16, AVX2: 8) with no reordering; AVX-512
+//   then looks each value's weight up in the block's 16 possible weights (vpermps), AVX2 converts and scales it.
 //
 // quant_linear widens each int8 weight to float32 in registers (16 lanes on AVX-512, 8 on AVX2) and multiplies it
 // into up to four rows of x at once, so a decode step reads each weight byte once from memory; a scale per row
 // applies to the row's sum (per channel), a scale per block to each weight as it is widened, and offsets as offset *
 // (sum of x over the block): x times the dequantized weight, distributed, in another summation order than a float
-// GEMM's, with subnormals flushed to zero while it runs (FlushSubnormals). quant_dequantize writes the float32
-// weight (rows [a, b)) for the GEMMs of many rows, which are compute-bound. Both run on torch's intra-op threads,
-// split over output rows.
+// GEMM's, with subnormals flushed to zero while it runs (FlushSubnormals). quant_linear4 is the same for 4-bit
+// values, unpacked from their nibbles in registers: the same products summed in the same order, so its results are
+// quant_linear's on the same values widened to int8, bit for bit. quant_dequantize (quant_dequantize4) writes the
+// float32 weight (rows [a, b)) for the GEMMs of many rows, which are compute-bound. All run on torch's intra-op
+// threads, split over output rows.
 //
 // Registered as torch operators in this extension's own namespace (torch.ops.<extension name>.quant_linear),
 // beside the pybind11 module of kernels.cpp, by dejavu_quant_register.
@@ -27,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -49,6 +59,16 @@ inline Vec vq(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+using Nibble = __m128i;  // the value subtracted from each nibble, in every byte
+inline Nibble nibble_zero(int zero) { return _mm_set1_epi8(static_cast<char>(zero)); }
+// The 16 values in the low (High = false) or high nibbles of 16 bytes, each minus `zero`, as float32.
+template <bool High>
+inline Vec vq4(const uint8_t* p, Nibble zero) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (High) b = _mm_srli_epi16(b, 4);
+  b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0x0F)), zero);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 constexpr int kWeightRows = 2;  // 8 accumulators of the 16 registers
@@ -69,6 +89,16 @@ inline float vsum(Vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+using Nibble = __m128i;
+inline Nibble nibble_zero(int zero) { return _mm_set1_epi8(static_cast<char>(zero)); }
+// The 8 values in the low (High = false) or high nibbles of 8 bytes, each minus `zero`, as float32.
+template <bool High>
+inline Vec vq4(const uint8_t* p, Nibble zero) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (High) b = _mm_srli_epi16(b, 4);
+  b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0x0F)), zero);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
 #else
 constexpr int kLanes = 1;  // scalar build: the "register" is one float
 constexpr int kWeightRows = 1;
@@ -82,6 +112,12 @@ inline Vec vmul(Vec a, Vec b) { return a * b; }
 inline Vec vadd(Vec a, Vec b) { return a + b; }
 inline Vec vq(const int8_t* p) { return static_cast<float>(*p); }
 inline float vsum(Vec v) { return v; }
+using Nibble = int;
+inline Nibble nibble_zero(int zero) { return zero; }
+template <bool High>
+inline Vec vq4(const uint8_t* p, Nibble zero) {
+  return static_cast<float>(((High ? *p >> 4 : *p) & 0x0F) - zero);
+}
 #endif
 
 // y[r, j] for rows r < R of x (row stride ldx) and output rows j < NT of a weight with one scale a row and no
@@ -155,6 +191,91 @@ inline void dot_groups(const float* x, int64_t ldx, const int8_t* q, const float
     for (int r = 0; r < R; ++r) y[r * ldy + j] = vsum(acc[j][r]) + tail[j][r];
 }
 
+// A block of 4-bit values: kBlock values in kHalf bytes, value i in byte i's low nibble, value i + kHalf in its high.
+constexpr int64_t kBlock = 32;
+constexpr int64_t kHalf = kBlock / 2;
+
+// Adds x . (s * v) over half a block (the values of its low nibbles, High = false, or of its high ones) to acc: x
+// at the half's first value, q at row 0's block (rows `row` bytes apart), vs the rows' scales of the block.
+template <bool High, int R, int NT>
+__attribute__((always_inline)) inline void dot_half(const float* x, int64_t ldx, const uint8_t* q, int64_t row,
+                                                    const Vec (&vs)[NT], Nibble zero, Vec (&acc)[NT][R]) {
+  for (int64_t c = 0; c < kHalf; c += kLanes) {
+    Vec w[NT];
+    for (int j = 0; j < NT; ++j) w[j] = vmul(vq4<High>(q + j * row + c, zero), vs[j]);
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(x + r * ldx + c);
+      for (int j = 0; j < NT; ++j) acc[j][r] = vfma(xv, w[j], acc[j][r]);
+    }
+  }
+}
+
+// dot_groups for 4-bit values in blocks of kBlock (q at row 0, rows K / 2 bytes apart; a scale and optional offset
+// a block; each value its nibble minus `zero`): the weights are the products scale * value dot_groups forms from
+// the same values widened to int8, added to the same accumulators in the same order (a block's low nibbles, then
+// its high ones), and the offsets are added as it adds them, so the results are dot_groups's bit for bit. With
+// Channel (one block a row and no offset, which the int8 kernel takes as a scale per output channel) the values
+// are summed unscaled and the row's sum scaled once, as dot_channel does.
+template <int R, int NT, bool Channel>
+inline void dot_blocks4(const float* x, int64_t ldx, const uint8_t* q, const float* s, const float* o,
+                        const float* xsum, int64_t K, int zero, float* y, int64_t ldy) {
+  Vec acc[NT][R];
+  float tail[NT][R];
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) {
+      acc[j][r] = vzero();
+      tail[j][r] = 0.0f;
+    }
+  const int64_t blocks = K / kBlock, row = K / 2;
+#if defined(__AVX512F__)
+  // The 16 values a nibble can stand for, 0 - zero to 15 - zero, in lane order.
+  const Vec levels = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(zero)));
+#else
+  const Nibble z = nibble_zero(zero);
+#endif
+  for (int64_t g = 0; g < blocks; ++g) {
+    const uint8_t* qg = q + g * kHalf;
+    const float* xg = x + g * kBlock;
+#if defined(__AVX512F__)
+    // A block's 16 bytes, one a 32-bit lane, are its first 16 values in their low nibbles and its next 16 in their
+    // high ones; vpermps reads the low 4 bits of a lane's index only, so it looks each value's weight up in the
+    // row's 16 possible weights (scale * level, the products dot_groups forms) straight from the byte, shifted
+    // for the high nibbles: no mask, no conversion and no multiply a value.
+    Vec low[NT], high[NT];
+    for (int j = 0; j < NT; ++j) {
+      const Vec weights = Channel ? levels : vmul(levels, vset(s[j * blocks + g]));
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + j * row)));
+      low[j] = _mm512_permutexvar_ps(bytes, weights);
+      high[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), weights);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(xg + r * ldx);
+      for (int j = 0; j < NT; ++j) acc[j][r] = vfma(xv, low[j], acc[j][r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(xg + r * ldx + kHalf);
+      for (int j = 0; j < NT; ++j) acc[j][r] = vfma(xv, high[j], acc[j][r]);
+    }
+#else
+    Vec vs[NT];
+    for (int j = 0; j < NT; ++j) vs[j] = vset(Channel ? 1.0f : s[j * blocks + g]);  // times 1: exact
+    dot_half<false, R, NT>(xg, ldx, qg, row, vs, z, acc);
+    dot_half<true, R, NT>(xg + kHalf, ldx, qg, row, vs, z, acc);
+#endif
+  }
+  if (o != nullptr) {
+    for (int j = 0; j < NT; ++j)
+      for (int r = 0; r < R; ++r)
+        for (int64_t g = 0; g < blocks; ++g) tail[j][r] += o[j * blocks + g] * xsum[r * blocks + g];
+  }
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < R; ++r) {
+      const float sum = vsum(acc[j][r]) + tail[j][r];
+      y[r * ldy + j] = Channel ? sum * s[j] : sum;
+    }
+}
+
 // Output rows j < NT (a block of the weight) for `rows` <= kRowTile rows of x.
 template <int NT>
 void dot_tile(int rows, const float* x, int64_t ldx, const int8_t* q, const float* s, const float* o,
@@ -176,6 +297,27 @@ void dot_tile(int rows, const float* x, int64_t ldx, const int8_t* q, const floa
   }
 }
 
+// The same for 4-bit values (as dot_tile, a row of one block and no offset is summed as a channel).
+template <int NT>
+void dot_tile4(int rows, const float* x, int64_t ldx, const uint8_t* q, const float* s, const float* o,
+               const float* xsum, int64_t K, int zero, float* y, int64_t ldy) {
+  if (K == kBlock && o == nullptr) {
+    switch (rows) {
+      case 4: dot_blocks4<4, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+      case 3: dot_blocks4<3, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+      case 2: dot_blocks4<2, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+      default: dot_blocks4<1, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+    }
+    return;
+  }
+  switch (rows) {
+    case 4: dot_blocks4<4, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+    case 3: dot_blocks4<3, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+    case 2: dot_blocks4<2, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+    default: dot_blocks4<1, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+  }
+}
+
 // Flushes subnormal inputs and results to zero on this thread while it lives (x86's MXCSR DAZ and FTZ bits), then
 // restores the mode. A subnormal operand (|v| < 2^-126; SwiGLU's output for very negative gates is one) costs an
 // FMA a microcode assist of ~100 cycles, which made whole projections 3-10x slower; as zero, it changes a result
@@ -192,48 +334,67 @@ class FlushSubnormals {
 #endif
 };
 
+void check_scales(const at::Tensor& scale, const std::optional<at::Tensor>& offset) {
+  TORCH_CHECK(scale.device().is_cpu(), "quant: CPU tensors only");
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->device().is_cpu() && offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
+                    offset->sizes() == scale.sizes(),
+                "quant: offset must be a contiguous float32 tensor shaped like scale");
+  }
+}
+
 void check_weight(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset) {
-  TORCH_CHECK(q.device().is_cpu() && scale.device().is_cpu(), "quant: CPU tensors only");
+  check_scales(scale, offset);
+  TORCH_CHECK(q.device().is_cpu(), "quant: CPU tensors only");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
               "quant: q must be a contiguous int8 [N, K] tensor");
   TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.size(0) == q.size(0) && scale.size(1) >= 1 && q.size(1) % scale.size(1) == 0,
               "quant: scale must be a contiguous float32 [N, G] tensor with G dividing K, got ", scale.sizes(),
               " for q ", q.sizes());
-  if (offset.has_value()) {
-    TORCH_CHECK(offset->scalar_type() == at::kFloat && offset->is_contiguous() && offset->sizes() == scale.sizes(),
-                "quant: offset must be a contiguous float32 tensor shaped like scale");
-  }
 }
 
-}  // namespace
+// 4-bit values: uint8 [N, K / 2], K a multiple of kBlock, a scale (and offset) a block, zero a nibble's value.
+void check_weight4(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                   int64_t zero) {
+  check_scales(scale, offset);
+  TORCH_CHECK(q.device().is_cpu(), "quant: CPU tensors only");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % kHalf == 0,
+              "quant: 4-bit values must be a contiguous uint8 [N, K / 2] tensor, K a multiple of ", kBlock, ", got ",
+              q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(0) == q.size(0) && scale.size(1) * kHalf == q.size(1),
+              "quant: 4-bit values need a float32 scale a block of ", kBlock, " ([N, K / ", kBlock, "]), got ",
+              scale.sizes(), " for q ", q.sizes());
+  TORCH_CHECK(0 <= zero && zero <= 15, "quant: a nibble's zero must be within [0, 15], got ", zero);
+}
 
-// x [M, K] (float32, rows contiguous) @ W^T (+ bias [N]) -> [M, N] float32, W dequantized in registers.
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias) {
-  check_weight(q, scale, offset);
+// What quant_linear and quant_linear4 share: the checks of x (float32 [M, K], rows contiguous) and bias, the sums
+// of x over each of the `groups` groups (for the offsets' terms, offset * sum of x over its group), and the
+// parallel loop over blocks of kWeightRows output rows, each multiplied into kRowTile rows of x at a time by
+// tile(nt, rows, m, n, xsum of row m, y at [m, n]): nt a std::integral_constant, kWeightRows for a whole block,
+// else 1 (the last block's rows one at a time).
+template <class Tile>
+at::Tensor linear_rows(const at::Tensor& x, int64_t K, int64_t N, int64_t groups, bool offsets,
+                       const std::optional<at::Tensor>& bias, Tile tile) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "quant_linear: x must be a float32 [M, K] CPU tensor with contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K, "quant_linear: x has ", K, " columns, the weight ", q.size(1));
+  TORCH_CHECK(x.size(1) == K, "quant_linear: x has ", x.size(1), " columns, the weight ", K);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == N,
                 "quant_linear: bias must be a contiguous float32 [N] tensor");
   }
+  const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const int64_t groups = scale.size(1);
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Sums of x over each group, for the offsets' terms (offset * sum of x over its group).
-  std::vector<float> xsum(op != nullptr ? M * groups : 0);
+  std::vector<float> xsum(offsets ? M * groups : 0);
   const int64_t group = K / groups;
-  for (int64_t m = 0; m < static_cast<int64_t>(xsum.size()) / std::max<int64_t>(groups, 1); ++m)
+  for (int64_t m = 0; offsets && m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.0f;
       for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += xp[m * ldx + k];
@@ -250,16 +411,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       const bool whole = n + kWeightRows <= N;  // the last block may hold fewer rows: one at a time
       for (int64_t j = 0; j < (whole ? 1 : N - n); ++j) {
         const int64_t nj = n + j;
-        const int8_t* qn = qp + nj * K;
-        const float* sn = sp + nj * groups;
-        const float* on = op != nullptr ? op + nj * groups : nullptr;
         for (int64_t m = 0; m < M; m += kRowTile) {
           const int rows = static_cast<int>(std::min<int64_t>(kRowTile, M - m));
           const float* xsm = xs != nullptr ? xs + m * groups : nullptr;
           if (whole) {
-            dot_tile<kWeightRows>(rows, xp + m * ldx, ldx, qn, sn, on, xsm, K, groups, yp + m * N + nj, N);
+            tile(std::integral_constant<int, kWeightRows>{}, rows, xp + m * ldx, ldx, nj, xsm, yp + m * N + nj, N);
           } else {
-            dot_tile<1>(rows, xp + m * ldx, ldx, qn, sn, on, xsm, K, groups, yp + m * N + nj, N);
+            tile(std::integral_constant<int, 1>{}, rows, xp + m * ldx, ldx, nj, xsm, yp + m * N + nj, N);
           }
         }
       }
@@ -270,6 +428,44 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     }
   });
   return y;
+}
+
+}  // namespace
+
+// x [M, K] (float32, rows contiguous) @ W^T (+ bias [N]) -> [M, N] float32, W (int8 values) dequantized in registers.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias) {
+  check_weight(q, scale, offset);
+  const int64_t K = q.size(1), groups = scale.size(1);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  return linear_rows(x, K, q.size(0), groups, op != nullptr, bias,
+                     [&](auto nt, int rows, const float* xm, int64_t ldx, int64_t n, const float* xsm, float* ym,
+                         int64_t ldy) {
+                       dot_tile<decltype(nt)::value>(rows, xm, ldx, qp + n * K, sp + n * groups,
+                                                     op != nullptr ? op + n * groups : nullptr, xsm, K, groups, ym,
+                                                     ldy);
+                     });
+}
+
+// The same for 4-bit values q (uint8 [N, K / 2], blocks of 32, each value its nibble minus `zero`): its results are
+// quant_linear's on the values widened to int8, bit for bit.
+at::Tensor quant_linear4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
+                         int64_t zero) {
+  check_weight4(q, scale, offset, zero);
+  const int64_t K = 2 * q.size(1), blocks = scale.size(1);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  const int z = static_cast<int>(zero);
+  return linear_rows(x, K, q.size(0), blocks, op != nullptr, bias,
+                     [&](auto nt, int rows, const float* xm, int64_t ldx, int64_t n, const float* xsm, float* ym,
+                         int64_t ldy) {
+                       dot_tile4<decltype(nt)::value>(rows, xm, ldx, qp + n * (K / 2), sp + n * blocks,
+                                                      op != nullptr ? op + n * blocks : nullptr, xsm, K, z, ym, ldy);
+                     });
 }
 
 // Rows [first, last) of the float32 weight: s * q (+ o), each product rounded before the offset is added
@@ -312,6 +508,46 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize(const a
   return w;
 }
 
+// The same for 4-bit values (uint8 [N, K / 2], blocks of 32, each value its nibble minus `zero`): the values
+// widened to int8 give quant_dequantize's weight, bit for bit.
+__attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize4(const at::Tensor& q,
+                                                                           const at::Tensor& scale,
+                                                                           const std::optional<at::Tensor>& offset,
+                                                                           int64_t zero, int64_t first,
+                                                                           int64_t last) {
+  check_weight4(q, scale, offset, zero);
+  const int64_t N = q.size(0), K = 2 * q.size(1), blocks = scale.size(1);
+  TORCH_CHECK(0 <= first && first <= last && last <= N, "quant_dequantize4: rows [", first, ", ", last,
+              ") not within [0, ", N, ")");
+  at::Tensor w = at::empty({last - first, K}, scale.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  const Nibble z = nibble_zero(static_cast<int>(zero));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
+  at::parallel_for(first, last, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < blocks; ++g) {
+        const Vec vs = vset(sp[n * blocks + g]);
+        const Vec vo = vset(op != nullptr ? op[n * blocks + g] : 0.0f);
+        const uint8_t* qg = qp + n * (K / 2) + g * kHalf;
+        float* wg = wp + (n - first) * K + g * kBlock;
+        for (int64_t c = 0; c < kHalf; c += kLanes) {
+          Vec low = vmul(vq4<false>(qg + c, z), vs), high = vmul(vq4<true>(qg + c, z), vs);
+          if (op != nullptr) {
+            low = vadd(low, vo);
+            high = vadd(high, vo);
+          }
+          vstore(wg + c, low);
+          vstore(wg + kHalf + c, high);
+        }
+      }
+    }
+  });
+  return w;
+}
+
 // The SIMD width the kernels were built with (16: AVX-512, 8: AVX2, 1: scalar).
 int64_t quant_lanes() { return kLanes; }
 
@@ -329,6 +565,10 @@ extern "C" __attribute__((visibility("default"))) int dejavu_quant_register(cons
               &quant_linear);
     made->def("quant_dequantize(Tensor q, Tensor scale, Tensor? offset, int first, int last) -> Tensor",
               &quant_dequantize);
+    made->def("quant_linear4(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int zero) -> Tensor",
+              &quant_linear4);
+    made->def("quant_dequantize4(Tensor q, Tensor scale, Tensor? offset, int zero, int first, int last) -> Tensor",
+              &quant_dequantize4);
     made->def("quant_lanes() -> int", &quant_lanes);
     library = made;
     return 0;
