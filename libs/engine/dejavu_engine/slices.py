@@ -212,12 +212,16 @@ def _attend_native(
     q_rows = q.transpose(1, 2).reshape(tokens, heads, head_dim)  # views of a fused projection, not copies
     k_rows = k.transpose(1, 2).reshape(tokens, kv_heads, head_dim)
     v_rows = v.transpose(1, 2).reshape(tokens, kv_heads, head_dim)
-    if plan.chunk_segments is not None:
-        assert plan.chunk_tables is not None and plan.chunk_places is not None
-        native.paged_write(k_rows, v_rows, k_slabs, v_slabs, plan.chunk_tables, plan.chunk_places, clear_before=False)
-        out = native.paged_prefill_attention(q_rows, k_slabs, v_slabs, plan.chunk_tables, plan.chunk_segments, scale)
-    else:
-        out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    if plan.chunk_segments is None:  # every token is a one-token slice, in order: no gather, no scatter
+        assert plan.decode_tables is not None and plan.decode_spans is not None
+        q_rows, k_rows, v_rows = q_rows.contiguous(), k_rows.contiguous(), v_rows.contiguous()
+        out = native.paged_decode_attention(
+            q_rows, k_rows, v_rows, k_slabs, v_slabs, plan.decode_tables, plan.decode_spans, scale
+        )
+        return out.view(1, tokens, heads * head_dim)
+    assert plan.chunk_tables is not None and plan.chunk_places is not None
+    native.paged_write(k_rows, v_rows, k_slabs, v_slabs, plan.chunk_tables, plan.chunk_places, clear_before=False)
+    out = native.paged_prefill_attention(q_rows, k_slabs, v_slabs, plan.chunk_tables, plan.chunk_segments, scale)
     if plan.decodes is not None:
         assert plan.decode_tables is not None and plan.decode_spans is not None
         rows = plan.decodes
