@@ -515,6 +515,27 @@ class SwapSettings(BaseModel):
     device_kv_budget_bytes: int | None = Field(None, ge=1, description="Device memory available for KV.")
 
 
+class PlannerSettings(BaseModel):
+    """What the planner sizes a deployment for (``dejavu up`` with ``controller.planner`` auto).
+
+    ``itl_target_ms`` defaults to 1200 ms because that is what a token budget of 256 positions costs a token on
+    this host's profile (``smollm2-135m-cpu-1thread``), rounded up: `dejavu up` runs one colocated stage whose full
+    pass holds ``controller.max_running`` = 64 decodes (0.252 s of layers and 0.219 s of head for 65 sampling rows,
+    extrapolated from the 8 rows the profile times) and a 192-position prompt chunk (0.724 s), 1.195 s in all,
+    while 272 positions would take 1.256 s; so the planner keeps 256 there. On a faster host's profile the same
+    target gives a larger budget, up to the prefill knee's cap (docs/planner.md).
+    """
+
+    itl_target_ms: float = Field(
+        1200.0,
+        gt=0,
+        le=3_600_000,
+        description="Inter-token latency the planner sizes engine.token_budget for: the largest budget whose full "
+        "pass (the pipeline's decodes, then a prompt chunk) keeps a request's time between tokens within this, "
+        "on the profile's slowest stage. An explicit engine.token_budget overrides the planner.",
+    )
+
+
 # An Ed25519 key as base64 of its raw 32 bytes.
 _ED25519_KEY = r"^[A-Za-z0-9+/]{43}=$"
 
@@ -559,6 +580,7 @@ class Settings(BaseSettings):
     transport: TransportSettings = Field(default_factory=TransportSettings)
     recovery: RecoverySettings = Field(default_factory=RecoverySettings)
     swap: SwapSettings = Field(default_factory=SwapSettings)
+    planner: PlannerSettings = Field(default_factory=PlannerSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)

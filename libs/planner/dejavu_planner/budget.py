@@ -53,16 +53,12 @@ class _Pass:
 
 
 def pass_stage_time(cost: CostModel, stage_layers: int, slices: Sequence[Slice], last: bool) -> float:
-    """One pass of ``slices`` on a stage of ``stage_layers`` layers (``last``: it runs the head too)."""
-    decodes = sum(1 for s in slices if s.length == 1 and s.start > 0)
-    time = stage_layers * cost.profile.token_layer_time(decodes) if decodes else 0.0
-    for s in slices:
-        if s.length == 1 and s.start > 0:
-            continue
-        before = cost.profile.prompt_layer_time(1, s.start) if s.start > 0 else 0.0
-        time += stage_layers * max(cost.profile.prompt_layer_time(1, s.start + s.length) - before, 0.0)
+    """One pass of ``slices`` on a stage of ``stage_layers`` layers (``last``: it runs the head too), as
+    :meth:`CostModel.pass_stage_time` costs it: a one-position slice past a request's start is a decode."""
+    decodes = [s for s in slices if s.length == 1 and s.start > 0]
+    chunks = [(s.start, s.length) for s in slices if not (s.length == 1 and s.start > 0)]
     sampling = sum(1 for s in slices if s.samples)
-    return time + (cost.profile.head_step_time(sampling) if last and sampling else 0.0)
+    return cost.pass_stage_time(stage_layers, len(decodes), chunks, sampling, last)
 
 
 def pool_blocks(cost: CostModel, depth: int, block_size: int, share: float = 0.6) -> int:

@@ -69,6 +69,19 @@ class CostModel:
             return compute
         return max(compute, sum(self.swap_in_time(stage_layers, r, context) for r, context in members))
 
+    def pass_stage_time(
+        self, stage_layers: int, decodes: int, chunks: Sequence[tuple[int, int]], sampling: int, last: bool = False
+    ) -> float:
+        """One per-request pass (``dejavu_common.sched``) on a stage of ``stage_layers`` layers: its ``decodes``
+        batched as one token step of that many rows; each prompt chunk ``(start, length)`` as the profile's prompt
+        time of ``start + length`` positions less that of ``start`` (its attention over its cached prefix is in
+        it); on the last stage (``last``) the head for its ``sampling`` rows."""
+        time = stage_layers * self.profile.token_layer_time(decodes) if decodes else 0.0
+        for start, length in chunks:
+            before = self.profile.prompt_layer_time(1, start) if start > 0 else 0.0
+            time += stage_layers * max(self.profile.prompt_layer_time(1, start + length) - before, 0.0)
+        return time + (self.profile.head_step_time(sampling) if last and sampling else 0.0)
+
     def swap_in_time(self, stage_layers: int, batch: int, context: int) -> float:
         """Time to bring a microbatch's KV (``context`` positions) for the stage's layers back from the host.
 

@@ -7,7 +7,8 @@ captures early stops and the distribution of generated lengths that the formulas
 
 Next to the paper's policies the planner models the serving runtime's (cohort batching, see
 :mod:`dejavu_planner.cohorts`): ``Planner.runtime`` and the plan's optional "DejaVu-runtime" row, and
-:func:`split_workers`, which sizes the deployment ``dejavu up --planner auto`` starts.
+:func:`split_workers`, which sizes the deployment ``dejavu up --planner auto`` starts; :func:`plan_runtime` also
+sizes the token budget of its passes (:mod:`dejavu_planner.tokenbudget`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dejavu_planner.costmodel import CostModel, StageRole
 from dejavu_planner.deployment import DEFAULT_MAX_RUNNING, Batching, Deployment, Policy
 from dejavu_planner.profile import Profile
 from dejavu_planner.simulator import simulate
+from dejavu_planner.tokenbudget import DEFAULT_ITL_TARGET_S, TokenBudget, size_token_budget
 from dejavu_planner.trace import Trace
 from dejavu_planner.workload import Workload
 
@@ -391,12 +393,14 @@ class Planner:
 
 @dataclass(frozen=True)
 class RuntimePlan:
-    """What ``dejavu up`` starts: colocated stages, or a prompt and a token pipeline, and why."""
+    """What ``dejavu up`` starts: colocated stages, or a prompt and a token pipeline, and why; and the token budget
+    of its passes (``engine.token_budget``)."""
 
     colocated: bool
     prompt_depth: int  # 0 when colocated
     token_depth: int  # the colocated pipeline's depth when colocated
     why: str
+    budget: TokenBudget
 
 
 def plan_runtime(
@@ -407,9 +411,13 @@ def plan_runtime(
     swap: bool = False,
     max_running: int = DEFAULT_MAX_RUNNING,
     trace: Trace | None = None,
+    itl_target_s: float = DEFAULT_ITL_TARGET_S,
+    block_size: int = 16,
 ) -> RuntimePlan:
     """The serving runtime's deployment on ``machines`` machines: the predicted fastest of its colocated
-    mode (one pipeline of every machine) and every disaggregated split (cohort batching in both).
+    mode (one pipeline of every machine) and every disaggregated split (cohort batching in both), and the
+    token budget of its passes for the inter-token latency target ``itl_target_s`` (:func:`size_token_budget`,
+    KV blocks of ``block_size`` positions).
 
     One machine has nothing to split, so it runs colocated: on a single host the prompt and token
     workers of a split would only share the same cores. Raises ``ValueError`` when nothing fits.
@@ -436,9 +444,11 @@ def plan_runtime(
             f"{why} Predicted {best.requests_per_s:.3g} req/s against {other.requests_per_s:.3g} for "
             f"{other.deployment.label()}."
         )
-    if d.policy is Policy.DEJAVU:
-        return RuntimePlan(False, d.depth, d.token_depth, why)
-    return RuntimePlan(True, 0, d.depth, why)
+    disaggregated = d.policy is Policy.DEJAVU
+    budget = size_token_budget(planner.cost, d.cohort_depth, max_running, itl_target_s, block_size, not disaggregated)
+    if disaggregated:
+        return RuntimePlan(False, d.depth, d.token_depth, why, budget)
+    return RuntimePlan(True, 0, d.depth, why, budget)
 
 
 def split_workers(

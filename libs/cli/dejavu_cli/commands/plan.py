@@ -112,6 +112,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-running", type=int, default=64, help="--runtime: requests decoded at once (controller.max_running)"
     )
+    parser.add_argument(
+        "--itl-target-ms",
+        type=float,
+        help="--runtime: inter-token latency the token budget is sized for (default: planner.itl_target_ms)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_workload_args(parser)
     parser.set_defaults(func=run)
@@ -132,9 +137,14 @@ def run(args: argparse.Namespace) -> int:
         plan = planner.plan(args.machines, swap=args.swap, trace=trace if args.simulate else None, runtime=args.runtime)
     except ValueError as exc:
         raise CLIError(str(exc)) from exc
+    runtime = _runtime(args, profile, planner.workload) if args.runtime else None
     if not args.json:
         print(f"{profile.model} on {profile.hardware}")
         print(plan.report())
+        if runtime is not None:
+            print(f"\ndejavu up --workers {args.machines}: {runtime['layout']}; {runtime['why']}")
+            if runtime["warning"]:
+                print(f"warning: {runtime['warning']}")
         return 0
     rows = []
     for p in plan.policies:
@@ -148,5 +158,50 @@ def run(args: argparse.Namespace) -> int:
                 "explanation": p.explanation,
             }
         )
-    print(json.dumps({"machines": args.machines, "policies": rows}, indent=2))
+    out = {"machines": args.machines, "policies": rows}
+    if runtime is not None:
+        out["runtime"] = runtime
+    print(json.dumps(out, indent=2))
     return 0
+
+
+def _runtime(args: argparse.Namespace, profile: Profile, workload) -> dict:
+    """What ``dejavu up --workers D`` starts (its layout at the controller's token microbatch) and the token budget
+    of its passes, with why: the planner's :func:`plan_runtime` under the current settings."""
+    from dejavu_common.settings import Settings
+    from dejavu_planner.planner import plan_runtime
+
+    settings = Settings()
+    target_ms = settings.planner.itl_target_ms if args.itl_target_ms is None else args.itl_target_ms
+    try:
+        plan = plan_runtime(
+            args.machines,
+            profile,
+            workload,
+            microbatch=settings.controller.token_microbatch,
+            swap=args.swap,
+            max_running=args.max_running,
+            itl_target_s=target_ms / 1000,
+            block_size=settings.engine.kv_block_size or 16,
+        )
+    except ValueError as exc:
+        raise CLIError(f"the planner found no configuration for dejavu up: {exc}") from exc
+    if plan.colocated:
+        layout = f"{plan.token_depth} colocated stage(s)"
+    else:
+        layout = f"{plan.prompt_depth} prompt + {plan.token_depth} token stages"
+    b = plan.budget
+    return {
+        "layout": layout,
+        "colocated": plan.colocated,
+        "prompt_depth": plan.prompt_depth,
+        "token_depth": plan.token_depth,
+        "token_budget": b.tokens,
+        "bound": str(b.bound),
+        "itl_target_ms": b.target_s * 1000,
+        "pass_ms": b.pass_s * 1000,
+        "itl_ms": b.itl_s * 1000,
+        "prefill_knee": b.knee.positions,
+        "why": b.why(),
+        "warning": b.warning,
+    }

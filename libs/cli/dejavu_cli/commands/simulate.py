@@ -41,7 +41,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-running", type=int, default=64, help="cohort, budget: requests decoded at once (controller.max_running)"
     )
-    parser.add_argument("--token-budget", type=int, default=512, help="budget: positions one pass computes at most")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        help="budget: positions one pass computes at most (default: what the planner sizes for --itl-target-ms)",
+    )
+    parser.add_argument(
+        "--itl-target-ms",
+        type=float,
+        help="budget: inter-token latency the planner sizes the token budget for (default: planner.itl_target_ms)",
+    )
     parser.add_argument(
         "--kv-blocks", type=int, default=0, help="budget: KV blocks of 16 positions per stage (0: from the profile)"
     )
@@ -80,6 +89,7 @@ def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
 
     policy = Policy(args.policy)
     try:
+        token_budget = _planned_budget(args, profile, policy) if args.token_budget is None else args.token_budget
         deployment = Deployment(
             policy,
             args.depth,
@@ -89,7 +99,7 @@ def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
             swap=args.swap,
             batching=Batching(args.batching),
             max_running=args.max_running,
-            token_budget=args.token_budget,
+            token_budget=token_budget,
             kv_blocks=args.kv_blocks,
         )
         planner = Planner(profile, Workload.from_trace(trace), (args.microbatch,), deployment.max_running)
@@ -130,6 +140,26 @@ def _single(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:
     elif args.timeline:
         raise CLIError("--timeline needs --out")
     return 0
+
+
+def _planned_budget(args: argparse.Namespace, profile: Profile, policy) -> int:
+    """``--batching budget`` without ``--token-budget``: the budget the planner sizes for the simulated deployment's
+    decoding pipeline and ``--itl-target-ms`` (printed with why on stderr). Other batchings do not use it."""
+    from dejavu_common.settings import PlannerSettings
+    from dejavu_planner.costmodel import CostModel
+    from dejavu_planner.deployment import DEFAULT_TOKEN_BUDGET, Batching, Policy
+    from dejavu_planner.tokenbudget import size_token_budget
+
+    if Batching(args.batching) is not Batching.BUDGET:
+        return DEFAULT_TOKEN_BUDGET
+    target_ms = PlannerSettings().itl_target_ms if args.itl_target_ms is None else args.itl_target_ms
+    dejavu = policy is Policy.DEJAVU
+    depth = args.token_depth if dejavu else args.depth
+    budget = size_token_budget(CostModel(profile), depth, args.max_running, target_ms / 1000, 16, not dejavu)
+    print(f"planner: {budget.why()}", file=sys.stderr)
+    if budget.warning is not None:
+        print(f"warning: {budget.warning}", file=sys.stderr)
+    return budget.tokens
 
 
 def _sweep(args: argparse.Namespace, profile: Profile, trace: Trace) -> int:

@@ -74,7 +74,10 @@ def _settings(args: argparse.Namespace):
             from dejavu_cli.main import CLIError
 
             raise CLIError("--planner auto picks the mode itself: drop --colocated")
-        ctl.update(_planned_layout(args, s.controller.model_copy(update=ctl)))
+        layout, budget = _planned_layout(args, s.model_copy(update={"controller": s.controller.model_copy(update=ctl)}))
+        ctl.update(layout)
+        if "token_budget" not in s.engine.model_fields_set:  # engine.token_budget given (setting or env) wins
+            s = s.model_copy(update={"engine": s.engine.model_copy(update={"token_budget": budget})})
     update: dict = {"controller": s.controller.model_copy(update=ctl)}
     model: dict = {}
     if args.model:
@@ -90,10 +93,11 @@ def _settings(args: argparse.Namespace):
     return s.model_copy(update=update)
 
 
-def _planned_layout(args: argparse.Namespace, controller) -> dict:
+def _planned_layout(args: argparse.Namespace, settings) -> tuple[dict, int]:
     """``planner: auto``: the planner picks, for ``--workers`` machines, colocated stages or a split into
     prompt and token stages, modelling the runtime's policy (cohorts of up to ``max_running / D_t`` rows)
-    at its token microbatch size. One machine (this host, the default) runs colocated."""
+    at its token microbatch size, and the token budget of a pass for ``planner.itl_target_ms``. One machine
+    (this host, the default) runs colocated. Returns the controller's layout and the budget; prints why."""
     from pathlib import Path
 
     from dejavu_cli.main import CLIError
@@ -104,6 +108,7 @@ def _planned_layout(args: argparse.Namespace, controller) -> dict:
 
     if args.workers < 1:
         raise CLIError(f"--workers must be >= 1, got {args.workers}")
+    controller = settings.controller
     prompt_len, mean_new, max_new = (int(x) for x in args.workload.split(","))
     try:
         plan = plan_runtime(
@@ -112,6 +117,8 @@ def _planned_layout(args: argparse.Namespace, controller) -> dict:
             Workload(prompt_len, mean_new, max_new),
             microbatch=controller.token_microbatch,
             max_running=controller.max_running,
+            itl_target_s=settings.planner.itl_target_ms / 1000,
+            block_size=settings.engine.kv_block_size or 16,
         )
     except ValueError as exc:
         raise CLIError(f"the planner found no configuration: {exc}") from exc
@@ -124,10 +131,25 @@ def _planned_layout(args: argparse.Namespace, controller) -> dict:
                 "chunks, up to engine.token_budget positions, prefixes found cached skipped."
             )
         print(f"planner: {args.workers} machine(s) -> {plan.token_depth} colocated stage(s)\n{why}", file=sys.stderr)
-        return {"mode": Mode.COLOCATED, "token_depth": plan.token_depth, "planner": "auto"}
-    layout = f"{plan.prompt_depth} prompt + {plan.token_depth} token stages"
-    print(f"planner: {args.workers} machine(s) -> {layout}\n{plan.why}", file=sys.stderr)
-    return {"prompt_depth": plan.prompt_depth, "token_depth": plan.token_depth, "planner": "auto"}
+        layout = {"mode": Mode.COLOCATED, "token_depth": plan.token_depth, "planner": "auto"}
+    else:
+        stages = f"{plan.prompt_depth} prompt + {plan.token_depth} token stages"
+        print(f"planner: {args.workers} machine(s) -> {stages}\n{plan.why}", file=sys.stderr)
+        layout = {"prompt_depth": plan.prompt_depth, "token_depth": plan.token_depth, "planner": "auto"}
+    print(_budget_lines(plan.budget, settings.engine), file=sys.stderr)
+    return layout, plan.budget.tokens
+
+
+def _budget_lines(budget, engine) -> str:
+    """The planned token budget and why (with a warning where it misses the inter-token latency target), or the
+    explicit ``engine.token_budget`` that overrides it."""
+    if "token_budget" in engine.model_fields_set:
+        return (
+            f"planner: engine.token_budget = {engine.token_budget} is set and overrides the planner's choice, "
+            f"{budget.why()}"
+        )
+    text = f"planner: {budget.why()}"
+    return text if budget.warning is None else f"{text}\nwarning: {budget.warning}"
 
 
 def _up(args: argparse.Namespace) -> int:
