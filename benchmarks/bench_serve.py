@@ -24,26 +24,39 @@ the arrival times differ.
 
 With ``--trace FILE`` (the planner's CSV/JSON format) it replays that trace instead of the Poisson
 rates, to validate the simulator against the real system.
+
+``--dataset prefix-repetition`` and ``--dataset multi-turn`` run the prefix-sharing workloads of
+:mod:`benchmarks.workloads` at each rate instead (for multi-turn, the rate of conversation starts), with
+``--output-len`` tokens out; ``--deployments colocated-1`` is ``dejavu up``'s default deployment (one
+colocated request-scheduled stage, the one with a prefix cache). Every worker serves its metrics on a
+free port, and each run reports the prefix-cache hit rates scraped from them before and after it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks.*
+from benchmarks import workloads
+from benchmarks.conversations import ConversationRunner
+from benchmarks.dataset import TokenPrompts, token_pool
 from benchmarks.loadgen import ClientConfig, LoadGenerator, PromptBuilder, RequestRecord
 from benchmarks.metrics import RunMetrics
 from benchmarks.plots import plot_rates, plot_serve, serve_result
+from benchmarks.prefix_cache import Scraper, worker_metrics_urls
 from benchmarks.procs import free_port, stop_on_sigterm
+from benchmarks.workloads import DatasetName, Measured
 from dejavu_cli.launcher import Launcher
 from dejavu_common.settings import Mode, Settings
 from dejavu_planner.trace import Trace, lmsys_like_trace
@@ -70,6 +83,7 @@ class Deployment:
 DEPLOYMENTS = {
     "dejavu": Deployment("dejavu-1P+1T", Mode.DISAGGREGATED, prompt_depth=1, token_depth=1),
     "baseline": Deployment("baseline-colocated-2", Mode.COLOCATED, prompt_depth=1, token_depth=2),
+    "colocated-1": Deployment("colocated-1", Mode.COLOCATED, prompt_depth=1, token_depth=1),
 }
 
 
@@ -94,20 +108,28 @@ class Workload:
 
 @dataclass(frozen=True)
 class Run:
-    """One deployment at one load (a rate, or the replayed trace when ``rate_per_s`` is None)."""
+    """One deployment at one load (a rate, or the replayed trace when ``rate_per_s`` is None);
+    ``extras``: the prefix-cache hit rates and, for multi-turn, TTFT per turn
+    (:meth:`benchmarks.workloads.Measured.extras_json`)."""
 
     deployment: str
     rate_per_s: float | None
     metrics: RunMetrics
     records: tuple[RequestRecord, ...]
+    extras: dict
 
     def to_json(self) -> dict:
         return {
             "deployment": self.deployment,
             "rate_per_s": self.rate_per_s,
             "metrics": self.metrics.to_json(),
+            **self.extras,
             "records": [r.to_json() for r in self.records],
         }
+
+
+# Runs one load: the client's configuration, the rate (None: the replayed trace), the scraper.
+LoadRunner = Callable[[ClientConfig, float | None, Scraper], Measured]
 
 
 def deployment_settings(base: Settings, deployment: Deployment, args: argparse.Namespace) -> Settings:
@@ -129,6 +151,7 @@ def deployment_settings(base: Settings, deployment: Deployment, args: argparse.N
             "redis": base.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"}),
             "model": base.model.model_copy(update={"path": args.model_folder}),
             "engine": base.engine.model_copy(update={"torch_threads": 1}),
+            "worker": base.worker.model_copy(update={"metrics_port": 0}),  # for the prefix-cache counters
             "controller": controller,
         }
     )
@@ -137,15 +160,13 @@ def deployment_settings(base: Settings, deployment: Deployment, args: argparse.N
 def measure(
     deployment: Deployment,
     settings: Settings,
-    loads: list[tuple[float | None, Trace]],
+    rates: list[float | None],
+    run_load: LoadRunner,
     args: argparse.Namespace,
     runs: list[Run],
 ) -> None:
     """Start the deployment, warm it up, run every load in turn (appending to ``runs``), and stop it
     (always, by PID). Raises ``RuntimeError``/``TimeoutError`` if it does not start or a process dies."""
-    from dejavu_common.tokenizer import Tokenizer
-
-    builder = PromptBuilder(Tokenizer.from_pretrained(args.model_folder), seed=args.seed)
     launcher = Launcher(settings, spares=0, restart_workers=False)
     print(f"== {deployment.name}: starting ({deployment.workers} workers), logs in {launcher.log_dir}", flush=True)
     try:
@@ -159,18 +180,56 @@ def measure(
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        generator = LoadGenerator(config, lambda r: builder.text(r.prompt_len, r.rid))
-        warm = generator.run_sync(Trace.of([(0.0, 16, 4)]))[0]  # first-request costs stay out of the figures
-        print(f"   warm-up: {warm.status.value} in {warm.e2e_s or 0:.1f} s", flush=True)
-        for rate, trace in loads:
+        warm_prompts = TokenPrompts(token_pool(args.model_folder), seed=args.seed)
+        warm = LoadGenerator(config, lambda r: warm_prompts.ids(16, -1)).run_sync(Trace.of([(0.0, 16, 4)]))[0]
+        print(f"   warm-up: {warm.status.value} in {warm.e2e_s or 0:.1f} s", flush=True)  # first-request costs
+        redis_url = settings.redis.url
+        scraper = Scraper([f"{launcher.api_url}/metrics"], lambda: worker_metrics_urls(redis_url))
+        for rate in rates:
             started = time.monotonic()
-            records = generator.run_sync(trace)
+            measured = run_load(config, rate, scraper)
             _check_alive(launcher)
-            runs.append(Run(deployment.name, rate, RunMetrics.of(records), tuple(records)))
+            metrics = RunMetrics.of(list(measured.records))
+            runs.append(Run(deployment.name, rate, metrics, measured.records, measured.extras_json()))
             print(f"   {_label(rate)}: done in {time.monotonic() - started:.0f} s", flush=True)
+            print(measured.report(), flush=True)
     finally:
         launcher.stop()
     shutil.rmtree(launcher.log_dir, ignore_errors=True)  # kept above when the deployment failed
+
+
+def load_runner(args: argparse.Namespace, workload: Workload) -> tuple[list[float | None], LoadRunner]:
+    """The loads of the options (the rates, or the replayed trace) and how one of them runs."""
+    from dejavu_common.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(args.model_folder)
+    rates: list[float | None] = [None] if args.trace else list(args.rates)
+    if args.dataset_name is DatasetName.MULTI_TURN:
+        chats = workloads.multi_turn_dataset(args, args.output_len)
+
+        def run_chats(config: ClientConfig, rate: float | None, scraper: Scraper) -> Measured:
+            runner = ConversationRunner(LoadGenerator(config), chats, tokenizer)
+            return workloads.measure_turns(lambda: runner.run_sync(rate or math.inf), scraper)
+
+        return rates, run_chats
+    if args.dataset_name is DatasetName.PREFIX_REPETITION:
+        shared = workloads.prefix_dataset(args, args.requests, args.output_len)
+        ids, prefixes = TokenPrompts(token_pool(args.model_folder), seed=args.seed), shared.prefix_of()
+
+        def run_shared(config: ClientConfig, rate: float | None, scraper: Scraper) -> Measured:
+            generator = LoadGenerator(config, lambda r: shared.prompt(ids, r.rid, prefixes))
+            return workloads.measure_load(lambda: generator.run_sync(shared.trace(rate or math.inf)), scraper)
+
+        return rates, run_shared
+    builder = PromptBuilder(tokenizer, seed=args.seed)
+    replayed = Trace.load(args.trace) if args.trace else None
+
+    def run_trace(config: ClientConfig, rate: float | None, scraper: Scraper) -> Measured:
+        generator = LoadGenerator(config, lambda r: builder.text(r.prompt_len, r.rid))
+        trace = replayed if rate is None else workload.trace(rate)
+        return workloads.measure_load(lambda: generator.run_sync(trace), scraper)
+
+    return rates, run_trace
 
 
 def _check_alive(launcher: Launcher) -> None:
@@ -192,10 +251,11 @@ def _ms(value: float | None) -> str:
 
 
 def print_table(runs: list[Run]) -> None:
-    """One row per run; latencies in milliseconds (normalized latency: ms per generated token)."""
+    """One row per run; latencies in milliseconds (normalized latency: ms per generated token), the
+    prefix cache's hit rate over the run ("-": no counters)."""
     head = (
         f"{'deployment':<22}{'load':>12}{'ok/n':>7}{'norm p50':>10}{'norm p99':>10}{'ttft p50':>10}"
-        f"{'ttft p99':>10}{'tpot p50':>10}{'tpot p99':>10}{'tok/s':>8}{'req/s':>8}{'errors':>8}"
+        f"{'ttft p99':>10}{'tpot p50':>10}{'tpot p99':>10}{'tok/s':>8}{'req/s':>8}{'errors':>8}{'hit':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -205,8 +265,15 @@ def print_table(runs: list[Run]) -> None:
             f"{run.deployment:<22}{_label(run.rate_per_s):>12}{f'{m.completed}/{m.requests}':>7}"
             f"{_ms(m.normalized_latency_s.median):>10}{_ms(m.normalized_latency_s.p99):>10}"
             f"{_ms(m.ttft_s.median):>10}{_ms(m.ttft_s.p99):>10}{_ms(m.tpot_s.median):>10}{_ms(m.tpot_s.p99):>10}"
-            f"{m.output_throughput:>8.2f}{m.request_throughput:>8.3f}{m.failed:>8}"
+            f"{m.output_throughput:>8.2f}{m.request_throughput:>8.3f}{m.failed:>8}{_hit_rate(run):>8}"
         )
+
+
+def _hit_rate(run: Run) -> str:
+    """The run's prefix-cache hit rate as a percentage, "-" without counters."""
+    sources = run.extras.get("prefix_cache", {}).get("sources", {})
+    rates = [s["hit_rate"] for s in sources.values() if s["hit_rate"] is not None]
+    return f"{rates[0]:.0%}" if rates else "-"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -226,6 +293,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=20.0, help="How long a partial microbatch waits.")
     p.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS))
     p.add_argument("--trace", type=Path, default=None, help="Replay this trace file instead of the rates.")
+    p.add_argument(
+        "--dataset",
+        type=DatasetName,
+        choices=list(DatasetName),
+        metavar="{random,prefix-repetition,multi-turn}",
+        default=DatasetName.RANDOM,
+        dest="dataset_name",
+        help="random: the paper's fixed prompts and LMSys-like lengths (the default); prefix-repetition\n"
+        "(--requests over shared prefixes) or multi-turn chats: options below.",
+    )
+    p.add_argument(
+        "--output-len", type=int, default=64, help="Output tokens of prefix-repetition and multi-turn (default 64)."
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="Generate exactly each request's length.")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="Deadline of one request.")
@@ -234,14 +314,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-folder", type=Path, default=None, help="Checkpoint (default: the prepared SmolLM2).")
     p.add_argument("--out", type=Path, default=RESULTS / "serve.json", help="JSON result; the PNGs go beside it.")
     p.add_argument("--quick", action="store_true", help=f"Smoke run (~3 min), sets {QUICK}.")
+    workloads.add_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)
+    try:
+        if args.trace is not None and args.dataset_name is not DatasetName.RANDOM:
+            raise ValueError("--trace replays its own lengths: drop --dataset")
+        args.dataset = dataset(args)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.model_folder is None:
         from dejavu_engine.checkpoint import ensure_default_model
 
         args.model_folder = ensure_default_model(Settings())
     return args
+
+
+def dataset(args: argparse.Namespace) -> workloads.PrefixRepetitionDataset | workloads.MultiTurnDataset | None:
+    """The prefix-sharing dataset of the options (None: the paper's workload); raises ``ValueError``."""
+    if args.dataset_name is DatasetName.PREFIX_REPETITION:
+        return workloads.prefix_dataset(args, args.requests, args.output_len)
+    if args.dataset_name is DatasetName.MULTI_TURN:
+        return workloads.multi_turn_dataset(args, args.output_len)
+    return None
+
+
+def workload_json(args: argparse.Namespace, workload: Workload) -> dict:
+    """The workload as the JSON records it: the dataset's shape, or the replayed trace's path."""
+    if args.trace is not None:
+        return {"trace": str(args.trace)}
+    if args.dataset is not None:
+        return {"dataset": args.dataset_name.value, **asdict(args.dataset)}
+    return asdict(workload)
 
 
 def result_json(
@@ -253,7 +358,7 @@ def result_json(
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
         "config": {
-            "workload": asdict(workload) if args.trace is None else {"trace": str(args.trace)},
+            "workload": workload_json(args, workload),
             "rates": args.rates if args.trace is None else None,
             "microbatch": args.microbatch,
             "batch_wait_ms": args.batch_wait_ms,
@@ -283,15 +388,17 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(
         args.requests, args.prompt_len, args.median_new, args.sigma, args.min_new, args.max_new, args.seed
     )
-    loads = [(None, Trace.load(args.trace))] if args.trace else [(r, workload.trace(r)) for r in args.rates]
-    print(f"new_tokens per request: {[r.new_tokens for r in loads[0][1].requests]}", flush=True)
+    rates, run_load = load_runner(args, workload)
+    if args.dataset is None:
+        trace = Trace.load(args.trace) if args.trace else workload.trace(args.rates[0])
+        print(f"new_tokens per request: {[r.new_tokens for r in trace.requests]}", flush=True)
     base = Settings()
     runs: list[Run] = []
     failed: dict[str, str] = {}
     for key in args.deployments:
         deployment = DEPLOYMENTS[key]
         try:
-            measure(deployment, deployment_settings(base, deployment, args), loads, args, runs)
+            measure(deployment, deployment_settings(base, deployment, args), rates, run_load, args, runs)
         except (RuntimeError, TimeoutError, OSError) as exc:
             failed[deployment.name] = str(exc)
             print(f"!! {deployment.name} failed: {exc}", flush=True)
@@ -309,10 +416,12 @@ def main(argv: list[str] | None = None) -> int:
 def write_plots(doc: dict, args: argparse.Namespace) -> list[Path]:
     """The plots of ``doc`` (this run's serve.json) beside ``args.out``: normalized latency against the
     rate (not for a replayed trace) and the percentiles per load; the paths written."""
-    what = (
-        f"trace {args.trace.name}" if args.trace else f"{args.prompt_len}-token prompts, LMSys-like generated lengths"
-    )
-    title = f"{what}, {args.requests} requests per rate" if args.trace is None else what
+    if args.trace:
+        title = f"trace {args.trace.name}"
+    elif args.dataset is not None:
+        title = f"{args.dataset_name.value}, {args.output_len} tokens out"
+    else:
+        title = f"{args.prompt_len}-token prompts, LMSys-like generated lengths, {args.requests} requests per rate"
     written = []
     if args.trace is None:
         plot_rates(doc, args.out.with_suffix(".png"), title, str(args.out))

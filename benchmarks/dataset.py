@@ -5,6 +5,10 @@ ids of the served model's vocabulary (special tokens excluded) and it asks for a
 new tokens. Prompts are sent as token ids, so the input lengths are exact on any server that
 accepts token-id prompts, whatever its tokenizer does to text. Everything is a pure function of
 the seed: two runs (or two servers) get the same requests.
+
+:class:`PrefixRepetitionDataset` is vLLM's ``prefix_repetition``: a few shared prefixes (system
+prompts), each request one of them followed by a suffix of its own, so a server with a prefix cache
+computes every prefix once. The multi-turn chat dataset is in :mod:`benchmarks.conversations`.
 """
 
 from __future__ import annotations
@@ -100,6 +104,51 @@ class RandomDataset:
         """The requests with their arrival times (the same lengths at every rate)."""
         times = arrival_times(self.num_prompts, request_rate, burstiness, self.seed)
         return Trace.of([(t, n_in, n_out) for t, (n_in, n_out) in zip(times, self.lengths(), strict=True)])
+
+
+@dataclass(frozen=True)
+class PrefixRepetitionDataset:
+    """``num_prompts`` requests over ``num_prefixes`` shared prefixes of ``prefix_len`` token ids, each
+    followed by a suffix of ``suffix_len`` ids of its own, asking ``output_len`` tokens (vLLM's
+    ``prefix_repetition``).
+
+    The prefixes are dealt to the requests in turn (every prefix serves ``num_prompts // num_prefixes``
+    requests, the first ``num_prompts % num_prefixes`` one more) and the order is shuffled with the
+    seed, so which request repeats which prefix is a pure function of the seed, and every prefix repeats
+    as soon as there are at least two requests per prefix.
+    """
+
+    num_prompts: int
+    num_prefixes: int
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prefixes < 1 or self.prefix_len < 1 or self.output_len < 1 or self.suffix_len < 0:
+            raise ValueError("num_prefixes, prefix_len and output_len must be >= 1 and suffix_len >= 0")
+        if self.num_prompts < self.num_prefixes:
+            raise ValueError(f"num_prompts ({self.num_prompts}) must be >= num_prefixes ({self.num_prefixes})")
+
+    def prefix_of(self) -> list[int]:
+        """The prefix index of every request, in request order."""
+        dealt = [i % self.num_prefixes for i in range(self.num_prompts)]
+        random.Random(self.seed).shuffle(dealt)
+        return dealt
+
+    def trace(self, request_rate: float = math.inf, burstiness: float = 1.0) -> Trace:
+        """The requests with their arrival times (the same prompts at every rate)."""
+        times = arrival_times(self.num_prompts, request_rate, burstiness, self.seed)
+        prompt_len = self.prefix_len + self.suffix_len
+        return Trace.of([(t, prompt_len, self.output_len) for t in times])
+
+    def prompt(self, prompts: TokenPrompts, rid: int, prefixes: Sequence[int] | None = None) -> list[int]:
+        """Request ``rid``'s token ids: its prefix, then its own suffix. ``prefixes`` is :meth:`prefix_of`
+        (computed here when not given)."""
+        which = (prefixes or self.prefix_of())[rid]
+        # Prefixes and suffixes draw from disjoint key ranges, so no suffix equals a prefix by construction.
+        return prompts.ids(self.prefix_len, -1_000_000 - which) + prompts.ids(self.suffix_len, rid)
 
 
 class TokenPrompts:

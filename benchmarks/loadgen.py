@@ -7,9 +7,10 @@ instead of slowing the client down. With ``max_concurrency`` at most that many r
 flight; a request that arrives while all are busy waits for one to end (with a backlog this is a
 closed loop of that many clients, as ``vllm bench serve --max-concurrency``).
 
-Every request streams (``POST /v1/completions`` with ``stream: true``, usage requested) and its
-record keeps the send time, the arrival of every streamed chunk, the end time, the server's token
-counts and how it ended. ``ignore_eos`` asks the server (vLLM's extension, also ours) to generate
+Every request streams (``POST /v1/completions`` with ``stream: true``, usage requested; a prompt given
+as chat messages goes to ``/v1/chat/completions`` as ``messages``) and its record keeps the send time,
+the arrival of every streamed chunk, the end time, the server's token counts, the generated text and
+how it ended. ``ignore_eos`` asks the server (vLLM's extension, also ours) to generate
 exactly ``max_tokens``. Each request has a deadline and the whole run is bounded in time, so a run
 always stops by itself. Metrics over the records are in :mod:`benchmarks.metrics`.
 
@@ -24,7 +25,8 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,14 +55,15 @@ class Status(str, enum.Enum):
     HTTP_ERROR = "http_error"  # answered with a non-200 status before streaming
     STREAM_ERROR = "stream_error"  # an error event, a malformed stream, or the connection failed
     TIMEOUT = "timeout"  # its deadline (or the run's) passed first
-    NOT_SENT = "not_sent"  # its arrival time lay beyond the run's time bound
+    NOT_SENT = "not_sent"  # its arrival lay beyond the run's time bound (or an earlier turn of its chat failed)
 
 
 @dataclass(frozen=True)
 class RequestRecord:
     """What the client observed of one request; times are seconds since the run's start.
 
-    ``chunk_times_s`` are the arrivals of the streamed chunks that carry a choice. Servers send
+    ``chunk_times_s`` are the arrivals of the streamed chunks that carry a choice (for a chat, a
+    choice whose delta has text: the opening role chunk and the closing one do not count). Servers send
     about one chunk per token, but may hold back text that could still become a stop string or an
     incomplete character, so the chunks approximate the token arrivals; counts come from
     ``generated`` (the server's ``usage.completion_tokens``, or the chunk count if it sent none) and
@@ -77,6 +80,7 @@ class RequestRecord:
     http_status: int | None = None
     error: str | None = None
     prompt_tokens: int | None = None
+    text: str = ""  # the streamed text (completions' ``text``, chat's ``delta.content``), out of the JSON
 
     @property
     def ok(self) -> bool:
@@ -119,6 +123,7 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         out = asdict(self)
+        del out["text"]
         out["status"] = self.status.value
         out["request"] = asdict(self.request)
         return out
@@ -172,10 +177,21 @@ class ClientConfig:
     max_concurrency: int | None = None  # requests in flight at most; None: unbounded (open loop)
     ignore_eos: bool = False  # sent as the request's ``ignore_eos`` when set
     endpoint: str = "/v1/completions"
+    chat_endpoint: str = "/v1/chat/completions"  # where a :class:`Chat` prompt goes
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1 (or None for no bound)")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat prompt: OpenAI messages (``{"role", "content"}``), sent to the chat endpoint."""
+
+    messages: tuple[dict[str, str], ...]
+
+
+Prompt = str | list[int] | Chat  # a completion's text or token ids, or a chat's messages
 
 
 @dataclass
@@ -188,6 +204,7 @@ class _Observed:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     http_status: int | None = None
+    text: list[str] = field(default_factory=list)
 
 
 class _StreamFailed(Exception):
@@ -197,13 +214,15 @@ class _StreamFailed(Exception):
 class LoadGenerator:
     """Sends one trace's requests at their arrival times and records each; see the module docstring.
 
-    ``prompt_of`` gives each request's prompt (text or token ids); it is called for every request
-    before the clock starts, so prompt building never delays a send. :meth:`run` is a coroutine
-    (one event loop, one ``httpx.AsyncClient`` with an unbounded pool so that sends never queue in
-    the client); :meth:`run_sync` wraps it in ``asyncio.run``.
+    ``prompt_of`` gives each request's prompt (text, token ids or chat messages); it is called for
+    every request before the clock starts, so prompt building never delays a send. :meth:`run` is a
+    coroutine (one event loop, one ``httpx.AsyncClient`` with an unbounded pool so that sends never
+    queue in the client); :meth:`run_sync` wraps it in ``asyncio.run``. A driver whose requests
+    depend on earlier answers (:mod:`benchmarks.conversations`) opens :meth:`session` and calls
+    :meth:`submit` per request instead.
     """
 
-    def __init__(self, config: ClientConfig, prompt_of: Callable[[Request], str | list[int]]) -> None:
+    def __init__(self, config: ClientConfig, prompt_of: Callable[[Request], Prompt] | None = None) -> None:
         self.config = config
         self._prompt_of = prompt_of
 
@@ -213,31 +232,44 @@ class LoadGenerator:
     async def run(self, trace: Trace) -> list[RequestRecord]:
         """Replay ``trace``; returns one record per request, in trace order. Never raises for a
         request's failure (it is recorded); returns by ``run_timeout_s`` plus a short grace."""
+        if self._prompt_of is None:
+            raise ValueError("run needs prompt_of")
         prompts = [self._prompt_of(r) for r in trace.requests]
+        async with self.session() as client:
+            slots = self.slots()
+            start = time.perf_counter()
+            tasks = [
+                asyncio.create_task(self.submit(client, r, p, start, slots))
+                for r, p in zip(trace.requests, prompts, strict=True)
+            ]
+            return list(await asyncio.gather(*tasks))
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[httpx.AsyncClient]:
+        """The HTTP client of a run: the configured server, key and timeouts, an unbounded pool."""
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(
             base_url=self.config.base_url, headers=headers, timeout=timeout, limits=limits
         ) as client:
-            slots = asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
-            start = time.perf_counter()
-            tasks = [
-                asyncio.create_task(self._one(client, r, p, start, slots))
-                for r, p in zip(trace.requests, prompts, strict=True)
-            ]
-            return list(await asyncio.gather(*tasks))
+            yield client
 
-    async def _one(
+    def slots(self) -> asyncio.Semaphore | None:
+        """A run's bound on requests in flight (None: no bound); create it inside the run's event loop."""
+        return asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
+
+    async def submit(
         self,
         client: httpx.AsyncClient,
         request: Request,
-        prompt: str | list[int],
+        prompt: Prompt,
         start: float,
         slots: asyncio.Semaphore | None,
     ) -> RequestRecord:
-        """Wait for the request's arrival time and a free slot, stream it within its deadline, and
-        record it. A request still waiting for a slot when the run's bound passes is not sent."""
+        """Wait for the request's arrival time (seconds after ``start``, a ``time.perf_counter``) and
+        a free slot, stream it within its deadline, and record it. A request whose arrival lies beyond
+        the run's bound, or still waiting for a slot when the bound passes, is not sent."""
 
         def now() -> float:
             return time.perf_counter() - start
@@ -258,7 +290,7 @@ class LoadGenerator:
             slots.release()
 
     async def _send(
-        self, client: httpx.AsyncClient, request: Request, prompt: str | list[int], now: Callable[[], float]
+        self, client: httpx.AsyncClient, request: Request, prompt: Prompt, now: Callable[[], float]
     ) -> RequestRecord:
         """Stream the request now, within its deadline and the run's bound, and record how it went."""
         seen = _Observed(send_s=now())
@@ -287,20 +319,25 @@ class LoadGenerator:
             http_status=seen.http_status,
             error=error,
             prompt_tokens=seen.prompt_tokens,
+            text="".join(seen.text),
         )
 
     async def _stream(
         self,
         client: httpx.AsyncClient,
         request: Request,
-        prompt: str | list[int],
+        prompt: Prompt,
         seen: _Observed,
         now: Callable[[], float],
     ) -> None:
         """POST one streaming completion and fill ``seen``; raises :class:`_StreamFailed` on errors."""
+        if isinstance(prompt, Chat):
+            endpoint, asked = self.config.chat_endpoint, {"messages": list(prompt.messages)}
+        else:
+            endpoint, asked = self.config.endpoint, {"prompt": prompt}
         body = {
             "model": self.config.model,
-            "prompt": prompt,
+            **asked,
             "max_tokens": request.new_tokens,
             "temperature": self.config.temperature,
             "seed": self.config.seed + request.rid,
@@ -309,7 +346,7 @@ class LoadGenerator:
         }
         if self.config.ignore_eos:
             body["ignore_eos"] = True
-        async with client.stream("POST", self.config.endpoint, json=body) as response:
+        async with client.stream("POST", endpoint, json=body) as response:
             seen.http_status = response.status_code
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
@@ -336,8 +373,18 @@ def _absorb(chunk: dict, seen: _Observed, at_s: float) -> None:
         raise _StreamFailed(f"error event: {chunk['error']}")
     choices = chunk.get("choices") or []
     if choices:
-        seen.chunk_times_s.append(at_s)
-        seen.finish_reason = choices[0].get("finish_reason") or seen.finish_reason
+        choice = choices[0]
+        seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
+        delta = choice.get("delta")
+        if isinstance(delta, dict):  # a chat chunk: the opening role chunk and the closing one carry no text
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                seen.chunk_times_s.append(at_s)
+                seen.text.append(content)
+        else:
+            seen.chunk_times_s.append(at_s)
+            if isinstance(choice.get("text"), str):
+                seen.text.append(choice["text"])
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         if isinstance(usage.get("completion_tokens"), int):

@@ -17,6 +17,14 @@ record) and a plot go to ``--out`` (default ``benchmarks/results/serve-url.json`
 load, output throughput and TTFT, TPOT and ITL at p50, p90 and p99 (:func:`benchmarks.plots.plot_serve`),
 beside those of the results given with ``--compare`` (other servers measured on the same workload).
 Exit status 1 if a request of any run failed or the server could not be reached.
+
+``--dataset prefix-repetition`` (shared prefixes, vLLM's ``prefix_repetition``) and ``--dataset
+multi-turn`` (chats that re-send their history through ``/v1/chat/completions``, with TTFT per turn)
+exercise a server's prefix cache (:mod:`benchmarks.workloads`). Every run reports the prefix-cache
+hit rates beside its figures, from the Prometheus counters at ``--metrics-url`` (default: the
+server's ``/metrics``, where vLLM has them) and, with ``--dejavu-redis``, at every worker of that
+DejaVu deployment (which serves them with ``DEJAVU_WORKER__METRICS_PORT=0``); absent counters are
+reported as absent.
 """
 
 from __future__ import annotations
@@ -31,10 +39,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from benchmarks.dataset import OutputDist, RandomDataset, TokenPrompts, token_pool
+from benchmarks import workloads
+from benchmarks.conversations import ConversationRunner
+from benchmarks.dataset import OutputDist, PrefixRepetitionDataset, RandomDataset, TokenPrompts, token_pool
 from benchmarks.loadgen import ClientConfig, LoadGenerator, RequestRecord
 from benchmarks.metrics import SLO, RunMetrics, report
 from benchmarks.plots import (
@@ -45,7 +56,12 @@ from benchmarks.plots import (
     read_serve,
     serve_result,
 )
+from benchmarks.prefix_cache import Scraper, worker_metrics_urls
+from benchmarks.workloads import DatasetName, Measured
 from dejavu_planner.trace import Trace
+
+if TYPE_CHECKING:
+    from dejavu_common.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -72,12 +88,14 @@ class Load:
 @dataclass(frozen=True)
 class TargetRun:
     """One run's outcome; ``loadavg`` is the host's 1/5/15-minute load average at its end (a noisy,
-    shared host shows there)."""
+    shared host shows there); ``extras``: the prefix-cache hit rates and, for a multi-turn run, TTFT
+    per turn (:meth:`benchmarks.workloads.Measured.extras_json`)."""
 
     load: Load
     metrics: RunMetrics
     records: tuple[RequestRecord, ...]
     loadavg: tuple[float, float, float]
+    extras: dict
 
     def to_json(self) -> dict:
         return {
@@ -86,6 +104,7 @@ class TargetRun:
             "max_concurrency": self.load.max_concurrency,
             "host_loadavg": self.loadavg,
             **self.metrics.to_json(),
+            **self.extras,
             "records": [r.to_json() for r in self.records],
         }
 
@@ -108,18 +127,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Checkpoint folder or tokenizer.json whose vocabulary the "
         "prompts draw from (default: the prepared SmolLM2).",
     )
+    p.add_argument(
+        "--dataset",
+        "--dataset-name",
+        dest="dataset_name",
+        type=DatasetName,
+        choices=list(DatasetName),
+        metavar="{random,prefix-repetition,multi-turn}",
+        default=DatasetName.RANDOM,
+        help="random token ids (the default), shared prefixes, or multi-turn chats (groups below).",
+    )
     g = p.add_argument_group("dataset (random token ids)")
-    g.add_argument("--num-prompts", type=int, default=16, help="Requests per run (default: %(default)s).")
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        default=16,
+        help="Requests per run, also of prefix-repetition (default: %(default)s).",
+    )
     g.add_argument(
         "--input-len", "--random-input-len", dest="input_len", type=int, default=256, help="(default: %(default)s)"
     )
     g.add_argument(
         "--output-len",
         "--random-output-len",
+        "--prefix-repetition-output-len",
         dest="output_len",
         type=int,
         default=128,
-        help="Output length, the median with --output-dist lmsys (default: %(default)s).",
+        help="Output length of every dataset, the median with --output-dist lmsys (default: %(default)s).",
     )
     g.add_argument(
         "--range-ratio",
@@ -147,13 +182,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "arrival times and lengths; --num-prompts/--request-rate do not apply.",
     )
     g.add_argument("--seed", type=int, default=0, help="Of lengths, prompts and arrivals (default: %(default)s).")
+    workloads.add_arguments(p)
     g = p.add_argument_group("load")
     g.add_argument(
         "--request-rate",
         type=float,
         nargs="+",
         default=[math.inf],
-        help="Requests per second (default inf: all at once); several values give several runs.",
+        help="Requests per second (default inf: all at once), of multi-turn: conversation starts per "
+        "second; several values give several runs.",
     )
     g.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape of the gaps (default 1: Poisson).")
     g.add_argument(
@@ -162,6 +199,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=[None],
         help="Requests in flight at most (default: no bound); several values give several runs.",
+    )
+    g = p.add_argument_group("prefix-cache hit rates")
+    g.add_argument(
+        "--metrics-url",
+        nargs="*",
+        default=None,
+        metavar="URL",
+        help="Prometheus endpoints scraped before and after each run, counters summed (default: BASE_URL/metrics; "
+        "none: no scrape).",
+    )
+    g.add_argument(
+        "--dejavu-redis",
+        default=None,
+        metavar="REDIS_URL",
+        help="Also scrape every live worker registered in this DejaVu deployment's Redis (its workers serve "
+        "metrics with DEJAVU_WORKER__METRICS_PORT=0).",
     )
     g = p.add_argument_group("requests and results")
     g.add_argument("--ignore-eos", action="store_true", help="Send ignore_eos: generate exactly the output length.")
@@ -197,29 +250,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.slo = SLO.parse(args.goodput) if args.goodput else None
-        args.dataset = RandomDataset(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-            args.output_dist,
-            args.lmsys_sigma,
-            args.max_output_len,
-            args.seed,
-        )
-        args.dataset.lengths()  # bad lengths fail here, before any request
+        args.dataset = dataset(args)
         if any(c is not None and c < 1 for c in args.max_concurrency):
             raise ValueError("--max-concurrency must be >= 1")
         if args.num_warmups < 0:
             raise ValueError("--num-warmups must be >= 0")
         if args.trace is not None and args.request_rate != [math.inf]:
             raise ValueError("--trace brings its own arrival times: drop --request-rate")
+        if args.trace is not None and args.dataset_name is not DatasetName.RANDOM:
+            raise ValueError("--trace replays its own lengths: drop --dataset")
         args.compared = compared(args)  # ResultError is a ValueError: a bad file fails before any request
     except ValueError as exc:
         p.error(str(exc))
     args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if args.metrics_url is None:
+        args.metrics_url = [f"{args.base_url}/metrics"]
     return args
+
+
+def dataset(args: argparse.Namespace) -> RandomDataset | PrefixRepetitionDataset | workloads.MultiTurnDataset:
+    """The dataset of the options; raises ``ValueError`` for impossible lengths, before any request."""
+    if args.dataset_name is DatasetName.PREFIX_REPETITION:
+        return workloads.prefix_dataset(args, args.num_prompts, args.output_len)
+    if args.dataset_name is DatasetName.MULTI_TURN:
+        return workloads.multi_turn_dataset(args, args.output_len)
+    random_ids = RandomDataset(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        args.output_dist,
+        args.lmsys_sigma,
+        args.max_output_len,
+        args.seed,
+    )
+    random_ids.lengths()
+    return random_ids
 
 
 def discover_model(base_url: str, api_key: str | None) -> str:
@@ -240,11 +307,16 @@ def loads(args: argparse.Namespace) -> list[Load]:
 
 
 def measure(
-    args: argparse.Namespace, config: ClientConfig, prompts: TokenPrompts, save: Callable[[list[TargetRun]], None]
+    args: argparse.Namespace,
+    config: ClientConfig,
+    prompts: TokenPrompts,
+    save: Callable[[list[TargetRun]], None],
+    scraper: Scraper,
 ) -> list[TargetRun]:
-    """Warm up, then one run per load, each on the same requests; prints each run's result block and
-    calls ``save`` with the runs so far after each. Raises ``RuntimeError`` if a warm-up request fails
-    (the server is not serving)."""
+    """Warm up, then one run per load, each on the same requests; prints each run's result block (with
+    the prefix-cache hit rates, scraped by ``scraper``) and calls ``save`` with the runs so far after
+    each. Raises ``RuntimeError`` if a warm-up request fails (the server is not serving), ``ValueError``
+    if a multi-turn run's tokenizer has no usable words."""
     if args.num_warmups:
         warm = Trace.of([(0.0, 16, 4)] * args.num_warmups)
         for record in LoadGenerator(config, lambda r: prompts.ids(16, -1 - r.rid)).run_sync(warm):
@@ -253,14 +325,18 @@ def measure(
     replayed = Trace.load(args.trace) if args.trace is not None else None
     runs = []
     for load in loads(args):
-        trace = replayed or args.dataset.trace(load.request_rate, load.burstiness)
-        generator = LoadGenerator(replace(config, max_concurrency=load.max_concurrency), _prompt_of(prompts))
-        records = generator.run_sync(trace)
-        run = TargetRun(load, RunMetrics.of(records, args.slo), tuple(records), os.getloadavg())
+        measured = _run_load(
+            args, load, replace(config, max_concurrency=load.max_concurrency), prompts, replayed, scraper
+        )
+        records = list(measured.records)
+        run = TargetRun(
+            load, RunMetrics.of(records, args.slo), measured.records, os.getloadavg(), measured.extras_json()
+        )
         print(f"Traffic request rate: {load.rate_json or 'trace'}")
         print(f"Burstiness factor: {load.burstiness:g}")
         print(f"Maximum request concurrency: {load.max_concurrency}")
         print(report(run.metrics, "Serving Benchmark Result", args.slo))
+        print(measured.report())
         print("Host load average (1/5/15 min): {:.1f} / {:.1f} / {:.1f}".format(*run.loadavg), flush=True)
         failures = [r for r in records if not r.ok]
         if failures:
@@ -270,8 +346,38 @@ def measure(
     return runs
 
 
-def _prompt_of(prompts: TokenPrompts):
-    """Each request's prompt: ``prompt_len`` random ids, varied by its request id."""
+def _run_load(
+    args: argparse.Namespace,
+    load: Load,
+    config: ClientConfig,
+    prompts: TokenPrompts,
+    replayed: Trace | None,
+    scraper: Scraper,
+) -> Measured:
+    """One run of the dataset (or the replayed trace) at ``load``, between two scrapes."""
+    if isinstance(args.dataset, workloads.MultiTurnDataset):
+        runner = ConversationRunner(LoadGenerator(config), args.dataset, args.chat_tokenizer)
+        rate = math.inf if load.request_rate is None else load.request_rate
+        return workloads.measure_turns(lambda: runner.run_sync(rate, load.burstiness), scraper)
+    trace = replayed or args.dataset.trace(load.request_rate, load.burstiness)
+    generator = LoadGenerator(config, _prompt_of(args.dataset, prompts))
+    return workloads.measure_load(lambda: generator.run_sync(trace), scraper)
+
+
+def chat_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of the checkpoint folder (or of the folder of a ``tokenizer.json``) the multi-turn
+    user messages are built with; raises ``ValueError`` (``TokenizerError``) without one."""
+    from dejavu_common.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
+
+
+def _prompt_of(dataset: RandomDataset | PrefixRepetitionDataset, prompts: TokenPrompts):
+    """Each request's prompt: for prefix-repetition its prefix and suffix ids, else ``prompt_len``
+    random ids varied by its request id."""
+    if isinstance(dataset, PrefixRepetitionDataset):
+        prefixes = dataset.prefix_of()
+        return lambda request: dataset.prompt(prompts, request.rid, prefixes)
     return lambda request: prompts.ids(request.prompt_len, request.rid)
 
 
@@ -285,7 +391,21 @@ def workload_json(args: argparse.Namespace) -> dict:
     """The workload as the JSON records it: the dataset, or the replayed trace's path."""
     if args.trace:
         return {"trace": str(args.trace)}
+    if args.dataset_name is not DatasetName.RANDOM:
+        return {"dataset": args.dataset_name.value, **asdict(args.dataset)}
     return {**asdict(args.dataset), "output_dist": args.output_dist.value}
+
+
+def workload_title(args: argparse.Namespace) -> str:
+    """The workload in a few words, for the plot's title."""
+    if args.trace:
+        return f"trace {args.trace.name}"
+    d = args.dataset
+    if isinstance(d, PrefixRepetitionDataset):
+        return f"{d.num_prompts} over {d.num_prefixes} prefixes x {d.prefix_len} + {d.suffix_len} -> {d.output_len}"
+    if isinstance(d, workloads.MultiTurnDataset):
+        return f"{d.num_conversations} chats x {d.num_turns} turns of {d.user_len} -> {d.output_len}"
+    return f"{d.num_prompts} x {d.input_len} -> {d.output_len}"
 
 
 def compared(args: argparse.Namespace) -> list[ServeResult]:
@@ -333,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         args.tokenizer = ensure_default_model(Settings())
     try:
         prompts = TokenPrompts(token_pool(args.tokenizer), seed=args.seed)
+        multi_turn = args.dataset_name is DatasetName.MULTI_TURN
+        args.chat_tokenizer = chat_tokenizer(args.tokenizer) if multi_turn else None
         model = args.model or discover_model(args.base_url, args.api_key)
         config = ClientConfig(
             args.base_url,
@@ -345,13 +467,15 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             endpoint=args.endpoint,
         )
-        runs = measure(args, config, prompts, lambda runs: save(args, model, runs))
+        discover = (lambda: worker_metrics_urls(args.dejavu_redis)) if args.dejavu_redis else None
+        auth = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+        scraper = Scraper(args.metrics_url, discover, auth)
+        runs = measure(args, config, prompts, lambda runs: save(args, model, runs), scraper)
     except (RuntimeError, ValueError, OSError) as exc:
         print(f"error: {exc}")
         return 1
     print(f"wrote {args.out}")
     png = args.out.with_suffix(".png")
-    what = f"trace {args.trace.name}" if args.trace else f"{args.num_prompts} x {args.input_len} -> {args.output_len}"
-    plot(args, model, runs, png, f"{model}: {what}{', ignore_eos' if args.ignore_eos else ''}")
+    plot(args, model, runs, png, f"{model}: {workload_title(args)}{', ignore_eos' if args.ignore_eos else ''}")
     print(f"wrote {png}")
     return 1 if any(r.metrics.failed for r in runs) else 0

@@ -4,7 +4,12 @@ FastAPI + uvicorn in a thread of the test process. ``POST /v1/completions`` stre
 chunks: the first after ``FIRST_S``, the others ``TOKEN_S`` apart, then a usage chunk if asked
 (``prompt_tokens``: the number of ids of a token-id prompt, 1 for a text). A text prompt selects a
 behaviour: ``busy`` answers 503, ``broken`` sends an error event after two tokens, ``no-usage``
-omits the usage chunk. The server records every request body and the most requests it had in flight.
+omits the usage chunk. ``POST /v1/chat/completions`` streams as OpenAI does: an opening chunk with the
+role and no text at once, then ``max_tokens`` content chunks timed as above (their text is
+:func:`fake_answer` of the request), a closing chunk with the finish reason, the usage; the model
+``fail-turn-2`` answers 503 to a chat of three messages (a conversation's second turn). ``GET /metrics``
+serves ``FakeServer.metrics`` (404 while it is None). The server records every request body and the
+most requests it had in flight.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 FIRST_S = 0.3
 TOKEN_S = 0.05
@@ -38,10 +43,19 @@ class FakeServer:
     bodies: list[dict] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    metrics: bytes | None = None
 
     def reset(self) -> None:
         self.bodies.clear()
         self.in_flight = self.max_in_flight = 0
+        self.metrics = None
+
+
+def fake_answer(body: dict) -> list[str]:
+    """The content pieces the fake streams for a chat request: they name the chat's length and its last
+    user message's first word, so an answer can be told from any other."""
+    last = body["messages"][-1]["content"].split()[0]
+    return [f" {last}#{len(body['messages'])}.{i}" for i in range(body["max_tokens"])]
 
 
 def fake_app(seen: FakeServer) -> FastAPI:
@@ -84,6 +98,44 @@ def fake_app(seen: FakeServer) -> FastAPI:
                 seen.in_flight -= 1
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.bodies.append(body)
+        if body["model"] == "fail-turn-2" and len(body["messages"]) == 3:
+            error = {"message": "queue full", "type": "server_error", "param": None, "code": "queue_full"}
+            return JSONResponse({"error": error}, status_code=503)
+        pieces = fake_answer(body)
+        prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
+
+        def chunk(delta: dict, finish: str | None = None) -> bytes:
+            return _sse({"object": "chat.completion.chunk", "choices": [{"delta": delta, "finish_reason": finish}]})
+
+        async def events() -> AsyncIterator[bytes]:
+            seen.in_flight += 1
+            seen.max_in_flight = max(seen.max_in_flight, seen.in_flight)
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                await asyncio.sleep(FIRST_S)
+                for i, piece in enumerate(pieces):
+                    if i:
+                        await asyncio.sleep(TOKEN_S)
+                    yield chunk({"content": piece})
+                yield chunk({}, "length")
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces)}
+                yield _sse({"object": "chat.completion.chunk", "choices": [], "usage": usage})
+                yield b"data: [DONE]\n\n"
+            finally:
+                seen.in_flight -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/metrics")
+    async def metrics():
+        if seen.metrics is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return Response(seen.metrics, media_type="text/plain; version=0.0.4")
 
     return app
 

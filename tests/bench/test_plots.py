@@ -127,7 +127,7 @@ def test_paper_experiment_result_gives_one_system_per_deployment(tmp_path: Path)
 
 
 def test_the_paper_experiment_writes_both_plots_beside_its_json(tmp_path: Path) -> None:
-    args = argparse.Namespace(trace=None, prompt_len=256, requests=3, out=tmp_path / "serve.json")
+    args = argparse.Namespace(trace=None, dataset=None, prompt_len=256, requests=3, out=tmp_path / "serve.json")
     written = bench_serve.write_plots(_paper_serve(), args)
     assert written == [tmp_path / "serve.png", tmp_path / "serve-percentiles.png"]
     for path in written:
