@@ -12,11 +12,27 @@ single weight, scale, offset, group or row would exceed by orders of magnitude.
 
 Packed 4-bit weights are held to more: the kernels unpack each value and form the same products in the same order
 as for the weight widened to int8, so their results are the widened weight's bit for bit (``torch.equal``).
+
+The int8 GEMM (a weight of blocks of 32, from ``quant._int8_rows()`` rows) rounds x first, per row per block, to
+two int8 parts (``u = x / dx``, ``dx = max|x| / 127``, ``high = round(u)``, ``low = round(128 (u - high))``, ``xq = 128
+high + low``), and is held to two bounds (:func:`_assert_int8_gemm`):
+
+* its product with the same ``xq`` (reproduced here with torch's float32 ops, the kernel's), ``sum_g s_g dx_g / 128
+  (xq . v)_g + o_g sum_g(x)``, made in float64: the int32 sums are exact, and the kernel rounds each sum to float32,
+  ``s_g * dx_g / 128`` and each of ``2G`` fused multiply-adds once, sums each block of x in 31 float additions and
+  adds the bias once, so each output is within ``(2G + 35) u`` of the sum of its terms' magnitudes: a wrong value,
+  scale, offset, block, part or row is off by orders of magnitude more;
+* the float64 product of x and the dequantized weight, within x's rounding, ``|xq dx / 128 - x| <= dx / 256`` an
+  element (and ``x / dx``'s float32 rounding, under ``2^-16`` of ``dx / 128`` here): ``(1/256 + 2^-23) sum_g dx_g
+  sum_k |s_g v_k|``, plus the float bound above.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,17 +96,180 @@ def _assert_within_bound(
     assert excess.max().item() <= 0, f"error beyond the float32 bound by {excess.max().item()}"
 
 
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x rounded per block of 32 as the int8 GEMM does, in float32 as it computes: (``xq = 128 high + low``
+    ``[M, G, 32]``, integers, and its unit ``dx / 128`` ``[M, G]``)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // quant.BLOCK, quant.BLOCK)
+    dx = blocks.abs().amax(-1) / 127
+    inverse = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    u = blocks * inverse.unsqueeze(-1)
+    high = torch.round(u)  # to nearest even, as vcvtps2dq
+    low = torch.round((u - high) * 128)
+    assert high.abs().max() <= 127 and low.abs().max() <= 64
+    return high * 128 + low, dx / 128
+
+
+def _assert_int8_gemm(y: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    """``y`` is the int8 GEMM's ``x @ W.T (+ bias)``: the product with x's rounding ``xq`` to float32 rounding, and
+    the float64 product of x and the dequantized weight to x's rounding (the bounds: the module's docstring)."""
+    n, k = w.q.shape[0], w.columns
+    groups = k // quant.BLOCK
+    xq, unit = _int8_rows(x)
+    v = w.widen().q.double().view(n, groups, quant.BLOCK)
+    sums = torch.einsum("mgk,ngk->mng", xq.double(), v)  # the exact int32 sums
+    terms = w.scale.double() * unit.double().unsqueeze(1) * sums  # [M, N, G]
+    magnitude = terms.abs().sum(-1)
+    exact_xq = terms.sum(-1)
+    if w.offset is not None:
+        xsum = x.double().view(-1, groups, quant.BLOCK)
+        exact_xq += xsum.sum(-1) @ w.offset.double().t()
+        magnitude += xsum.abs().sum(-1) @ w.offset.double().abs().t()
+    if bias is not None:
+        exact_xq += bias.double()
+        magnitude += bias.double().abs()
+    rounding = (2 * groups + 35) * U * magnitude + torch.finfo(torch.float32).tiny
+    excess = (y.double() - exact_xq).abs() - rounding
+    assert excess.max().item() <= 0, f"off the product with xq beyond float32 rounding by {excess.max().item()}"
+    exact = x.double() @ w.dequantize().double().t() + (bias.double() if bias is not None else 0)
+    steps = 128 * unit.double() @ (w.scale.double().abs().unsqueeze(-1) * v.abs()).sum(-1).t()  # sum dx sum |s v|
+    excess = (y.double() - exact).abs() - ((1 / 256 + 2.0**-23) * steps + rounding)
+    assert excess.max().item() <= 0, f"off the float product beyond x's rounding by {excess.max().item()}"
+
+
+def _assert_linear(y: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    """``y = quant.linear(x, w, bias)`` within the bound of the path that made it."""
+    if quant._path(w, x.shape[0], quant._ops()) == "int8":
+        _assert_int8_gemm(y, x, w, bias)
+    else:
+        _assert_within_bound(y, x, w.dequantize(), bias, _terms(w))
+
+
 @pytest.mark.parametrize(
     ("k", "groups", "offsets"), [(37, 1, False), (576, 1, False), (577, 1, False), (1536, 48, True), (64, 2, False)]
 )
 def test_kernel_is_the_float_math_of_the_dequantized_weight(k: int, groups: int, offsets: bool) -> None:
     w = _random_weight(96, k, groups, offsets, seed=k)
-    dense = w.dequantize()
     bias = torch.randn(96)
-    for rows in [*range(1, 17), 17, 40]:  # past 16 rows, blocks go through dequantized tiles and torch's GEMM
+    for rows in [*range(1, 17), 17, 40]:  # blocks: the int8 GEMM from INT8_ROWS rows (tiles past 16 without it)
         x = torch.randn(rows, k)
-        _assert_within_bound(quant.linear(x, w, None), x, dense, None, _terms(w))
-        _assert_within_bound(quant.linear(x, w, bias), x, dense, bias, _terms(w))
+        _assert_linear(quant.linear(x, w, None), x, w, None)
+        _assert_linear(quant.linear(x, w, bias), x, w, bias)
+
+
+def _int8_gemm_here() -> int:
+    """Rows from which the int8 GEMM runs here (skips where it is not built)."""
+    rows = quant._int8_rows()
+    if rows is None:
+        pytest.skip("the int8 GEMM is built for AVX512BW hosts only")
+    return rows
+
+
+# Output rows that fill 1, some and no whole panel of 48; rows of 2, 3, 18, 48 blocks (one block and no offset is
+# a weight per channel: the float kernel).
+INT8_SHAPES = [(1, 64), (47, 96), (97, 576), (50, 1536)]
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "int8 blocks", "int8 blocks, offsets"])
+@pytest.mark.parametrize(("n", "k"), INT8_SHAPES)
+def test_many_rows_of_a_weight_of_blocks_are_its_product_with_rounded_rows(n: int, k: int, kind: str) -> None:
+    first = _int8_gemm_here()
+    if kind.startswith("Q4"):
+        w = _random_packed(n, k, kind == "Q4_1", seed=n * k)
+    else:
+        w = _random_weight(n, k, k // quant.BLOCK, kind.endswith("offsets"), seed=n * k)
+    bias = torch.randn(n)
+    for rows in (first, first + 1, first + 2, 16, 19, 70):  # passes of 4 rows of x and 1, 2, 3 rows left over
+        x = torch.randn(rows, k) * torch.rand(rows, 1) * 10  # rows of other magnitudes
+        for b in (None, bias):
+            y = quant.linear(x, w, b)
+            _assert_int8_gemm(y, x, w, b)
+            assert torch.equal(y, quant.linear(x, w.widen(), b)), rows  # packed: its widened weight's results
+            assert torch.equal(y[1:2], quant.linear(x[1:2].repeat(rows, 1), w, b)[:1])  # each row on its own
+
+
+def test_the_int8_gemm_keeps_zero_rows_outliers_and_strided_rows() -> None:
+    _int8_gemm_here()
+    w = _random_packed(49, 128, True, seed=3)
+    bias = torch.randn(49)
+    x = torch.randn(6, 256)[:, ::2]  # rows 256 apart, not contiguous
+    x[0] = 0  # dx = 0: the row is the bias alone
+    x[1, 40] = 1e6  # an outlier: its block's other values round to 0, the other blocks keep their own units
+    x[2, :32] = 1e-3
+    y = quant.linear(x, w, bias)
+    assert torch.equal(y[0], bias)
+    _assert_int8_gemm(y, x.contiguous(), w, bias)
+
+
+def test_a_row_with_inf_or_nan_gives_nan_outputs_and_leaves_the_others() -> None:
+    """x is rounded by its block's largest value: a block that is not finite makes its row's outputs NaN (a float
+    product's would be inf or NaN), never finite numbers made from saturated bytes."""
+    first = _int8_gemm_here()
+    w = _random_packed(50, 96, True, seed=6)
+    x = torch.randn(first + 2, 96)
+    x[1, 5], x[2, 70] = float("inf"), float("nan")
+    y = quant.linear(x, w)
+    assert y[1].isnan().all() and y[2].isnan().all()
+    rest = torch.tensor([r for r in range(x.shape[0]) if r not in (1, 2)])
+    assert torch.equal(y[rest], quant.linear(x[rest], w))  # the same rows without them
+    _assert_int8_gemm(y[rest], x[rest], w, None)
+
+
+@pytest.mark.slow
+def test_the_int8_gemm_built_without_vnni_forms_the_same_sums(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built for AVX512BW without VNNI (x86-64-v4: vpmaddubsw and vpmaddwd for vpdpbusd, int8 values as their two
+    nibbles), the int8 GEMM forms the same int32 sums, so its results are the VNNI build's bit for bit."""
+    if quant._ops() is None or quant._ops().quant_int8_dot() != 2:
+        pytest.skip("needs a host with AVX512-VNNI to compare against")
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # ninja
+    name = "dejavu_quant_without_vnni"
+    cpp_extension.load(
+        name=name,
+        sources=[str(native.QUANT_SOURCE), str(native.QUANT_GEMM_SOURCE)],
+        extra_cflags=[*native.compile_flags(), "-mno-avx512vnni"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+        is_python_module=False,
+    )
+    error = ctypes.create_string_buffer(512)
+    library = ctypes.CDLL(str(tmp_path / f"{name}.so"))
+    assert library.dejavu_quant_register(name.encode(), error, ctypes.c_int64(len(error))) == 0, error.value
+    emulated, vnni = getattr(torch.ops, name), quant._ops()
+    assert emulated.quant_int8_dot() == 1
+    full_range = QuantizedWeight(
+        torch.randint(-128, 128, (50, 96), dtype=torch.int8), torch.rand(50, 3), torch.randn(50, 3), kind="test"
+    )
+    for w in (_random_packed(50, 96, True, seed=1), _random_packed(50, 96, False, seed=2), full_range):
+        x, bias = torch.randn(37, 96), torch.randn(50)
+        assert torch.equal(
+            emulated.quant_gemm(x, w.q, w.scale, w.offset, bias, w.zero),
+            vnni.quant_gemm(x, w.q, w.scale, w.offset, bias, w.zero),
+        )
+
+
+def test_many_rows_of_a_weight_of_blocks_never_dequantize_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight stays as it is held: no float32 copy, not even a tile, whatever the number of rows."""
+    first = _int8_gemm_here()
+    weights = [_random_packed(quant.TILE_ROWS + 40, 64, True, seed=8), _random_weight(300, 64, 2, False, seed=8)]
+
+    def refused(self: QuantizedWeight, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        raise AssertionError("dequantized")
+
+    monkeypatch.setattr(QuantizedWeight, "dequantize", refused)
+    for w in weights:
+        for rows in (first, 64, 300):
+            assert quant.linear(torch.randn(rows, 64), w).shape == (rows, w.shape[0])
+
+
+def test_a_few_rows_keep_the_float_kernel() -> None:
+    """Below INT8_ROWS a decode step's rows are not rounded: the float kernel's bound, far tighter than x's rounding."""
+    w = _random_packed(64, 96, True, seed=4)
+    for rows in range(1, quant._int8_rows() or quant.DECODE_ROWS):
+        assert quant._path(w, rows, quant._ops()) == "kernel"
+        x = torch.randn(rows, 96)
+        _assert_within_bound(quant.linear(x, w), x, w.dequantize(), None, _terms(w))
 
 
 # Odd shapes: rows of 1, 3 and 19 blocks, output rows that leave a part of the kernel's block of weight rows.
@@ -105,12 +284,12 @@ def test_a_packed_weight_computes_its_widened_weight_bit_for_bit(n: int, k: int,
     assert wide.q.dtype == torch.int8 and wide.q.shape == (n, k) and wide.shape == w.shape == (n, k)
     assert wide.q.min() >= -w.zero and wide.q.max() <= 15 - w.zero
     bias = torch.randn(n)
-    for rows in (1, 2, 5, 16, 40):  # 40: past DECODE_ROWS, dequantized tiles and torch's GEMM
+    for rows in (1, 2, 5, 16, 40):  # the float kernel, the int8 GEMM (dequantized tiles past 16 without it)
         x = torch.randn(rows, k)
         for b in (None, bias):
             y = quant.linear(x, w, b)
             assert torch.equal(y, quant.linear(x, wide, b)), (rows, b is not None)
-            _assert_within_bound(y, x, wide.dequantize(), b, _terms(w))
+            _assert_linear(y, x, w, b)
 
 
 def test_packed_nibbles_are_in_ggufs_order() -> None:
@@ -198,9 +377,21 @@ def test_bad_packed_weights_are_refused() -> None:
         op.quant_dequantize4(q, torch.ones(2, 2), None, 20, 0, 2)
     with pytest.raises(RuntimeError, match="rows"):
         op.quant_dequantize4(q, torch.ones(2, 2), None, 8, 1, 3)
+    if quant._int8_rows() is not None:
+        with pytest.raises(RuntimeError, match="scale a block of 32"):
+            op.quant_gemm(torch.randn(3, 64), q, torch.ones(2, 1), None, None, 8)
+        with pytest.raises(RuntimeError, match="columns"):
+            op.quant_gemm(torch.randn(3, 32), q, torch.ones(2, 2), None, None, 8)
+        with pytest.raises(RuntimeError, match="int8 values take none"):
+            op.quant_gemm(torch.randn(3, 32), torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), None, None, 8)
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            op.quant_gemm(torch.randn(3, 24), torch.zeros(2, 24, dtype=torch.int8), torch.ones(2, 1), None, None, 0)
 
 
-def test_many_rows_of_a_tall_weight_of_blocks_go_through_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_int8_gemm_many_rows_of_a_tall_weight_of_blocks_go_through_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(quant, "_int8_rows", lambda: None)  # an AVX2 or scalar build
     w = _random_weight(quant.TILE_ROWS * 2 + 37, 64, 2, True, seed=9)  # two whole tiles and a part
     calls: list[tuple[int, int] | None] = []
     dequantize = QuantizedWeight.dequantize
@@ -231,7 +422,7 @@ def test_kernel_reads_strided_rows_and_keeps_leading_dimensions() -> None:
     x = torch.randn(3, 5, 128)[..., :64]  # rows 128 apart
     y = quant.linear(x, w)
     assert y.shape == (3, 5, 40)
-    _assert_within_bound(y.reshape(15, 40), x.reshape(15, 64), w.dequantize(), None, _terms(w))
+    _assert_linear(y.reshape(15, 40), x.reshape(15, 64), w, None)
 
 
 def test_native_dequantization_is_torchs_bit_for_bit() -> None:

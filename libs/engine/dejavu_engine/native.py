@@ -46,12 +46,14 @@ log = logging.getLogger("dejavu.engine.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 QUANT_SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"  # weight-only quantized GEMMs (dejavu_engine.quant)
+QUANT_GEMM_SOURCE = Path(__file__).parent / "csrc" / "quant_gemm.cpp"  # their many-row GEMM on int8 dot products
 DTYPES = ("float32", "bfloat16")  # the kernels' dtypes: every tensor of a call has one of them
 
 
 # Levels that are an -march level plus features: x86-64-v4 with AVX512-BF16 (Cooper Lake, Sapphire Rapids,
-# Zen 4 on), whose bfloat16 dot products the bfloat16 decode and prefill kernels use.
-_LEVEL_FEATURES = {"x86-64-v4-bf16": ("x86-64-v4", ("-mavx512bf16",))}
+# Zen 4 on), whose bfloat16 dot products the bfloat16 decode and prefill kernels use, and AVX512-VNNI (every
+# CPU with AVX512-BF16 has it), whose int8 dot products the quantized many-row GEMM uses.
+_LEVEL_FEATURES = {"x86-64-v4-bf16": ("x86-64-v4", ("-mavx512bf16", "-mavx512vnni"))}
 
 
 def compile_flags(march: str = "native") -> tuple[str, ...]:
@@ -67,7 +69,7 @@ _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # (x86-64 hosts older than AVX2, about 2013, build for themselves or run without the kernels.)
 PORTABLE: tuple[tuple[str, frozenset[str]], ...] = (
-    ("x86-64-v4-bf16", _V4 | {"avx512_bf16"}),
+    ("x86-64-v4-bf16", _V4 | {"avx512_bf16", "avx512_vnni"}),
     ("x86-64-v4", _V4),
     ("x86-64-v3", _V3),
 )
@@ -101,6 +103,7 @@ def build_key(march: str = "native") -> str:
     cpu = _cpu_flags() if march == "native" else ""
     flags = " ".join(compile_flags(march))
     h.update(QUANT_SOURCE.read_bytes())
+    h.update(QUANT_GEMM_SOURCE.read_bytes())
     for part in (SOURCE.read_bytes(), flags.encode(), torch.__version__.encode(), sys.prefix.encode(), cpu.encode()):
         h.update(part)
     return h.hexdigest()[:16]
@@ -195,7 +198,7 @@ def _build(march: str = "native", folder: Path | None = None) -> ModuleType:
         os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
     return cpp_extension.load(
         name=f"dejavu_kernels_{key}",
-        sources=[str(SOURCE), str(QUANT_SOURCE)],
+        sources=[str(SOURCE), str(QUANT_SOURCE), str(QUANT_GEMM_SOURCE)],
         extra_cflags=list(compile_flags(march)),
         extra_ldflags=["-fopenmp"],
         build_directory=str(folder),

@@ -23,14 +23,29 @@ Formats that use it:
   bits sit in a separate word a block, which the kernels do not unpack). All lossless: the weights are the
   published file's exactly.
 
-:func:`linear` multiplies rows by it in the native kernel (``csrc/quant.cpp``), which widens (and unpacks) each
-weight in registers and reads each byte once: always for per-channel int8, up to :data:`DECODE_ROWS` rows (a
-decode step) for blocks; more rows of a weight of blocks (a prefill, compute-bound) dequantize it to float32 a
-tile of :data:`TILE_ROWS` output rows at a time and run torch's GEMM on each. Without the kernels every call
-dequantizes first. The arithmetic is that of ``x @ dequantize(W).T`` in float32 either way (the kernel distributes
-the scales and offsets; another summation order than a float GEMM's), and an activation of another dtype is
-multiplied in float32 and rounded back. A packed weight computes exactly what the same weight widened to int8
-(:meth:`QuantizedWeight.widen`) computes, bit for bit: the kernel forms the same products in the same order.
+:func:`linear` multiplies rows by it in one of three ways (:func:`_path`):
+
+* the **in-register kernel** (``csrc/quant.cpp``), which widens (and unpacks) each weight to float32 in registers
+  and reads each byte once: always for per-channel int8, and for a weight of blocks below :data:`INT8_ROWS` rows
+  (a decode step of a few rows). Its arithmetic is that of ``x @ dequantize(W).T`` in float32 (the scales and
+  offsets distributed; another summation order than a float GEMM's).
+* the **int8 GEMM** (``csrc/quant_gemm.cpp``, built for AVX512BW hosts) for a weight of blocks of 32 from
+  :data:`INT8_ROWS` rows on (wider decode batches, prefills, prompt chunks: compute-bound). ``x`` is rounded per
+  row per block to 15 bits in two int8 parts, ``x ~ dx * (high + low / 128)`` with ``dx = max|x| / 127`` (``high``
+  is llama.cpp's q8_0 of x; ``low``, in [-64, 64], the rest), and each block's ``xq . v`` (``xq = 128 high + low``)
+  is an exact int32 sum of int8 dot products (AVX512-VNNI), scaled once: ``y = sum_blocks d * dx / 128 * (xq . v)
+  + m * sum(x)``. The weight stays as it is held (packed nibbles or int8), unpacked a panel of output rows at a time
+  into a cache-resident scratch. Against the float product its only extra error is x's rounding, ``|xq * dx / 128
+  - x| <= dx / 256`` an element (tests/engine/test_quant.py holds it to that): q8_0 alone (``dx / 2``) moved the
+  default model's logits by up to 3.3 and 7% of its greedy tokens (read after float32's); the low part, which
+  doubles the dot products, keeps them float32's (``dejavu bench quant``).
+* **dequantized tiles** where the int8 GEMM is not built (AVX2 and scalar hosts) past :data:`DECODE_ROWS` rows:
+  float32 tiles of :data:`TILE_ROWS` output rows, each multiplied by torch's GEMM.
+
+Without the kernels every call dequantizes first. An activation of another dtype is multiplied in float32 and
+rounded back. A packed weight computes exactly what the same weight widened to int8 (:meth:`QuantizedWeight.widen`)
+computes, bit for bit, on every path: the kernels form the same products (the int8 GEMM the same integer sums) in
+the same order.
 
 A QuantizedWeight stands where a family has a dense weight: :mod:`dejavu_engine.gemm` routes ``linear`` /
 ``residual_linear`` here, and it implements torch's ``__torch_function__`` protocol so the families' direct
@@ -54,10 +69,19 @@ from dejavu_engine import native
 
 log = logging.getLogger("dejavu.engine.quant")
 
-# Rows up to which a weight of blocks (GGUF) goes through the in-register kernel; more dequantize tiles for torch's
-# GEMM (measured, 1 thread: even at 32 rows, Q4_1 3072 x 576 kernel 1.55 ms, tiles 1.47 ms). Per-channel int8 always
-# takes the kernel (16 to 256 rows: 0.35 / 0.82, 1.45 / 2.59, 6.39 / 9.58 ms).
+# Rows up to which a weight of blocks (GGUF) goes through the in-register kernel where the int8 GEMM is not built;
+# more dequantize tiles for torch's GEMM (measured, 1 thread: even at 32 rows, Q4_1 3072 x 576 kernel 1.55 ms, tiles
+# 1.47 ms). Per-channel int8 always takes the kernel (16 to 256 rows: 0.35 / 0.82, 1.45 / 2.59, 6.39 / 9.58 ms).
 DECODE_ROWS = 16
+# Rows from which a weight of blocks goes through the int8 GEMM (csrc/quant_gemm.cpp) where it is built, by its dot
+# product. Measured as a decode step meets them, weights out of cache: 60 of SmolLM2's Q4_1 projections in turn (3072
+# x 576 and 576 x 1536, 40 MB, over the 32 MB L3), 1 thread, Zen 5, float kernel / int8 GEMM, ms: with AVX512-VNNI
+# 1 row 4.2 / 7.5, 3 rows 5.9 / 8.0, 4 rows 7.6 / 9.1, 5 rows 10.6 / 9.7, 8 rows 17.1 / 10.7, 16 rows 31 / 14; built
+# without VNNI (vpmaddubsw + vpmaddwd) 5 rows 11.3 / 12.7, 6 rows 13.7 / 13.8, 8 rows 19.5 / 15.2. (With the weights
+# in cache the int8 GEMM is ahead from 3 rows; unpacking a panel costs about what the float kernel's whole pass of a
+# row does, which a few rows do not repay.) Fewer rows keep the float kernel, and x is not rounded.
+INT8_ROWS = 5
+INT8_ROWS_WITHOUT_VNNI = 8
 TILE_ROWS = 256  # output rows of a weight dequantized at a time for many rows (a few hundred KiB: cache-resident)
 INT8_MAX = 127
 BLOCK = 32  # values of a block of packed 4-bit values (GGUF's block), two a byte
@@ -267,8 +291,9 @@ def quantize(weight: torch.Tensor, transposed: bool = False) -> QuantizedWeight:
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` over the last dimension of ``x`` for a (not transposed) quantized ``[out, in]`` weight;
-    in float32, rounded to ``x``'s dtype. The native in-register kernel (per channel, or few rows), else dequantized
-    tiles and torch's GEMM."""
+    in float32, rounded to ``x``'s dtype. The native in-register kernel (per channel, or few rows), the int8 GEMM
+    (a weight of blocks, :data:`INT8_ROWS` rows or more, where it is built), else dequantized tiles and torch's
+    GEMM."""
     if weight.transposed:
         raise ValueError("linear takes an [out, in] weight; this quantized weight is transposed")
     n, k = weight.q.shape[0], weight.columns
@@ -278,19 +303,43 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     if x2.dtype != torch.float32:
         x2 = x2.float()
     b = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
-    op = _ops()
-    per_channel = weight.scale.shape[1] == 1 and weight.offset is None
-    if op is not None and x2.device.type == "cpu" and (x2.shape[0] <= DECODE_ROWS or per_channel):
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        if weight.packed:
-            y = op.quant_linear4(x2, weight.q, weight.scale, weight.offset, b, weight.zero)
-        else:
-            y = op.quant_linear(x2, weight.q, weight.scale, weight.offset, b)
-    else:
+    op: Any = _ops() if x2.device.type == "cpu" else None
+    path = _path(weight, x2.shape[0], op)
+    if path == "tiles":
         y = _dequantized_linear(x2, weight)
         if b is not None:
             y += b
+    else:
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        if path == "int8":
+            y = op.quant_gemm(x2, weight.q, weight.scale, weight.offset, b, weight.zero)
+        elif weight.packed:
+            y = op.quant_linear4(x2, weight.q, weight.scale, weight.offset, b, weight.zero)
+        else:
+            y = op.quant_linear(x2, weight.q, weight.scale, weight.offset, b)
     return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def _path(weight: QuantizedWeight, rows: int, op: Any) -> str:
+    """Which kernel multiplies ``rows`` rows by ``weight``: ``"kernel"`` (the float in-register kernel), ``"int8"``
+    (the int8 GEMM, for weights of blocks of :data:`BLOCK`) or ``"tiles"`` (dequantized tiles, torch's GEMM)."""
+    if op is None:
+        return "tiles"
+    if weight.scale.shape[1] == 1 and weight.offset is None:  # per channel
+        return "kernel"
+    int8_rows = _int8_rows()
+    if int8_rows is not None and rows >= int8_rows and weight.group == BLOCK:
+        return "int8"
+    return "kernel" if rows <= DECODE_ROWS else "tiles"
+
+
+@functools.cache
+def _int8_rows() -> int | None:
+    """Rows from which the int8 GEMM runs here (:data:`INT8_ROWS` with AVX512-VNNI, :data:`INT8_ROWS_WITHOUT_VNNI`
+    on AVX512BW alone); None where the extension is not built with it."""
+    op = _ops()
+    dot = int(op.quant_int8_dot()) if op is not None else 0
+    return {2: INT8_ROWS, 1: INT8_ROWS_WITHOUT_VNNI}.get(dot)
 
 
 def _dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -551,6 +551,11 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize4(const 
 // The SIMD width the kernels were built with (16: AVX-512, 8: AVX2, 1: scalar).
 int64_t quant_lanes() { return kLanes; }
 
+// quant_gemm.cpp: weights in blocks of 32 times many rows, on int8 dot products.
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t zero);
+int64_t quant_int8_dot();
+
 // Registers the operators in namespace `ns` (the extension's name), once per library; called by Python through
 // ctypes when it first uses them (dejavu_engine.quant). Not a static initializer: a second copy of a build loaded
 // in one process (a build made ahead, tried beside this host's own) would register the same names again, and an
@@ -570,6 +575,9 @@ extern "C" __attribute__((visibility("default"))) int dejavu_quant_register(cons
     made->def("quant_dequantize4(Tensor q, Tensor scale, Tensor? offset, int zero, int first, int last) -> Tensor",
               &quant_dequantize4);
     made->def("quant_lanes() -> int", &quant_lanes);
+    made->def("quant_gemm(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int zero) -> Tensor",
+              &quant_gemm);
+    made->def("quant_int8_dot() -> int", &quant_int8_dot);
     library = made;
     return 0;
   } catch (const std::exception& exc) {
