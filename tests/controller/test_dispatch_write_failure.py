@@ -97,13 +97,12 @@ def test_a_failed_dispatch_write_unforms_its_microbatch_and_redispatches_it_late
         finally:
             loop.cancel()
             await asyncio.gather(loop, return_exceptions=True)
-        ((_, fields),) = await r.xrange(keys.PROMPT_QUEUE)
-        task = PromptTask.decode(fields[b"task"])
-        (piece,) = task.pieces
-        (mb,) = backend.scheduler.active.values()
-        assert piece.mb_id == mb.spec.mb_id and list(backend._stream_ids) == [mb.spec.mb_id]
-        spec = MicrobatchSpec.decode(await r.get(keys.microbatch(mb.spec.mb_id)))
-        assert [row.request_id for row in spec.rows] == ["first", "second"]
+        # Each request is a microbatch of its own (request scheduling); prompt tasks pack them.
+        tasks = [PromptTask.decode(fields[b"task"]) for _, fields in await r.xrange(keys.PROMPT_QUEUE)]
+        pieces = [piece.mb_id for task in tasks for piece in task.pieces]
+        assert sorted(pieces) == sorted(backend.scheduler.active) == sorted(backend._stream_ids)
+        specs = [MicrobatchSpec.decode(await r.get(keys.microbatch(mb))) for mb in sorted(pieces)]
+        assert [row.request_id for spec in specs for row in spec.rows] == ["first", "second"]
         assert all(q.status is RequestStatus.SCHEDULED for q in requests)
         await first.aclose()
         await second.aclose()

@@ -1,14 +1,17 @@
-"""A request-scheduled pipeline (a colocated one-stage deployment, the default) batches requests of any lengths
-together and survives a SIGKILL of its worker with exact streams.
+"""A request-scheduled pipeline (one colocated stage, the default deployment, or token stages fed by a prompt
+pipeline) batches requests of any lengths together and survives a SIGKILL of a token worker with exact streams.
 
 Each request has its own positions and blocks, so a short request batched beside a long prompt gets every token it
 asked for, and a chat turn without ``max_tokens`` gets the rest of the context, not what is left of a padded
-microbatch's span. The worker is killed mid-answer; the spare that takes the stage over continues every stream from
-its token stream (its prompt and delivered tokens recomputed in one go), so each text equals the failure-free one.
+microbatch's span. A token worker is killed mid-answer: on one colocated stage, the spare that takes it over
+continues every stream from its token stream (its prompt and delivered tokens recomputed in one go); on two token
+stages fed by a prompt pipeline, the replacement is restored from its peer's replica and every request resumes
+where the stages' KV reaches. Each text equals the failure-free one.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -29,8 +32,19 @@ SHORT = "Count with me: one, two, three,"  # ~10 tokens
 CHAT = "Write a short poem about the sea."
 
 
-def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, model) -> None:
-    settings = cluster_settings(redis_url, model, mode=Mode.COLOCATED, token_depth=1, token_microbatch=4)
+@pytest.mark.parametrize(
+    ("deployment", "killed"),
+    [
+        pytest.param(dict(mode=Mode.COLOCATED, token_depth=1), 0, id="colocated-1"),
+        # A prompt pipeline streams each prompt's KV to two token stages, each replicating what every pass wrote
+        # to the other: the last token stage is killed and its replacement restored from stage 0's replica; each
+        # request resumes from the positions both stages hold, the tokens published meanwhile read back.
+        pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2), 1, id="1P+2T"),
+    ],
+)
+def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, model, deployment, killed) -> None:
+    settings = cluster_settings(redis_url, model, token_microbatch=4, **deployment)
+    depth = settings.controller.token_depth
     settings.engine.max_context = CONTEXT
     ref = Reference(model)
     long_len = len(ref.tokenizer.encode(LONG))
@@ -75,7 +89,7 @@ def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, m
             t.start()
         for _ in range(60):  # the short answer is streaming beside the others: kill the worker mid-answer
             assert streamed.acquire(timeout=120), f"no progress\n{logs(launcher)}"
-        victim = _holder(settings, 0)
+        victim = _holder(settings, killed)
         _kill(launcher, victim)
         for t in threads:
             t.join(300)
@@ -86,7 +100,10 @@ def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, m
         for key, text in expected.items():
             assert texts[key] == text, f"{key}: {texts[key]!r}\n!=\n{text!r}\n{logs(launcher)}"
         assert finishes["short"] == "length" and finishes["long"] in ("length", "stop")
-        assert "request scheduling: a paged pool" in logs(launcher, tail=None)
+        text = logs(launcher, tail=None)
+        assert "request scheduling: a paged pool" in text
+        if depth > 1:  # the streaming request resumed from the replicas (a prompt still computing re-runs)
+            assert re.search(r"resumed requests \[\d+", text), text[-4000:]
 
 
 def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, model, capsys) -> None:

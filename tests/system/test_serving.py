@@ -163,13 +163,15 @@ def test_prompt_tasks_feeding_token_microbatches_of_different_prompt_lengths(
 def test_paged_pools_too_small_for_the_microbatches_in_flight_preempt_and_lose_nothing(
     redis_url, model, reference
 ) -> None:
-    """1P + 2T, KV in pools of 40 blocks of 4 positions per token stage: three microbatches of two
-    40-token answers need up to 84 blocks a stage at their longest. Stages move the caches of
-    microbatches outside a pass to host memory when the pass needs room (and stage 0 sets the
-    latest-joined member of a cohort aside when its own members cannot fit); preempted microbatches come
-    back when computed again: every answer is transformers', and none fails."""
+    """1P + 2T batching microbatch cohorts (``engine.request_scheduling`` off, as swapping runs), KV in pools of 40
+    blocks of 4 positions per token stage: three microbatches of two 40-token answers need up to 84 blocks a stage
+    at their longest. Stages move the caches of microbatches outside a pass to host memory when the pass needs
+    room (and stage 0 sets the latest-joined member of a cohort aside when its own members cannot fit); preempted
+    microbatches come back when computed again: every answer is transformers', and none fails."""
     deployment = dict(prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2)
-    log_text = _answers_from_small_pools(cluster_settings(redis_url, model, **deployment), reference)
+    settings = cluster_settings(redis_url, model, **deployment)
+    settings.engine.request_scheduling = False
+    log_text = _answers_from_small_pools(settings, reference)
     assert "moved to host memory" in log_text, log_text[-3000:]  # preempted, and lost nothing
 
 
@@ -195,6 +197,10 @@ def _answers_from_small_pools(settings, reference: Reference, host_bytes: int | 
     "deployment",
     [
         pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2), id="1P+2T"),
+        pytest.param(
+            dict(prompt_depth=1, token_depth=2, prompt_microbatch=2, token_microbatch=2, request_scheduling=False),
+            id="1P+2T-cohorts",
+        ),
         pytest.param(dict(mode=Mode.COLOCATED, token_depth=1, token_microbatch=2), id="colocated"),
     ],
 )
@@ -205,9 +211,14 @@ def test_with_no_host_memory_for_preempted_caches_stage_0_recomputes_them_and_lo
     discards the KV of the microbatches it preempts. Stage 0 brings each back through one prefill pass of its
     prompt and every token it generated, through every stage (the others drop and rewrite theirs); a later
     stage that discarded one leaves it out of the next step and hands it back to stage 0 to recompute.
-    Every answer is still transformers', token for token."""
-    log_text = _answers_from_small_pools(cluster_settings(redis_url, model, **deployment), reference, host_bytes=1)
+    Every answer is still transformers', token for token. A request-scheduled pipeline (the default) preempts by
+    recompute alone: stage 0's policy gives the request's blocks back and computes its prompt and tokens again."""
+    deployment = dict(deployment)
+    cohorts = deployment.pop("request_scheduling", True) is False
+    settings = cluster_settings(redis_url, model, **deployment)
+    settings.engine.request_scheduling = not cohorts
+    log_text = _answers_from_small_pools(settings, reference, host_bytes=1)
     assert "to be recomputed" in log_text, log_text[-3000:]
-    if deployment.get("mode") is not Mode.COLOCATED:  # a request-scheduled pipeline preempts by recompute alone
+    if cohorts:
         assert "recomputing microbatch" in log_text, log_text[-3000:]
     assert "moved to host memory" not in log_text  # stage 1 discards too

@@ -32,13 +32,10 @@ from dejavu_common.messages import (
     TokenStep,
 )
 from dejavu_common.sched import FREED, BlockBook, Budget, ScheduledPass, Scheduler, most_blocks
-from dejavu_common.settings import Settings
 from dejavu_common.signing import token_entry
-from dejavu_common.tokenizer import Tokenizer
-from dejavu_engine.checkpoint import ensure_default_model
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.stage import Stage
-from dejavu_token_worker.driver import ensure_group
+from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import PassLogits, SliceExecutor
 from dejavu_token_worker.loop import RequestLoop
 from dejavu_token_worker.runner import history
@@ -49,29 +46,9 @@ pytestmark = pytest.mark.model
 
 BLOCK = 16
 DEADLINE_S = 60.0  # a loop that stops making progress fails the test instead of hanging it
-TEXT = (
-    "The lighthouse keeper climbed the narrow stairs every evening at dusk, carrying a can of oil and a rag. "
-    "From the lamp room he could see the whole bay: the fishing boats coming home, the gulls circling the "
-    "harbour wall, and the long grey line of the cliffs to the north. His grandfather had kept the same light "
-    "for forty years, and had written down the weather every single day in a leather notebook that still sat "
-    "on the shelf by the window. Storms were recorded in red ink, calm days in black, and fog in a careful "
-    "pencil that had faded to almost nothing. When the new electric lamp was installed, the engineers told "
-    "him that nobody would need to climb the stairs any more, that the light would switch itself on and off "
-    "with a clock. He thanked them politely, and kept climbing anyway, because the bay looked different from "
-    "up there, and because somebody ought to write down the weather. In the spring a young woman from the "
-    "university came to study the notebooks. She wanted to know whether the winters had grown milder, whether "
-    "the storms came earlier in the year, and whether the fog was thicker than it used to be. Together they "
-    "spent many afternoons turning the brittle pages and copying numbers into her computer."
-)
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    """The default model's prepared folder (converted once, never downloaded)."""
-    return ensure_default_model(Settings())
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +58,6 @@ def stage(folder: Path) -> Stage:
     if not stage.paged_attention:
         pytest.skip("the request loop needs the native paged attention kernels (see TokenWorker._schedules_requests)")
     return stage
-
-
-@pytest.fixture(scope="module")
-def text_ids(folder: Path) -> list[int]:
-    ids = Tokenizer.from_pretrained(folder).encode(TEXT)
-    assert len(ids) >= 220
-    return ids
 
 
 class Reference:
@@ -132,14 +102,6 @@ def reference(folder: Path, stage: Stage) -> Reference:
     return ref
 
 
-@pytest.fixture
-def client(redis_url: str):
-    client = redis.Redis.from_url(redis_url)
-    ensure_group(client, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
-    yield client
-    client.close()
-
-
 # -- helpers ----------------------------------------------------------------------------------------
 
 
@@ -158,9 +120,8 @@ def _loop(
     book = BlockBook(pool.max_blocks, BLOCK, b"SmolLM2-135M|float32|16", caching=caching)
     scheduler = Scheduler(book, Budget(tokens=tokens, max_running=max_running), stage.kv_window)
     metrics = WorkerMetrics("t0", "token")
-    return RequestLoop(
-        scheduler, SliceExecutor(stage, pool), client, "t0", metrics, None, stage.spec.eos_token_ids, [], max_recomputes
-    )
+    emitter = Emitter(client, None, stage.spec.eos_token_ids)
+    return RequestLoop(scheduler, SliceExecutor(stage, pool), client, "t0", metrics, emitter, [], max_recomputes)
 
 
 def _spec(mb: int, prompt: list[int], sampling: SamplingSpec, rows: int = 1) -> MicrobatchSpec:

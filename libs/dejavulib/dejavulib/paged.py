@@ -24,7 +24,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -226,6 +226,22 @@ class PagedKVCache:
         self._host: KVCache | None = None  # positions [0, filled) while evicted
         self._lock = threading.RLock()
         self._finalizer = weakref.finalize(self, _release, pool, self.table)
+
+    @classmethod
+    def view(cls, pool: BlockPool, layout: KVLayout, table: Sequence[int], filled: int) -> PagedKVCache:
+        """A one-row cache over blocks someone else owns (a pool whose ids a book hands out: table entry ``i``
+        holds positions ``[i * block_size, (i + 1) * block_size)``, a negative entry none), holding positions
+        ``[0, filled)``: what moves a request's KV through the library (replication, restores). It never takes
+        or returns a block."""
+        if layout.batch != 1 or len(table) * pool.geometry.block_size < layout.max_len:
+            raise ValueError(f"a view is one row whose table covers its {layout.max_len} positions")
+        cache = cls(pool, layout)
+        cache._finalizer.detach()
+        n = cache.table.shape[1]
+        cache.table[0] = torch.tensor([max(b, -1) for b in table[:n]], dtype=torch.long)
+        cache.filled = filled
+        cache.closed = True  # holding() never takes blocks for it
+        return cache
 
     # -- what a KVCache offers ------------------------------------------------------------------------
     @property

@@ -6,6 +6,8 @@ Kinds of traffic, each on its own channel so different threads can wait on each:
   RELEASE frees a microbatch's caches. A token pipeline's pass is a *cohort step*: it batches several
   microbatches (``members``: each one's id and step, in row order), iteration-level batching;
 - token returns (TOKENS): the last token stage hands stage 0 a cohort step's tokens, per member;
+- a request-scheduled pipeline's passes (ACTIVATION, :class:`SlicePass`: per-request slices and their hidden
+  states) and their returns (TOKENS, :class:`PassReturn`: what each request sampled);
 - KV (KV_PROMPT, KV_REPLICA, KV_RESTORE): regions of caches, moved by DejaVuLib itself
   (``stream_out`` / ``Streamer.submit_region`` / ``stream_in``): the message's sealed header names the
   destination microbatch, layers, rows, positions and step, and the payload is the packed region.
@@ -28,8 +30,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
-from dejavu_common.messages import Message, PromptTask
+from dejavu_common.messages import Message, MicrobatchSpec, PromptTask
 
 _LEN = struct.Struct("<I")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
@@ -172,3 +175,77 @@ class TokenReturnMeta(Message):
 
     cohort: int
     members: tuple[tuple[int, int, tuple[int, ...], bool, tuple[int, ...] | None, bool], ...]
+
+
+class WireSlice(Message):
+    """One request's slice of a request-scheduled pass, as the stages after the first see it: the request
+    (``mb``: its one-row microbatch), positions ``[start, start + length)`` written into the blocks of ``table``,
+    whether the pass samples its next token (``samples``) and returns the logits of its every position
+    (``every``: its prompt's log probabilities), and how many tokens it has emitted (``generated``). ``spec``: the
+    controller's spec of the request, carried in its first slice after stage 0 (re)admitted it, so the last
+    stage never polls Redis for it. ``streamed``: the first slice of a request whose prompt the prompt pipeline
+    computed: each stage first writes the prompt KV it received into the request's blocks."""
+
+    mb: int
+    start: int = Field(ge=0)
+    length: int = Field(ge=1)
+    table: tuple[int, ...]
+    samples: bool
+    every: bool = False
+    generated: int = Field(0, ge=0)
+    spec: MicrobatchSpec | None = None
+    streamed: bool = False  # its prompt KV came from the prompt pipeline: placed into its blocks first
+
+
+class SlicePassMeta(Message):
+    """A request-scheduled pass's meta on the wire (see :class:`SlicePass`)."""
+
+    pass_id: int
+    slices: tuple[WireSlice, ...]
+    ended: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlicePass:
+    """One pass of a request-scheduled pipeline moving down its stages: every slice's hidden states back to back
+    (``tensor``, ``[1, tokens, hidden]``) and the slices in that order. ``ended``: requests stage 0 ended since its
+    previous pass (every stage forgets them: the replicas it keeps, the last stage its records). A pass without
+    slices (and without a tensor) only says what ended, when no pass followed soon."""
+
+    pass_id: int
+    slices: tuple[WireSlice, ...]
+    tensor: torch.Tensor | None
+    ended: tuple[int, ...] = ()
+
+    def encode(self) -> bytes:
+        meta = SlicePassMeta(pass_id=self.pass_id, slices=self.slices, ended=self.ended)
+        return frame(meta.model_dump(mode="json", exclude_none=True), self.tensor)
+
+    @classmethod
+    def decode(cls, payload: memoryview | bytes) -> SlicePass:
+        """Raises ``ValueError`` for a payload that is not a request-scheduled pass of this version."""
+        raw, tensor = unframe(payload)
+        m = SlicePassMeta.model_validate(raw)
+        if (tensor is None) != (not m.slices):
+            raise ValueError("a request-scheduled pass carries the hidden states of its slices, and only then")
+        return cls(m.pass_id, m.slices, tensor, m.ended)
+
+
+class Outcome(Message):
+    """What the last stage sampled for one request of a pass: ``token`` (-1: none, the request ended without one:
+    cancelled, or its grammar refused) and whether its stream ended with it (``ended``)."""
+
+    mb: int
+    token: int
+    ended: bool
+
+
+class PassReturn(Message):
+    """The last stage's answer to a request-scheduled pass: each sampling request's :class:`Outcome`; or ``error``
+    (the pass's own values broke it on some stage: stage 0 fails its requests); or ``broken`` (an error the stage
+    outlives, Redis refusing the tokens, stopped it: its requests run again from their token streams)."""
+
+    pass_id: int
+    outcomes: tuple[Outcome, ...] = ()
+    error: str | None = None
+    broken: bool = False

@@ -229,6 +229,13 @@ class DataEndpoint:
                     time.sleep(delay)
                     delay = min(2 * delay, 1.0)
 
+    def forget_peers(self) -> None:
+        """Forget every peer (this worker left the topology: its peers forgot it, so a connection kept from
+        before would lead nowhere); the next :meth:`connect_all` connects afresh."""
+        for peer in list(self._addresses):
+            del self._addresses[peer]
+            self._ep.forget(peer)
+
     def check_receive_path(self) -> None:
         """End the process if messages sent to it no longer arrive (``Transport.receive_path_ok``: a peer
         killed while writing into this worker's shared-memory receive FIFO blocks it for good, and nothing

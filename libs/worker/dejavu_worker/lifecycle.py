@@ -93,6 +93,8 @@ class WorkerProcess(abc.ABC):
         a subclass frees it here."""
         if self.assignment is not None:
             log.info("the topology of epoch %d gives %s no stage: it stands by", epoch, self.worker_id)
+        if self.endpoint is not None:  # its peers forgot it: connections kept from before would lead nowhere
+            self.endpoint.forget_peers()
 
     def snapshot(self) -> StageSnapshot:
         """What this worker holds now, for its metrics; called on the scraping thread, so it reads without

@@ -645,14 +645,13 @@ class PipelineBackend:
 
 
 def schedules_requests(settings: Settings) -> bool:
-    """Whether the token pipeline schedules requests, not microbatches (a colocated one-stage pipeline over the
-    paged pool, ``engine.request_scheduling``: the token worker's ``RequestLoop``): then each request is a
-    microbatch of its own, dispatched at once, and the pipeline's policy decides when it joins a pass."""
-    c, engine = settings.controller, settings.engine
+    """Whether the token pipeline schedules requests, not microbatches (token stages over paged pools,
+    ``engine.request_scheduling``, no swapping: the token workers' ``RequestLoop``): then each request is a
+    microbatch of its own, dispatched at once (prompt tasks of a prompt pipeline pack several), and the token
+    pipeline's policy decides when it joins a pass."""
+    engine = settings.engine
     return (
-        c.mode is Mode.COLOCATED
-        and c.token_depth == 1
-        and engine.request_scheduling
+        engine.request_scheduling
         and engine.kv_block_size > 0
         and not settings.swap.enabled
     )

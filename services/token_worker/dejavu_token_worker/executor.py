@@ -1,14 +1,15 @@
-"""One pass of per-request slices on a stage that computes them all: the executor of a request-scheduled pipeline.
+"""One pass of per-request slices on one stage: the executor of a request-scheduled pipeline.
 
-No policy here: the pass comes planned (:class:`dejavu_common.sched.ScheduledPass`, whose block ids are the pool's),
-the executor makes the blocks it names, feeds every slice's tokens back to back through
-:meth:`~dejavu_engine.stage.Stage.forward_slices` and hands back the logits the sampler and the log probabilities
-need: each slice's last position, and every position of the slices that ask for their prompt's log probabilities.
+No policy here: the pass comes planned (by stage 0's :class:`dejavu_common.sched.Scheduler`, whose block ids every
+stage's pool uses), the executor makes the blocks it names, feeds every slice's tokens (or the hidden states the
+stage before returned) back to back through :meth:`~dejavu_engine.stage.Stage.forward_slices` and hands back the
+hidden states for the next stage or, on the last stage, the logits the sampler and the log probabilities need: each
+slice's last position, and every position of the slices that ask for their prompt's log probabilities.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,15 @@ from dejavu_common.sched import ScheduledPass
 from dejavu_engine.geometry import Slice
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
+from dejavulib.layout import KVLayout
 from dejavulib.paged import BlockPool
+
+
+def request_layout(pool: BlockPool, blocks: int) -> KVLayout:
+    """The layout of one request's KV on the stage of ``pool`` whose table has ``blocks`` entries (the coordinates
+    a view of it moves through DejaVuLib: :meth:`~dejavulib.paged.PagedKVCache.view`)."""
+    g = pool.geometry
+    return KVLayout(g.layers, 1, g.kv_heads, blocks * g.block_size, g.head_dim, g.dtype, g.first_layer)
 
 
 @dataclass(frozen=True)
@@ -30,33 +39,48 @@ class PassLogits:
 
 
 class SliceExecutor:
-    """Runs planned passes of a one-stage pipeline (prompts and decodes alike) over its paged pool."""
+    """Runs planned passes over one stage's paged pool (prompts and decodes alike): stage 0 feeds the slices'
+    token ids, a later stage the hidden states the stage before returned; the last stage returns logits, the
+    others hidden states."""
 
     def __init__(self, stage: Stage, pool: BlockPool) -> None:
-        if not stage.is_first or not stage.is_last:
-            raise ValueError("a request-scheduled pass runs on a stage that holds every layer")
         self.stage = stage
         self.pool = pool
 
-    def run(self, step: ScheduledPass, every: Collection[int] = ()) -> PassLogits:
-        """Compute ``step``: every slice's positions write their K/V into its blocks and attend over its own
-        positions before them. ``every``: indices of slices whose every position's logits are returned too."""
-        self.pool.ensure(b for s in step.slices for b in s.new_blocks)
+    def run(self, step: ScheduledPass, every: Collection[int] = ()) -> PassLogits | torch.Tensor:
+        """Compute ``step`` on stage 0 from its requests' token ids (see :meth:`forward`)."""
         ids: list[int] = []
+        for s in step.slices:
+            ids += s.request.token_ids[s.start : s.start + s.length]
+        pieces = [(Slice(s.table, s.start, s.length), s.new_blocks) for s in step.slices]
+        return self.forward(pieces, StageIO(input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0)), every)
+
+    def forward(
+        self, pieces: Sequence[tuple[Slice, Iterable[int]]], io: StageIO, every: Collection[int] = ()
+    ) -> PassLogits | torch.Tensor:
+        """One pass of ``pieces`` (each slice with the blocks new to its table, made here first): every slice's
+        positions write their K/V into its blocks and attend over its own positions before them. ``io``: the
+        slices' tokens back to back (``input_ids`` into stage 0, ``hidden`` into the others). Returns the hidden
+        states ``[1, tokens, hidden]`` from a stage that is not the last; from the last, the logits of each slice's
+        last position and, for the indices in ``every``, of its every position."""
+        self.pool.ensure(b for _s, new in pieces for b in new)
+        slices = [s for s, _new in pieces]
+        if not self.stage.is_last:
+            hidden = self.stage.forward_slices(io, self.pool, slices).hidden
+            assert hidden is not None  # a stage that is not the last returns hidden states
+            return hidden
         at: list[int] = []  # the pass's token indices whose logits come back, slice by slice
         last: list[int] = []  # per slice, the index in ``at`` of its last position
         spans: dict[int, tuple[int, int]] = {}  # slice -> its range in ``at`` (slices in ``every``)
-        for i, s in enumerate(step.slices):
-            first = len(ids)
-            ids += s.request.token_ids[s.start : s.start + s.length]
+        first = 0
+        for i, s in enumerate(slices):
             if i in every:
                 spans[i] = (len(at), len(at) + s.length)
-                at += range(first, len(ids))
+                at += range(first, first + s.length)
             else:
-                at.append(len(ids) - 1)
+                at.append(first + s.length - 1)
+            first += s.length
             last.append(len(at) - 1)
-        slices = [Slice(s.table, s.start, s.length) for s in step.slices]
-        io = StageIO(input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0))
         out = self.stage.forward_slices(io, self.pool, slices, logits_at=at)
         assert out.logits is not None  # a last stage returns logits
         logits = out.logits[:, 0]

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +69,20 @@ class ReplicaSender:
             header = Header(Channel.KV_REPLICA, microbatch=state.mb_id, step=step)
             self.endpoint.send_region(self.peer, header, cache, region)
 
+    def send_slices(self, pool: BlockPool, written: Iterable[tuple[int, Sequence[int], int, int]]) -> None:
+        """Replicate what one pass of a request-scheduled pipeline wrote on this stage: per request ``(request,
+        table, first, end)``, positions ``[first, end)`` of the blocks of ``table`` in ``pool`` (from 0 on a
+        request's first pass since it was admitted: a replica starts at its first position). The watermark a
+        replica of a request keeps is the last position it holds (:attr:`Replica.by_position`)."""
+        if self.peer is None:
+            return
+        g = pool.geometry
+        for mb, table, first, end in written:
+            layout = KVLayout(g.layers, 1, g.kv_heads, len(table) * g.block_size, g.head_dim, g.dtype, g.first_layer)
+            view = PagedKVCache.view(pool, layout, table, end)  # the layout executor.request_layout names
+            region = layout.region(positions=(first, end), microbatch=mb)
+            self.endpoint.send_region(self.peer, Header(Channel.KV_REPLICA, microbatch=mb, step=end - 1), view, region)
+
 
 @dataclass(eq=False)
 class Replica:
@@ -83,13 +97,25 @@ class Replica:
     chunks: list[tuple[int, Region]] = field(default_factory=list)  # on disk (``disk``, ``both``): key, region
     step: int = -1  # the watermark: the last step up to which every step is held
     ahead: set[int] = field(default_factory=set)  # steps held past a hole (not yet contiguous)
+    by_position: bool = False  # a request's replica: the watermark is the last position held (see record)
 
     def record(self, positions: tuple[int, int], chunk_step: int) -> int:
         """Record a replica of ``positions`` as of ``chunk_step``; returns the watermark. A region from
         position 0 (the prompt, or a whole cache restored as of a step) holds every step up to its own; a
         decode step's region holds its step only. A step that arrives past a hole (a message lost on the
         way) waits above the watermark until the hole is filled, so a restore never serves the hole as
-        data: recovery resumes from before it instead."""
+        data: recovery resumes from before it instead.
+
+        A request's replica (``by_position``, request-scheduled pipelines) counts positions instead: a region
+        that starts at or before the position after the watermark moves the watermark to its last position; one
+        past a hole leaves it where it is."""
+        if self.by_position:
+            if positions[0] <= self.step + 1:
+                self.step = max(self.step, positions[1] - 1)
+            else:
+                log.warning("replica of request %d: positions %s arrived past a hole after position %d",
+                            self.mb_id, positions, self.step)  # fmt: skip
+            return self.step
         if positions[0] == 0 or chunk_step <= self.step + 1:
             self.step = max(self.step, chunk_step)
         else:
@@ -131,8 +157,10 @@ class ReplicaStore:
         worker_id: str = "replicas",
         block_size: int = 16,
         memory_bytes: int = 1 << 30,
+        by_position: bool = False,
     ) -> None:
         self.redis = client
+        self.by_position = by_position  # replicas of requests (one row each), watermarks in positions
         # Signs the watermarks it publishes (the worker's key, dejavu_common.signing; None: unsigned).
         self.signer: EntrySigner | None = None
         self.abandon = abandon  # stops a wait for a spec once a newer epoch exists
@@ -253,7 +281,9 @@ class ReplicaStore:
             with self.lock:
                 if self._closed or mb_id in self._finished:
                     return None
-                replica = self.replicas.setdefault(mb_id, Replica(mb_id, layout, spec.max_len, cache))
+                replica = self.replicas.setdefault(
+                    mb_id, Replica(mb_id, layout, spec.max_len, cache, by_position=self.by_position)
+                )
             if cache is not None and replica.cache is not cache:
                 cache.free()  # another thread made it first
         if replica.cache is not None:  # raises past the span

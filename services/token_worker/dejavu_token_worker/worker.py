@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -27,16 +28,19 @@ import redis
 from dejavu_common import keys, tracing
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.fatal import guarded
-from dejavu_common.messages import PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
+from dejavu_common.messages import MicrobatchSpec, PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
 from dejavu_common.sched import BlockBook, Budget, Scheduler
 from dejavu_common.settings import Mode, Replication, Settings
 from dejavu_common.tracing import RowSpans
 from dejavu_engine.stage import Stage
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
+from dejavu_token_worker.arrivals import PromptArrivals
 from dejavu_token_worker.driver import PASS_DEADLINES, Driver, ensure_group
+from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import SliceExecutor
-from dejavu_token_worker.loop import RequestLoop
+from dejavu_token_worker.follow import SliceFollower
+from dejavu_token_worker.loop import Downstream, RequestLoop
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
@@ -44,10 +48,11 @@ from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
 from dejavu_worker.endpoint import Channel, largest_message
 from dejavu_worker.lifecycle import SERVE_RETRYABLE, WorkerProcess
 from dejavu_worker.metrics import PoolUsage, RepairRole, StageSnapshot
-from dejavu_worker.microbatch import KVStatus, MicrobatchState
+from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
 from dejavu_worker.swap import SwapManager
 from dejavulib.errors import DejaVuLibError, IntegrityError, ProtocolError
-from dejavulib.paged import BlockGeometry
+from dejavulib.kvcache import KVCache
+from dejavulib.paged import BlockGeometry, PagedKVCache
 from dejavulib.streaming import region_of
 
 log = logging.getLogger("dejavu.token_worker")
@@ -64,7 +69,11 @@ class TokenWorker(WorkerProcess):
         self.held_tasks: list[PromptTask] = []  # colocated tasks of an epoch this worker does not serve yet
         self.recovered_epoch: int | None = None  # the epoch whose recovery (or fresh start) this stage did
         self.driver: Driver | None = None  # stage 0's driver of ``recovered_epoch``
-        self.loop: RequestLoop | None = None  # the loop of a request-scheduled pipeline (instead of a driver)
+        self.slices: SliceExecutor | None = None  # a request-scheduled pipeline's stage (instead of the runner's)
+        self.emitter: Emitter | None = None  # its sampling end (used on its last stage)
+        self.loop: RequestLoop | None = None  # its stage 0's loop (instead of a driver)
+        self.follower: SliceFollower | None = None  # its later stages' (instead of the runner's follow)
+        self.arrivals: PromptArrivals | None = None  # disaggregated: the prompt KV streamed to its stages
         self._broken: tuple[memoryview | bytes, float] | None = None  # a later stage's message an error broke
 
     # -- lifecycle hooks ----------------------------------------------------------------------
@@ -91,9 +100,16 @@ class TokenWorker(WorkerProcess):
             )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
         pool = None
-        self.loop = None
-        if self._schedules_requests(topology, stage, swap):
-            self.loop = self._request_loop(stage, topology)
+        self.loop, self.follower, self.slices, self.emitter, self.arrivals = None, None, None, None, None
+        requests = self._schedules_requests(topology, stage, swap)
+        if requests:
+            self.slices = self._slice_executor(stage, topology)
+            self.emitter = Emitter(self.redis, self.signer, stage.spec.eos_token_ids)
+            if topology.mode == Mode.DISAGGREGATED.value:
+                index = assignment.stage
+                self.arrivals = PromptArrivals(
+                    assignment.layers, self._spec_of, lambda a: trace_arrival(a.spec, index, a.first_ns)
+                )
         elif swap is None and engine.kv_block_size > 0 and not stage.paged_attention:
             log.info(
                 "paged KV pool off: no paged attention kernel for this stage (%s, %s): contiguous caches",
@@ -130,6 +146,14 @@ class TokenWorker(WorkerProcess):
         if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
             # Created before this worker reports SERVING, so no announcement is missed.
             self.ready = ReadyPrompts(self.redis, signer=self.signer)
+        if requests and assignment.stage == 0:
+            assert self.slices is not None and self.emitter is not None
+            self.loop = self._request_loop(self.slices, self.emitter, len(topology.token_stages))
+        elif requests:
+            assert self.slices is not None
+            last = assignment.stage == len(topology.token_stages) - 1
+            self.follower = SliceFollower(self.slices, self.endpoint, self.emitter if last else None, self.arrivals,
+                                          self.settings.transport.deadline_s)  # fmt: skip
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
@@ -142,28 +166,40 @@ class TokenWorker(WorkerProcess):
         )
 
     def _schedules_requests(self, topology: Topology, stage: Stage, swap: SwapManager | None) -> bool:
-        """Whether this stage runs a request-scheduled pipeline (:class:`RequestLoop`): the whole model in one
-        colocated stage over a paged pool whose attention runs natively, ``engine.request_scheduling`` on."""
+        """Whether this stage belongs to a request-scheduled pipeline (stage 0's :class:`RequestLoop`, the others'
+        :class:`SliceFollower`): token stages, colocated or fed by a prompt pipeline, over paged pools whose
+        attention runs natively, ``engine.request_scheduling`` on, no swapping. The controller decides the same way
+        (``pipeline_backend.schedules_requests``)."""
         engine = self.settings.engine
-        return (
-            engine.request_scheduling
-            and topology.mode == Mode.COLOCATED.value
-            and len(topology.token_stages) == 1
-            and swap is None
-            and engine.kv_block_size > 0
-            and stage.paged_attention
-        )
+        return engine.request_scheduling and swap is None and engine.kv_block_size > 0 and stage.paged_attention
 
-    def _request_loop(self, stage: Stage, topology: Topology) -> RequestLoop:
-        """The loop, its policy and its executor over a new paged pool whose blocks the policy's book hands out."""
+    def _slice_executor(self, stage: Stage, topology: Topology) -> SliceExecutor:
+        """The executor of a request-scheduled stage over a new paged pool. Stage 0's book hands out the block ids
+        of every stage's pool, so each stage sizes its pool by the stage of the pipeline with the most layers (the
+        same memory gives each the same number of blocks); a later stage allows a quarter more, as its slabs are
+        made only as ids are used and the memory each stage finds available at load differs a little."""
+        engine = self.settings.engine
+        geometry = BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size)
+        widest = max(a.layers[1] - a.layers[0] for a in topology.token_stages)
+        blocks = self._pool_blocks(replace(geometry, layers=widest))
+        if stage.layers[0] > 0:
+            blocks += blocks // 4
+        return SliceExecutor(stage, stage.block_pool(engine.kv_block_size, blocks))
+
+    def _spec_of(self, mb_id: int) -> MicrobatchSpec:
+        """A request's spec (written before its prompt was queued)."""
+        assert self.redis is not None
+        return fetch_spec(self.redis, mb_id, self.settings.transport.deadline_s, self.epoch_changed)
+
+    def _request_loop(self, executor: SliceExecutor, emitter: Emitter, depth: int) -> RequestLoop:
+        """Stage 0's loop and its policy, whose book hands out the blocks of every stage's pool."""
         assert self.redis is not None
         engine, m = self.settings.engine, self.settings.model
-        geometry = BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size)
-        pool = stage.block_pool(engine.kv_block_size, self._pool_blocks(geometry))
+        pool = executor.pool
         # Equal token ids give other KV under another model, dtype or block size: none of them may hit.
         namespace = f"{m.folder}|{m.dtype}|{engine.kv_block_size}".encode()
         book = BlockBook(pool.max_blocks, engine.kv_block_size, namespace, caching=engine.prefix_caching)
-        budget = Budget(tokens=engine.token_budget, max_running=self.settings.controller.max_running)
+        budget = Budget(tokens=engine.token_budget, max_running=self.settings.controller.max_running, depth=depth)
         log.info(
             "request scheduling: a paged pool of up to %d blocks of %d positions (%.1f GB), %d positions a pass, "
             "prefix caching %s",
@@ -173,16 +209,19 @@ class TokenWorker(WorkerProcess):
             engine.token_budget,
             "on" if engine.prefix_caching else "off",
         )
+        stage = executor.stage
         return RequestLoop(
             Scheduler(book, budget, stage.kv_window),  # blocks out of a sliding window go back as requests advance
-            SliceExecutor(stage, pool),
+            executor,
             self.redis,
             self.worker_id,
             self.metrics,
-            self.signer,
-            stage.spec.eos_token_ids,
+            emitter,
             self.held_tasks,
             engine.max_recomputes,
+            ready=self.ready,
+            arrivals=self.arrivals,
+            kv_deadline_s=self.settings.transport.deadline_s,
         )
 
     def _pool_blocks(self, geometry: BlockGeometry) -> int:
@@ -216,8 +255,8 @@ class TokenWorker(WorkerProcess):
             colocated=topology.mode == Mode.COLOCATED.value,
         )
         self.endpoint.set_epoch(topology.epoch)
-        if self.loop is not None:
-            self._serve_requests(topology, pos, self.loop)
+        if self.slices is not None:
+            self._serve_requests(topology, pos, self.slices)
             return
         if self.ready is not None:
             self.ready.serving(topology.epoch)
@@ -226,31 +265,7 @@ class TokenWorker(WorkerProcess):
         successor = stages[(me.stage + 1) % depth].worker_id if replicating else None
         self.runner.replicas = ReplicaSender(self.endpoint, successor) if successor else None
         if replicating and self.replica is None:
-            pred = stages[(me.stage - 1) % depth]
-            spec = self.runner.stage.spec
-            self.replica = ReplicaStore(
-                self.redis,
-                self.endpoint,
-                pred.stage,
-                pred.layers,
-                (spec.num_kv_heads, spec.head_dim, self.runner.stage.dtype),
-                self.settings.recovery.replication,
-                self.settings.recovery.replica_dir,
-                self.settings.transport.deadline_s,
-                self.epoch_changed,
-                self.worker_id,
-                block_size=self.settings.engine.kv_block_size or 16,
-                memory_bytes=self._replica_bytes(),
-            )
-            self.replica.signer = self.signer
-            if self.replica.pool is not None:
-                log.info(
-                    "replicas of stage %d: a host pool of up to %d blocks of %d positions (%.1f GB)",
-                    pred.stage,
-                    self.replica.pool.max_blocks,
-                    self.replica.pool.geometry.block_size,
-                    self.replica.pool.max_blocks * self.replica.pool.geometry.bytes_per_block / 1e9,
-                )
+            self._open_replicas(topology, me.stage, by_position=False)
         self.runner.held_replicas = self.replica
         # Past it, a stage short of blocks discards instead of copying to host memory; stage 0 recomputes.
         self.runner.host_budget = self._host_bytes() if self.runner.pool is not None else None
@@ -295,22 +310,121 @@ class TokenWorker(WorkerProcess):
             for t in threads:
                 t.join(timeout=2)
 
-    def _serve_requests(self, topology: Topology, pos: Position, loop: RequestLoop) -> None:
-        """Serve ``topology``'s epoch with the request loop. A recovery drops what the loop served (this stage
-        reports holding nothing, so the repair queues every request in flight again, and each goes on from its
-        token stream, its history mostly found in the prefix cache); serving the same epoch again after an error
-        continues."""
-        assert self.redis is not None
-        if self.recovered_epoch != topology.epoch:
-            if self._recover(topology, pos) is None:
+    def _open_replicas(self, topology: Topology, index: int, by_position: bool) -> None:
+        """The store of the replica this stage keeps of its predecessor's KV (``by_position``: of requests)."""
+        assert self.redis is not None and self.endpoint is not None and self.runner is not None
+        stages = topology.token_stages
+        pred = stages[(index - 1) % len(stages)]
+        spec = self.runner.stage.spec
+        self.replica = ReplicaStore(
+            self.redis,
+            self.endpoint,
+            pred.stage,
+            pred.layers,
+            (spec.num_kv_heads, spec.head_dim, self.runner.stage.dtype),
+            self.settings.recovery.replication,
+            self.settings.recovery.replica_dir,
+            self.settings.transport.deadline_s,
+            self.epoch_changed,
+            self.worker_id,
+            block_size=self.settings.engine.kv_block_size or 16,
+            memory_bytes=self._replica_bytes(),
+            by_position=by_position,
+        )
+        self.replica.signer = self.signer
+        if self.replica.pool is not None:
+            log.info(
+                "replicas of stage %d: a host pool of up to %d blocks of %d positions (%.1f GB)",
+                pred.stage,
+                self.replica.pool.max_blocks,
+                self.replica.pool.geometry.block_size,
+                self.replica.pool.max_blocks * self.replica.pool.geometry.bytes_per_block / 1e9,
+            )
+
+    def _serve_requests(self, topology: Topology, pos: Position, executor: SliceExecutor) -> None:
+        """Serve ``topology``'s epoch as a stage of a request-scheduled pipeline: stage 0's loop, or a later stage
+        following its passes. Each stage replicates what every pass wrote on it to its successor (with several
+        stages and replication on), whose replica of each request advances a watermark in positions. A recovery
+        resumes each request from the positions every stage holds (a replaced stage restored from its successor's
+        replica), and re-queues the others, which go on from their token streams; a one-stage pipeline, which has
+        nobody to restore it, re-queues every request (mostly found in its prefix cache). Serving the same epoch
+        again after an error continues."""
+        assert self.redis is not None and self.endpoint is not None
+        stages = topology.token_stages
+        replicating = self.settings.recovery.replication is not Replication.OFF and pos.depth > 1
+        if replicating and self.replica is None:
+            self._open_replicas(topology, pos.index, by_position=True)
+        replicas = ReplicaSender(self.endpoint, stages[(pos.index + 1) % pos.depth].worker_id) if replicating else None
+        if pos.depth > 1:
+            self.endpoint.connect_all(self.redis, [a.worker_id for a in stages if a.worker_id != self.worker_id])
+        stop = threading.Event()
+        recovered = threading.Event()  # prompt KV is read once the repair decided what resumes (see serve)
+        threads = []
+        if self.replica is not None:
+            receive = guarded("replica receiver", self.replica.run, retry_on=(redis.RedisError,))
+            threads.append(threading.Thread(target=receive, args=(stop,), daemon=True))
+        if self.arrivals is not None:
+            receive = guarded("prompt KV receiver", self._receive_prompt_regions, retry_on=(redis.RedisError,))
+            threads.append(threading.Thread(target=receive, args=(stop, recovered, pos.index), daemon=True))
+        for thread in threads:
+            thread.start()
+        try:
+            if self.recovered_epoch != topology.epoch:
+                points = self._recover(topology, pos)
+                if points is None:
+                    return
+                if self.loop is not None and pos.depth > 1:
+                    self.loop.resume(points)
+                elif self.loop is not None:
+                    self.loop.drop_all()
+                self.recovered_epoch = topology.epoch
+            else:
+                log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
+            recovered.set()
+            if self.follower is not None:
+                self.follower.connect(pos.next_peer, pos.first_peer, replicas)
+                self.follower.on_ended = self._forget_replicas
+                self.follower.run(self.epoch_changed)
                 return
-            loop.drop_all()
-            self.recovered_epoch = topology.epoch
-        else:
-            log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
-        ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
-        loop.serve(topology.epoch)
-        loop.run(self.epoch_changed)
+            assert self.loop is not None
+            if pos.colocated:
+                ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
+            if self.ready is not None:
+                self.ready.serving(topology.epoch)
+            self.loop.serve(topology.epoch)
+            self.loop.on_ended = self._forget_replicas
+            if pos.next_peer is not None:
+                deadline = PASS_DEADLINES * self.settings.transport.deadline_s
+                self.loop.downstream = Downstream(self.endpoint, pos.next_peer, pos.depth, deadline, replicas)
+            self.loop.run(self.epoch_changed)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=2)
+
+    def _receive_prompt_regions(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
+        """A request-scheduled token stage's prompt KV receiver: each region the prompt pipeline streams here is
+        kept until the request's first pass names its blocks (:class:`PromptArrivals`)."""
+        assert self.endpoint is not None and self.arrivals is not None
+        while not recovered.wait(0.1):
+            if stop.is_set():
+                return
+        while not stop.is_set():
+            message = self.endpoint.recv_message(Channel.KV_PROMPT, timeout_s=0.1)
+            if message is None:
+                continue
+            try:
+                if message.header.user != index:
+                    raise ProtocolError(f"prompt KV for token stage {message.header.user} arrived at stage {index}")
+                self.arrivals.add(region_of(message.header), message)
+            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
+                log.error("dropped a prompt KV message: %s", exc)
+
+    def _forget_replicas(self, mbs: Iterable[int]) -> None:
+        """Requests that ended: the replicas this stage keeps of them go (none of them comes back)."""
+        if self.replica is not None:
+            for mb in mbs:
+                self.replica.drop(mb, finished=True)
 
     def _driver(self, topology: Topology, pos: Position) -> Driver:
         """Stage 0's driver of ``topology``'s epoch."""
@@ -337,6 +451,8 @@ class TokenWorker(WorkerProcess):
         self.recovered_epoch, self.driver, self._broken = None, None, None
         if self.loop is not None:
             self.loop.drop_all()
+        if self.emitter is not None:
+            self.emitter.clear()
         if self.runner is not None:
             self._release_all_but(set())
 
@@ -362,6 +478,8 @@ class TokenWorker(WorkerProcess):
         held = set(self.runner.states) | (self.replica.microbatches() if self.replica is not None else set())
         for mb in held - keep:
             self.release(mb, finished=False)
+        if self.follower is not None:
+            self.follower.keep(keep)
 
     def kv_held(self) -> tuple[int, int]:
         """(bytes, microbatches) of KV this stage holds: caches and replicas (what memory accounting checks)."""
@@ -372,6 +490,9 @@ class TokenWorker(WorkerProcess):
         if self.loop is not None:
             held += self.loop.held_bytes()
             count += len(self.loop.served)
+        if self.arrivals is not None:
+            held += self.arrivals.nbytes
+            count += len(self.arrivals.requests())
         return held, count
 
     def snapshot(self) -> StageSnapshot:
@@ -453,10 +574,16 @@ class TokenWorker(WorkerProcess):
                     # Said at once, so the controller re-runs every microbatch now rather than at its deadline.
                     self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
                     raise
-                self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORED, ex=3600)
+                if self.loop is not None and pos.depth > 1:
+                    # Stage 0 of a request-scheduled pipeline holds its book (every request's blocks and progress),
+                    # which no replica keeps: its own KV came back (and is dropped), and every request re-runs.
+                    log.warning("took over stage 0 of a request-scheduled pipeline: every request re-runs")
+                    self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
+                else:
+                    self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORED, ex=3600)
             else:
                 self._send_restores(order, pos, topology)
-                recovery.report_progress(self.redis, topology.epoch, pos.index, self.signer, self.runner.progress())
+                recovery.report_progress(self.redis, topology.epoch, pos.index, self.signer, self._progress(pos))
             point = recovery.wait_resume(self.redis, topology.epoch, deadline, self.epoch_changed)
         except (DeadlineExceeded, IntegrityError) as exc:
             self.metrics.observe_repair(role, time.monotonic() - started, ok=False)
@@ -476,6 +603,31 @@ class TokenWorker(WorkerProcess):
             state.tracker = None  # rebuilt from the token streams at the resumed steps
         return dict(point.resume) if pos.is_first else {}
 
+    def _progress(self, pos: Position) -> dict[int, int]:
+        """What this stage reports holding to a repair: per microbatch its last step, or per request of a
+        request-scheduled pipeline of several stages its last position (a one-stage one reports nothing: its
+        requests all re-run, from the prefix cache)."""
+        assert self.runner is not None
+        if self.loop is not None:
+            return self.loop.progress() if pos.depth > 1 else {}
+        if self.follower is not None:
+            return self.follower.progress()
+        return self.runner.progress()
+
+    def _own_caches(self, mbs: Iterable[int]) -> Iterator[tuple[int, KVCache | PagedKVCache, int]]:
+        """(microbatch or request, its KV on this stage, its last step or position) of each of ``mbs`` held here:
+        what a replaced successor gets back as its replica."""
+        assert self.runner is not None
+        if self.loop is not None:
+            yield from self.loop.caches(mbs)
+        elif self.follower is not None:
+            yield from self.follower.caches(mbs)
+        else:
+            wanted = set(mbs)
+            for mb, st in list(self.runner.states.items()):
+                if mb in wanted and st.holds_kv:
+                    yield mb, st.cache, st.done_step
+
     def _send_restores(self, order: RecoveryOrder, pos: Position, topology: Topology) -> None:
         """As successor of a replaced stage, send the replica kept for it; as predecessor, own caches."""
         assert self.runner is not None and self.endpoint is not None
@@ -487,12 +639,7 @@ class TokenWorker(WorkerProcess):
                 )
                 log.info("sent %s its caches of microbatches %s", new_worker, sent)
             if depth > 1 and (stage - 1) % depth == pos.index:
-                caches = [
-                    (mb, st.cache, st.done_step)
-                    for mb, st in list(self.runner.states.items())
-                    if mb in order.microbatches and st.holds_kv
-                ]
-                sent = recovery.send_caches(self.endpoint, new_worker, caches, "replica")
+                sent = recovery.send_caches(self.endpoint, new_worker, self._own_caches(order.microbatches), "replica")
                 log.info("sent %s the replica of microbatches %s", new_worker, sent)
 
     def _restore(self, order: RecoveryOrder, pos: Position) -> None:
@@ -509,7 +656,9 @@ class TokenWorker(WorkerProcess):
             {r.region.microbatch: r.step for r in primary},
             {r.region.microbatch: r.step for r in replica},
         )
-        for r in primary:
+        if self.follower is not None:
+            self.follower.restored(primary)  # placed into the blocks the request's next pass names
+        for r in primary if self.slices is None else ():
             state = self.runner.state(r.region.microbatch)
             state.place(r.region, r.message)
             state.mark_complete(r.step)
@@ -621,6 +770,15 @@ def trace_prompt_kv(state: MicrobatchState, stage: int, first_ns: int) -> None:
     from the first message to the last."""
     attributes = {tracing.STAGE: stage, "dejavu.kv_cells": state.expected_cells}
     spans = RowSpans.start("dejavu.kv_stream", state.spec.rows, attributes, start_ns=first_ns, mb_id=state.mb_id)
+    if spans is not None:
+        spans.end()
+
+
+def trace_arrival(spec: MicrobatchSpec, stage: int, first_ns: int) -> None:
+    """The ``dejavu.kv_stream`` span of a traced request of a request-scheduled pipeline: its prompt KV arriving at
+    this token stage, from the first message to the last."""
+    attributes = {tracing.STAGE: stage, "dejavu.kv_cells": spec.prompt_len}
+    spans = RowSpans.start("dejavu.kv_stream", spec.rows, attributes, start_ns=first_ns, mb_id=spec.mb_id)
     if spans is not None:
         spans.end()
 

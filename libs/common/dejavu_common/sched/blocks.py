@@ -185,6 +185,13 @@ class BlockBook:
                 raise ValueError(f"block {b} is free: only referenced blocks can be shared")
             block.ref += 1
 
+    def forget_cached(self) -> None:
+        """Forget every cached prefix (a stage's KV was lost, as when a new worker took a stage over): no later
+        lookup hits a block written before; referenced blocks stay referenced."""
+        for b in self._blocks:
+            b.hash = None
+        self._cached.clear()
+
     def commit(self, block: int, block_hash: bytes) -> None:
         """Block ``block`` now holds the full prefix named ``block_hash`` (its KV is written): later requests
         with that prefix may hit it. An equal block already cached stays the one hits find."""
