@@ -1,6 +1,7 @@
 """Quantized weights benchmark: accuracy and decode speed of the default model in each weight format.
 
-Usage: dejavu bench quant [--formats float32 int8 gguf-widened gguf-tiles gguf] [--tokens 64] [--steps 24]
+Usage: dejavu bench quant [--formats float32 int8 gguf-widened gguf-tiles gguf q5_0 q5_0-widened q5_1 q5_1-widened]
+                          [--tokens 64] [--steps 24]
                           [--rounds 3] [--batches 1 4] [--rows 16 64 256] [--threads 1]
 
 Formats (``model.weights``; each folder prepared once, :func:`dejavu_engine.checkpoint.ensure_default_model`):
@@ -10,6 +11,10 @@ layers, a Q8_0 embedding / tied head), kept quantized in memory with its 4-bit v
 same arithmetic from twice the bytes of values), ``gguf-tiles`` the same packed weights with the int8 GEMM left out
 (passes of many rows dequantize tiles for torch's GEMM, x is not rounded: the int8 GEMM's baseline), ``int8`` the
 float32 weights quantized to int8 per output channel; ``bfloat16`` is the float32 folder computed in bfloat16.
+``q5_0`` and ``q5_1``: the GGUF file with its Q4_1 layers converted to Q5_0 / Q5_1 (gguf's own quantizer, from
+their dequantized values; the Q8_0 embedding as it is; written once beside the gguf folder,
+:func:`q5_folder`), kept packed (nibbles and a word of fifth bits a block), and ``q5_0-widened`` / ``q5_1-widened``
+the same files widened to int8 at load (the packed 5-bit kernels' baseline).
 
 Accuracy, per format against float32:
 * perplexity of a fixed text (:data:`TEXT`, one prefill with every position's logits);
@@ -21,8 +26,8 @@ Speed: ms per decode step (a token for each row) at each of ``--batches`` rows a
 prefill pass of one prompt of each of ``--rows`` tokens (the many-row GEMMs, plus the prompt's attention, the same
 for every format), every format timed in turn within each size, ``--rounds`` rounds (the median of each round, then
 the median over rounds), with the bytes each holds; and each format's time against float32's, gguf's against
-gguf-widened's and gguf-tiles', a ratio per round (formats timed side by side), then their median. Prints a table
-and writes benchmarks/results/quant.json.
+gguf-widened's and gguf-tiles', each q5 format's against its widened form's, a ratio per round (formats timed side
+by side), then their median. Prints a table and writes benchmarks/results/quant.json.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from dejavu_common.settings import Settings
 from dejavu_common.tokenizer import Tokenizer
@@ -52,7 +59,10 @@ from dejavu_engine.threads import configure_torch_threads
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 RESULTS = Path(__file__).resolve().parent / "results" / "quant.json"
-FORMATS = ("float32", "bfloat16", "int8", "gguf-widened", "gguf-tiles", "gguf")
+FORMATS = (
+    "float32", "bfloat16", "int8", "gguf-widened", "gguf-tiles", "gguf", "q5_0", "q5_0-widened", "q5_1", "q5_1-widened"
+)  # fmt: skip
+Q5_KINDS = {"q5_0": "Q5_0", "q5_1": "Q5_1"}
 
 TEXT = (
     "The history of computing is a story of abstraction. Early machines were programmed by rewiring panels, "
@@ -78,14 +88,54 @@ def folders(formats: list[str]) -> dict[str, tuple[Path, str]]:
     settings = Settings()
     out = {}
     for fmt in formats:
+        kind = Q5_KINDS.get(fmt.removesuffix("-widened"))
+        if kind is not None:
+            out[fmt] = (q5_folder(ensure_default_model(settings, weights="gguf"), kind), "float32")
+            continue
         weights = {"float32": "float", "bfloat16": "float", "gguf-widened": "gguf", "gguf-tiles": "gguf"}.get(fmt, fmt)
         out[fmt] = (ensure_default_model(settings, weights=weights), "bfloat16" if fmt == "bfloat16" else "float32")
     return out
 
 
+def q5_folder(gguf: Path, kind: str) -> Path:
+    """The default model's GGUF folder with its 4-bit layers converted to ``kind`` (Q5_0 or Q5_1), beside it:
+    each Q4_1 tensor dequantized by gguf and quantized again by gguf's quantizer, the other tensors (the Q8_0
+    embedding, the float norms) as they are, and the fields the reader needs (the architecture, the head counts).
+    Written once (a finished folder has its model.gguf)."""
+    folder = gguf.with_name(f"{gguf.name}-{kind.lower()}")
+    if (folder / "model.gguf").exists():
+        return folder
+    folder.mkdir(exist_ok=True)
+    for item in gguf.iterdir():
+        if item.suffix != ".gguf":
+            (folder / item.name).write_bytes(item.read_bytes())
+    reader = GGUFReader(str(gguf / "model.gguf"))
+    partial = folder / "model.gguf.partial"
+    writer = GGUFWriter(str(partial), "llama")
+    writer.add_head_count(int(reader.fields["llama.attention.head_count"].contents()))
+    writer.add_head_count_kv(int(reader.fields["llama.attention.head_count_kv"].contents()))
+    target = GGMLQuantizationType[kind]
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data)
+        if tensor.tensor_type.name == "Q4_1":
+            values = quants.dequantize(data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, quants.quantize(values, target), raw_dtype=target)
+        elif tensor.tensor_type.name in ("F32", "F16"):
+            writer.add_tensor(tensor.name, data.copy())
+        else:
+            writer.add_tensor(tensor.name, data.copy(), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(folder / "model.gguf")
+    return folder
+
+
 def load_stage(fmt: str, folder: Path, dtype: str) -> Stage:
-    """The whole model in format ``fmt``; ``gguf-widened`` reads the GGUF file with no block type kept packed."""
-    if fmt == "gguf-widened":
+    """The whole model in format ``fmt``; ``gguf-widened`` (``q5_*-widened``) reads the GGUF file with no block
+    type kept packed."""
+    if fmt.endswith("-widened"):
         with mock.patch.object(gguf_file, "PACKED_TYPES", frozenset()):
             return Stage(folder, (0, 30), dtype=dtype)
     return Stage(folder, (0, 30), dtype=dtype)
@@ -168,9 +218,10 @@ def prefill_ms(stage: Stage, ids: list[int], passes: int) -> float:
 def ratios(rows: dict[str, dict[str, Any]], key: str, sizes: list[int]) -> dict[str, dict[str, float]]:
     """Per size, the median over rounds of each round's time (``rows[fmt][key]``) of a format over its baseline's:
     every format over float32, gguf over gguf-widened (the packed kernels against the widened ones) and over
-    gguf-tiles (the int8 GEMM against dequantized tiles)."""
+    gguf-tiles (the int8 GEMM against dequantized tiles), each q5 format over its widened form."""
     pairs = [(fmt, "float32") for fmt in rows if fmt != "float32"]
     pairs += [("gguf", base) for base in ("gguf-widened", "gguf-tiles") if "gguf" in rows and base in rows]
+    pairs += [(fmt, f"{fmt}-widened") for fmt in Q5_KINDS if fmt in rows and f"{fmt}-widened" in rows]
     out = {}
     for fmt, base in pairs:
         out[f"{fmt} / {base}"] = {

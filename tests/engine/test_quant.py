@@ -10,8 +10,10 @@ a group): a few more roundings a term (the scaling, the group's sum into the row
 |scale q| + |offset|`` (plus float32's smallest normal for outputs that are 0), a bound that an error in a
 single weight, scale, offset, group or row would exceed by orders of magnitude.
 
-Packed 4-bit weights are held to more: the kernels unpack each value and form the same products in the same order
-as for the weight widened to int8, so their results are the widened weight's bit for bit (``torch.equal``).
+Packed 4-bit and 5-bit weights are held to more: the kernels unpack each value and form the same products in the
+same order as for the weight widened to int8, so their results are the widened weight's bit for bit
+(``torch.equal``), on every path (the float kernel's AVX-512, AVX2 and scalar builds, the int8 GEMM with and without
+VNNI, dequantized tiles).
 
 The int8 GEMM (a weight of blocks of 32, from ``quant._int8_rows()`` rows) rounds x first, per row per block, to
 two int8 parts (``u = x / dx``, ``dx = max|x| / 127``, ``high = round(u)``, ``low = round(128 (u - high))``, ``xq = 128
@@ -73,6 +75,26 @@ def _random_packed(n: int, k: int, offsets: bool, seed: int) -> QuantizedWeight:
     scale = torch.rand(n, k // quant.BLOCK, generator=gen) * 0.02 + 1e-4
     offset = (torch.rand(n, k // quant.BLOCK, generator=gen) - 0.5) * 0.1 if offsets else None
     return QuantizedWeight(q, scale, offset, kind="Q4_1" if offsets else "Q4_0", zero=0 if offsets else 8)
+
+
+def _random_packed5(n: int, k: int, offsets: bool, seed: int) -> QuantizedWeight:
+    """A 5-bit weight of blocks of 32 with every byte and fifth bit random: Q5_1's form (zero 0, offsets) or Q5_0's
+    (zero 16)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    high = torch.randint(-(2**31), 2**31, (n, k // quant.BLOCK), generator=gen, dtype=torch.int64).to(torch.int32)
+    scale = torch.rand(n, k // quant.BLOCK, generator=gen) * 0.02 + 1e-4
+    offset = (torch.rand(n, k // quant.BLOCK, generator=gen) - 0.5) * 0.1 if offsets else None
+    return QuantizedWeight(q, scale, offset, kind="Q5_1" if offsets else "Q5_0", zero=0 if offsets else 16, high=high)
+
+
+# Every packed format: (kind, its random weight of n output rows and k values a row).
+PACKED_KINDS = {
+    "Q4_0": lambda n, k, seed: _random_packed(n, k, False, seed),
+    "Q4_1": lambda n, k, seed: _random_packed(n, k, True, seed),
+    "Q5_0": lambda n, k, seed: _random_packed5(n, k, False, seed),
+    "Q5_1": lambda n, k, seed: _random_packed5(n, k, True, seed),
+}
 
 
 def _terms(w: QuantizedWeight) -> torch.Tensor:
@@ -170,12 +192,12 @@ def _int8_gemm_here() -> int:
 INT8_SHAPES = [(1, 64), (47, 96), (97, 576), (50, 1536)]
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "int8 blocks", "int8 blocks, offsets"])
+@pytest.mark.parametrize("kind", [*PACKED_KINDS, "int8 blocks", "int8 blocks, offsets"])
 @pytest.mark.parametrize(("n", "k"), INT8_SHAPES)
 def test_many_rows_of_a_weight_of_blocks_are_its_product_with_rounded_rows(n: int, k: int, kind: str) -> None:
     first = _int8_gemm_here()
-    if kind.startswith("Q4"):
-        w = _random_packed(n, k, kind == "Q4_1", seed=n * k)
+    if kind in PACKED_KINDS:
+        w = PACKED_KINDS[kind](n, k, n * k)
     else:
         w = _random_weight(n, k, k // quant.BLOCK, kind.endswith("offsets"), seed=n * k)
     bias = torch.randn(n)
@@ -241,18 +263,65 @@ def test_the_int8_gemm_built_without_vnni_forms_the_same_sums(tmp_path: Path, mo
     full_range = QuantizedWeight(
         torch.randint(-128, 128, (50, 96), dtype=torch.int8), torch.rand(50, 3), torch.randn(50, 3), kind="test"
     )
-    for w in (_random_packed(50, 96, True, seed=1), _random_packed(50, 96, False, seed=2), full_range):
+    packed = [make(50, 96, seed) for seed, make in enumerate(PACKED_KINDS.values())]
+    for w in (*packed, full_range):
         x, bias = torch.randn(37, 96), torch.randn(50)
         assert torch.equal(
-            emulated.quant_gemm(x, w.q, w.scale, w.offset, bias, w.zero),
-            vnni.quant_gemm(x, w.q, w.scale, w.offset, bias, w.zero),
+            emulated.quant_gemm(x, w.q, w.scale, w.offset, bias, w.zero, w.high),
+            vnni.quant_gemm(x, w.q, w.scale, w.offset, bias, w.zero, w.high),
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "scalar"])
+def test_the_float_kernels_avx2_and_scalar_builds_unpack_packed_values_bit_for_bit(
+    march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built for AVX2 (8 lanes, the fifth bits by a shift a lane) and for no SIMD at all (a value at a time), the
+    float kernel and the dequantization compute each packed weight as they compute it widened to int8, bit for
+    bit, at every row count a decode step takes."""
+    if "avx2" not in native._cpu_flag_set():
+        pytest.skip("needs an AVX2 host")
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # ninja
+    name = f"dejavu_quant_{march.replace('-', '_')}"
+    cpp_extension.load(
+        name=name,
+        sources=[str(native.QUANT_SOURCE), str(native.QUANT_GEMM_SOURCE)],
+        extra_cflags=list(native.compile_flags(march)),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+        is_python_module=False,
+    )
+    error = ctypes.create_string_buffer(512)
+    library = ctypes.CDLL(str(tmp_path / f"{name}.so"))
+    assert library.dejavu_quant_register(name.encode(), error, ctypes.c_int64(len(error))) == 0, error.value
+    op = getattr(torch.ops, name)
+    assert op.quant_lanes() == (8 if march == "x86-64-v3" else 1)
+    for kind, make in PACKED_KINDS.items():
+        for n, k in PACKED_SHAPES:
+            w = make(n, k, n + k)
+            wide = w.widen()
+            bias = torch.randn(n)
+            dense = op.quant_dequantize4(w.q, w.scale, w.offset, w.zero, 0, n, w.high)
+            assert torch.equal(dense, op.quant_dequantize(wide.q, w.scale, w.offset, 0, n)), kind
+            assert torch.equal(dense, quant._dequantize_rows(wide.q, w.scale, w.offset)), kind
+            for rows in (1, 2, 5, 16):
+                x = torch.randn(rows, k)
+                y = op.quant_linear4(x, w.q, w.scale, w.offset, bias, w.zero, w.high)
+                assert torch.equal(y, op.quant_linear(x, wide.q, w.scale, w.offset, bias)), (kind, n, k, rows)
+                _assert_within_bound(y, x, dense, bias, _terms(w))
 
 
 def test_many_rows_of_a_weight_of_blocks_never_dequantize_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The weight stays as it is held: no float32 copy, not even a tile, whatever the number of rows."""
     first = _int8_gemm_here()
-    weights = [_random_packed(quant.TILE_ROWS + 40, 64, True, seed=8), _random_weight(300, 64, 2, False, seed=8)]
+    weights = [
+        _random_packed(quant.TILE_ROWS + 40, 64, True, seed=8),
+        _random_packed5(quant.TILE_ROWS + 40, 64, False, seed=8),
+        _random_weight(300, 64, 2, False, seed=8),
+    ]
 
     def refused(self: QuantizedWeight, rows: tuple[int, int] | None = None) -> torch.Tensor:
         raise AssertionError("dequantized")
@@ -276,13 +345,13 @@ def test_a_few_rows_keep_the_float_kernel() -> None:
 PACKED_SHAPES = [(1, 32), (7, 96), (37, 608), (97, 1536)]
 
 
-@pytest.mark.parametrize("offsets", [False, True], ids=["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", list(PACKED_KINDS))
 @pytest.mark.parametrize(("n", "k"), PACKED_SHAPES)
-def test_a_packed_weight_computes_its_widened_weight_bit_for_bit(n: int, k: int, offsets: bool) -> None:
-    w = _random_packed(n, k, offsets, seed=n + k)
+def test_a_packed_weight_computes_its_widened_weight_bit_for_bit(n: int, k: int, kind: str) -> None:
+    w = PACKED_KINDS[kind](n, k, n + k)
     wide = w.widen()
     assert wide.q.dtype == torch.int8 and wide.q.shape == (n, k) and wide.shape == w.shape == (n, k)
-    assert wide.q.min() >= -w.zero and wide.q.max() <= 15 - w.zero
+    assert wide.q.min() >= -w.zero and wide.q.max() <= 2**w.bits - 1 - w.zero
     bias = torch.randn(n)
     for rows in (1, 2, 5, 16, 40):  # the float kernel, the int8 GEMM (dequantized tiles past 16 without it)
         x = torch.randn(rows, k)
@@ -306,9 +375,33 @@ def test_packed_nibbles_are_in_ggufs_order() -> None:
     assert quant.linear(x, w).item() == 14 - 8
 
 
+def test_packed_fifth_bits_are_in_ggufs_order() -> None:
+    """Bit i of a block's 32-bit mask is the fifth bit of the block's value i (bits 0-15: its low nibbles' values,
+    16-31: its high nibbles'), bit 31 included (the mask held as int32 is then negative)."""
+    q = torch.zeros(1, 32, dtype=torch.uint8)
+    q[0, :16] = torch.arange(16, dtype=torch.uint8) | (15 - torch.arange(16, dtype=torch.uint8)) << 4
+    q[0, 16:] = 0x5A
+    first = torch.tensor([0, 3, 15, 16, 17, 31])  # bits of block 0
+    mask = sum(1 << int(i) for i in first)
+    high = torch.tensor([[mask - 2**32, 0x0000FFFF]], dtype=torch.int32)  # block 1: its low nibbles' bits
+    w = QuantizedWeight(q, torch.ones(1, 2), None, kind="Q5_0", zero=16, high=high)
+    nibbles = torch.cat([torch.arange(16), 15 - torch.arange(16), torch.full((16,), 10), torch.full((16,), 5)])
+    fifth = torch.zeros(64, dtype=torch.int64)
+    fifth[first] = 16
+    fifth[32:48] = 16
+    expected = nibbles + fifth - 16
+    assert torch.equal(w.widen().q[0], expected.to(torch.int8))
+    assert torch.equal(w.dequantize()[0], expected.float())
+    for value in (0, 1, 17, 18, 31, 40, 50):
+        x = torch.zeros(1, 64)
+        x[0, value] = 1.0
+        assert quant.linear(x, w).item() == expected[value].item(), value
+    assert torch.equal(F.embedding(torch.tensor([0]), w)[0], expected.float())
+
+
 def test_packed_dequantization_is_the_widened_weights_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    for offsets in (False, True):
-        w = _random_packed(70, 576, offsets, seed=int(offsets))
+    for seed, make in enumerate(PACKED_KINDS.values()):
+        w = make(70, 576, seed)
         reference = w.widen().dequantize()
         assert torch.equal(w.dequantize(), reference)
         assert torch.equal(w.dequantize((10, 33)), reference[10:33])
@@ -320,14 +413,17 @@ def test_packed_dequantization_is_the_widened_weights_bit_for_bit(monkeypatch: p
             assert torch.equal(quant.linear(x, w), quant.linear(x, w.widen()))
 
 
-def test_a_packed_weight_stands_where_a_dense_one_does() -> None:
-    q_proj, k_proj = _random_packed(64, 96, True, seed=21), _random_packed(33, 96, True, seed=22)
+@pytest.mark.parametrize("kind", list(PACKED_KINDS))
+def test_a_packed_weight_stands_where_a_dense_one_does(kind: str) -> None:
+    q_proj, k_proj = PACKED_KINDS[kind](64, 96, 21), PACKED_KINDS[kind](33, 96, 22)
     fused = torch.cat([q_proj, k_proj])  # a fused projection stays packed
-    assert fused.packed and fused.shape == (97, 96) and fused.zero == 0
+    assert fused.packed and fused.shape == (97, 96) and fused.zero == q_proj.zero and fused.bits == q_proj.bits
     wide = torch.cat([q_proj.widen(), k_proj.widen()])
     assert torch.equal(fused.widen().q, wide.q)
     x = torch.randn(5, 96)
     assert torch.equal(F.linear(x, fused), F.linear(x, wide))
+    many = torch.randn(40, 96)  # the int8 GEMM (dequantized tiles without it)
+    assert torch.equal(F.linear(many, fused), F.linear(many, wide))
     first, second = fused.split([64, 33])
     assert first.packed and torch.equal(first.q, q_proj.q) and torch.equal(second.dequantize(), k_proj.dequantize())
     assert torch.equal(gemm.linear(x, second, None), gemm.linear(x, k_proj.widen(), None))
@@ -344,13 +440,25 @@ def test_a_packed_weight_stands_where_a_dense_one_does() -> None:
     assert torch.equal(embedded, q_proj.dense()[ids]) and torch.equal(embedded, F.embedding(ids, q_proj.widen()))
     mixed = torch.cat([q_proj, k_proj.widen()])  # packed and int8 values: no common layout, the dense tensor
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q_proj.dense(), k_proj.dense()]))
+    other = "Q4_1" if kind.startswith("Q5") else "Q5_1"  # 4-bit and 5-bit values: the dense tensor too
+    mixed = torch.cat([q_proj, PACKED_KINDS[other](33, 96, 23)])
+    assert isinstance(mixed, torch.Tensor) and mixed.shape == (97, 96)
 
 
 def test_a_packed_weight_holds_half_the_bytes_of_its_values() -> None:
     w = _random_packed(48, 320, True, seed=5)
     assert w.numel() == 48 * 320 and w.nbytes == 48 * 160 + 2 * 48 * 10 * 4
     assert w.numel() * w.element_size() == w.nbytes and w.widen().nbytes == w.nbytes + 48 * 160
-    assert w.group == 32 and "packed" in repr(w)
+    assert w.group == 32 and "packed 4-bit" in repr(w)
+
+
+def test_a_packed_5_bit_weight_holds_its_nibbles_and_a_word_of_fifth_bits_a_block() -> None:
+    for offsets in (False, True):
+        w = _random_packed5(48, 320, offsets, seed=5)
+        scales = (2 if offsets else 1) * 48 * 10 * 4
+        assert w.numel() == 48 * 320 and w.nbytes == 48 * 160 + 48 * 10 * 4 + scales  # 0.75 / 0.875 bytes a value
+        assert w.numel() * w.element_size() == w.nbytes and w.widen().nbytes == 48 * 320 + scales
+        assert w.bits == 5 and w.widen().bits == 8 and "packed 5-bit" in repr(w)
 
 
 def test_bad_packed_weights_are_refused() -> None:
@@ -363,6 +471,15 @@ def test_bad_packed_weights_are_refused() -> None:
         QuantizedWeight(q, torch.ones(2, 2), zero=16)
     with pytest.raises(ValueError, match="no zero"):
         QuantizedWeight(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), zero=8)
+    high = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="fifth bits"):
+        QuantizedWeight(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), high=high[:, :1])
+    with pytest.raises(ValueError, match="int32 mask a block"):
+        QuantizedWeight(q, torch.ones(2, 2), zero=16, high=high.to(torch.int64))
+    with pytest.raises(ValueError, match="int32 mask a block"):
+        QuantizedWeight(q, torch.ones(2, 2), zero=16, high=high[:, :1])
+    with pytest.raises(ValueError, match="0 to 31"):
+        QuantizedWeight(q, torch.ones(2, 2), zero=32, high=high)
     w = QuantizedWeight(q, torch.ones(2, 2), zero=8)
     with pytest.raises(ValueError, match="features"):
         quant.linear(torch.randn(1, 32), w)
@@ -377,6 +494,12 @@ def test_bad_packed_weights_are_refused() -> None:
         op.quant_dequantize4(q, torch.ones(2, 2), None, 20, 0, 2)
     with pytest.raises(RuntimeError, match="rows"):
         op.quant_dequantize4(q, torch.ones(2, 2), None, 8, 1, 3)
+    with pytest.raises(RuntimeError, match="fifth bits"):
+        op.quant_linear4(torch.randn(1, 64), q, torch.ones(2, 2), None, None, 16, high[:, :1])
+    with pytest.raises(RuntimeError, match="fifth bits"):
+        op.quant_dequantize4(q, torch.ones(2, 2), None, 16, 0, 2, high.to(torch.int64))
+    with pytest.raises(RuntimeError, match="within \\[0, 31\\]"):
+        op.quant_linear4(torch.randn(1, 64), q, torch.ones(2, 2), None, None, 32, high)
     if quant._int8_rows() is not None:
         with pytest.raises(RuntimeError, match="scale a block of 32"):
             op.quant_gemm(torch.randn(3, 64), q, torch.ones(2, 1), None, None, 8)
@@ -386,6 +509,13 @@ def test_bad_packed_weights_are_refused() -> None:
             op.quant_gemm(torch.randn(3, 32), torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), None, None, 8)
         with pytest.raises(RuntimeError, match="multiple of 32"):
             op.quant_gemm(torch.randn(3, 24), torch.zeros(2, 24, dtype=torch.int8), torch.ones(2, 1), None, None, 0)
+        with pytest.raises(RuntimeError, match="fifth-bit mask"):
+            op.quant_gemm(torch.randn(3, 64), q, torch.ones(2, 2), None, None, 16, high[:, :1])
+        with pytest.raises(RuntimeError, match="fifth-bit mask"):  # int8 values take no fifth bits
+            op.quant_gemm(torch.randn(3, 32), torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), None, None, 0,
+                          high[:, :1])  # fmt: skip
+        with pytest.raises(RuntimeError, match="within \\[0, 31\\]"):
+            op.quant_gemm(torch.randn(3, 64), q, torch.ones(2, 2), None, None, 40, high)
 
 
 def test_without_the_int8_gemm_many_rows_of_a_tall_weight_of_blocks_go_through_tiles(

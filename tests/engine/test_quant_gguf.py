@@ -1,7 +1,8 @@
 """GGUF weights read as published: block decoding against the ``gguf`` package's own dequantization (real tensors
 of the shipped file, and every supported block type), names and rows against transformers' conversion, the 4-bit
-types kept packed against the same weights widened to int8, and the default model served from its GGUF file
-against the same model dequantized by transformers and against itself with its 4-bit weights widened."""
+and 5-bit types kept packed against the same weights widened to int8, a tiny Llama converted to Q5_0 / Q5_1 GGUF
+files against itself with its 5-bit weights widened, and the default model served from its GGUF file against the
+same model dequantized by transformers and against itself with its 4-bit weights widened."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.weights import CheckpointReader
 from engine.test_quant import _assert_int8_gemm
+from engine.tiny_models import build_checkpoint
 
 
 @pytest.mark.parametrize("kind", list(BLOCK_TYPES))
@@ -57,14 +59,16 @@ def test_every_block_type_decodes_to_gguf_values(kind: str) -> None:
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (37, 608)])
 def test_every_block_type_computes_what_its_widened_values_compute(kind: str, n: int, k: int) -> None:
     """Packed or not, a weight read from the file multiplies rows bit for bit as its values widened to int8 do
-    (Q4_0, Q4_1 packed; the other types are int8 either way), through the float kernel (1, 2 rows) and the int8
+    (Q4_0, Q4_1, Q5_0, Q5_1 packed; Q8_0 is int8 either way), through the float kernel (1, 2 rows) and the int8
     GEMM (5 to 40; dequantized tiles past 16 where it is not built)."""
     if native.load() is None:
         pytest.skip("native kernels cannot be built here")
     qtype = GGMLQuantizationType[kind]
     blocks = quants.quantize(np.random.default_rng(n * k).standard_normal((n, k)).astype(np.float32), qtype)
     w, wide = decode_blocks(blocks, kind, k), decode_blocks(blocks, kind, k, packed=False)
-    assert w.nbytes == wide.nbytes - (n * k // 2 if kind in PACKED_TYPES else 0)
+    bits = BLOCK_TYPES[kind][2]
+    fifth_bits = n * k // 8 if bits == 5 else 0  # a 32-bit word a block of 32
+    assert w.nbytes == wide.nbytes - (n * k // 2 - fifth_bits if kind in PACKED_TYPES else 0)
     gen = torch.Generator().manual_seed(k)
     for rows in (1, 2, 5, 16, 40):
         x = torch.randn(rows, k, generator=gen)
@@ -104,6 +108,102 @@ def test_an_unsupported_block_type_or_architecture_is_refused(tmp_path: Path) ->
     writer.close()
     with pytest.raises(CheckpointError, match="architecture 'qwen2' is not supported"):
         CheckpointReader(tmp_path)
+
+
+# Hugging Face Llama name -> GGUF name (the inverse of gguf_file's map), for writing a checkpoint as a GGUF file.
+_GGUF_NAMES = {hf: name for name, hf in gguf_file._LLAMA_GLOBAL.items()}
+_GGUF_LAYER = {hf: name for name, hf in gguf_file._LLAMA_LAYER.items()}
+
+
+def _gguf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    _model, _layers, layer, *module, kind = name.split(".")
+    return f"blk.{layer}.{_GGUF_LAYER['.'.join(module)]}.{kind}"
+
+
+def _write_gguf(checkpoint: Path, folder: Path, kinds: dict[str, str]) -> Path:
+    """A Llama checkpoint as llama.cpp converts it: its config and tokenizer beside one GGUF file whose 2-D weights
+    are in block type ``kinds[projection]`` (``kinds["*"]`` for the others), quantized by gguf's own quantizer,
+    ``attn_q`` / ``attn_k`` rows in llama.cpp's interleaved rotary order, the norms float32."""
+    folder.mkdir()
+    for item in checkpoint.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copyfile(item, folder / item.name)
+    config = json.loads((checkpoint / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = GGUFWriter(str(folder / "model.gguf"), "llama")
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    with safe_open(str(checkpoint / "model.safetensors"), framework="np") as handle:
+        for name in sorted(handle.keys()):
+            tensor = handle.get_tensor(name).astype(np.float32)
+            count = {"q_proj": heads, "k_proj": kv_heads}.get(name.split(".")[-2])
+            if count is not None:  # llama.cpp's permute: each head's rotary halves interleaved
+                rows = tensor.shape[0]
+                tensor = tensor.reshape(count, 2, rows // count // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+            if tensor.ndim != 2:
+                writer.add_tensor(_gguf_name(name), tensor)
+                continue
+            kind = kinds.get(name.split(".")[-2], kinds["*"])
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(_gguf_name(name), quants.quantize(tensor, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return folder
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        {"*": "Q5_0"},
+        {"*": "Q5_1"},
+        {"*": "Q5_1", "q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q5_0", "down_proj": "Q5_0"},
+    ],
+    ids=["Q5_0", "Q5_1", "mixed"],
+)
+def test_a_model_converted_to_5_bit_blocks_computes_what_it_computes_widened(
+    kinds: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny Llama converted to a GGUF file of Q5_0 / Q5_1 blocks: its weights are read as gguf dequantizes them
+    (and are the checkpoint's to Q5's rounding, rows in Hugging Face's order), kept packed at 0.75 / 0.875 bytes
+    a weight, and compute what the same file widened to int8 computes, bit for bit: the same logits and greedy
+    tokens for a prompt of many rows (the int8 GEMM, or dequantized tiles), decode steps of one row (the float
+    kernel) and of five (the int8 GEMM where it is built)."""
+    if native.load() is None:
+        pytest.skip("native kernels cannot be built here")
+    checkpoint = build_checkpoint("llama", tmp_path / "float")
+    folder = _write_gguf(checkpoint, tmp_path / "gguf", kinds)
+    packed = Stage(folder, (0, 3))
+    weights = {name: w for name, w in packed.weights.items() if isinstance(w, QuantizedWeight)}
+    # per layer its 7 projections; the embedding and the head
+    assert len(weights) == 3 * 7 + 2 and all(w.packed and w.bits == 5 for w in weights.values())
+    assert {w.kind for w in weights.values()} == set(kinds.values())
+    tensors = GGUFTensors(folder / "model.gguf")
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+        for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.2.self_attn.k_proj.weight"):
+            w = tensors.load(name, torch.float32)
+            assert isinstance(w, QuantizedWeight) and w.high is not None
+            # a step off at most (half a step; a whole one where Q5_0 clamps a block's value of largest magnitude's
+            # opposite to 15), so a row in the wrong place would show
+            step = w.scale.abs().repeat_interleave(quant.BLOCK, dim=1)
+            assert ((w.dense() - handle.get_tensor(name)).abs() <= step * 1.0001).all(), name
+    monkeypatch.setattr(gguf_file, "PACKED_TYPES", frozenset())
+    widened = Stage(folder, (0, 3))
+    assert not any(w.packed for w in widened.weights.values() if isinstance(w, QuantizedWeight))
+    assert packed.param_bytes < 0.9 * widened.param_bytes
+    ids = torch.randint(3, 300, (1, quant.DECODE_ROWS + 7), generator=torch.Generator().manual_seed(5))
+    first, tokens = _greedy(packed, ids, 8)
+    wide_first, wide_tokens = _greedy(widened, ids, 8)
+    assert tokens == wide_tokens and torch.equal(first, wide_first)
+    rows = ids[:, :9].repeat(5, 1)
+    rows[:, 0] = torch.arange(5) + 3  # five different prompts
+    logits, row_tokens = _greedy_rows(packed, rows, 6)
+    wide_logits, wide_row_tokens = _greedy_rows(widened, rows, 6)
+    assert row_tokens == wide_row_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, wide_logits, strict=True))
 
 
 @pytest.mark.model

@@ -3,20 +3,22 @@
 A GGUF file (llama.cpp's format) holds each weight in a block type: float (F32, F16, BF16) or quantized in
 blocks of 32 values with a float16 scale ``d`` (and minimum ``m``). :func:`decode_blocks` reads the five legacy
 block types into a :class:`~dejavu_engine.quant.QuantizedWeight` with 32-value groups and float32 scales
-(offsets: the minimums), losslessly; the 4-bit types of :data:`PACKED_TYPES` keep the file's bytes of nibbles
-as they are (the packed layout is GGUF's), the others are widened to int8:
+(offsets: the minimums), losslessly; the 4-bit and 5-bit types of :data:`PACKED_TYPES` keep the file's bytes of
+nibbles (and the 5-bit types' word of fifth bits a block) as they are (the packed layouts are GGUF's), Q8_0 is
+int8:
 
 | type | bytes a block | value | held |
 |---|---|---|---|
 | Q8_0 | 34: d, 32 int8 | ``d * q`` | int8 ``q`` |
 | Q4_0 | 18: d, 16 bytes of nibbles | ``d * (q - 8)`` | the nibbles, zero 8 |
 | Q4_1 | 20: d, m, 16 bytes of nibbles | ``d * q + m`` | the nibbles, offset ``m`` |
-| Q5_0 | 22: d, 4 bytes of high bits, 16 of nibbles | ``d * (q - 16)`` | int8 ``q - 16`` |
-| Q5_1 | 24: d, m, 4 bytes of high bits, 16 of nibbles | ``d * q + m`` | int8 ``q``, offset ``m`` |
+| Q5_0 | 22: d, 4 bytes of high bits, 16 of nibbles | ``d * (q - 16)`` | the nibbles and high bits, zero 16 |
+| Q5_1 | 24: d, m, 4 bytes of high bits, 16 of nibbles | ``d * q + m`` | the nibbles and high bits, offset ``m`` |
 
 A block's low nibbles are its values 0-15 and its high nibbles 16-31; bit ``i`` of the high-bit word is value
-``i``'s fifth bit. The values are gguf's (``gguf.quants.dequantize``) bit for bit. Other types (the K-quants, IQ
-types) are refused with their name.
+``i``'s fifth bit (held as an int32 ``[rows, columns / 32]``, :attr:`QuantizedWeight.high`). With ``packed=False``
+every type is widened to int8 (one value a byte: the packed kernels' reference). The values are gguf's
+(``gguf.quants.dequantize``) bit for bit. Other types (the K-quants, IQ types) are refused with their name.
 
 :class:`GGUFTensors` reads a Llama-architecture file (SmolLM2, Llama 2/3 as llama.cpp converts them): GGUF's
 names mapped to the checkpoint names the Llama family loads, and the rows of ``attn_q`` / ``attn_k`` put back in
@@ -43,7 +45,7 @@ BLOCK_TYPES: dict[str, tuple[int, bool, int]] = {
     "Q5_0": (22, False, 5),
     "Q5_1": (24, True, 5),
 }
-PACKED_TYPES = frozenset({"Q4_0", "Q4_1"})  # kept two values a byte in memory; the others widened to int8
+PACKED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})  # kept packed in memory; the others widened to int8
 FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": None}
 _SUPPORTED = ", ".join([*BLOCK_TYPES, *FLOAT_TYPES])
 
@@ -69,7 +71,7 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 def decode_blocks(data: np.ndarray, kind: str, columns: int, packed: bool | None = None) -> QuantizedWeight:
     """Rows of blocks (uint8 ``[rows, bytes]``) of block type ``kind``, ``columns`` values a row -> the weight:
-    packed 4-bit values (Q4_0, Q4_1 where ``packed``; by default those of :data:`PACKED_TYPES`) or int8 values,
+    packed 4-bit or 5-bit values (Q4_x, Q5_x where ``packed``; by default those of :data:`PACKED_TYPES`) or int8 values,
     float32 scales and offsets (or None) ``[rows, columns / 32]``. Raises ValueError for another type or a size
     that does not fit."""
     if kind not in BLOCK_TYPES:
@@ -86,10 +88,14 @@ def decode_blocks(data: np.ndarray, kind: str, columns: int, packed: bool | None
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         at = 4
     scale, offset = torch.from_numpy(d), torch.from_numpy(m) if m is not None else None
-    if bits == 4 and (kind in PACKED_TYPES if packed is None else packed):
+    if bits in (4, 5) and (kind in PACKED_TYPES if packed is None else packed):
+        fifth = None
+        if bits == 5:  # the block's word of fifth bits, little-endian, as int32
+            fifth = torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 4]).view("<i4")[..., 0].copy())
+            at += 4
         nibbles = np.ascontiguousarray(blocks[..., at:]).reshape(rows, columns // 2)
         zero = 0 if has_min else 1 << (bits - 1)
-        return QuantizedWeight(torch.from_numpy(nibbles), scale, offset, kind=kind, zero=zero)
+        return QuantizedWeight(torch.from_numpy(nibbles), scale, offset, kind=kind, zero=zero, high=fifth)
     if bits == 8:
         q = blocks[..., at:].view(np.int8)
     else:
@@ -165,8 +171,9 @@ class GGUFTensors:
         order = torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
         if isinstance(weight, QuantizedWeight):  # index_select: ~25x advanced indexing's speed on int8 rows here
             offset = weight.offset.index_select(0, order) if weight.offset is not None else None
+            high = weight.high.index_select(0, order) if weight.high is not None else None
             q, scale = weight.q.index_select(0, order), weight.scale.index_select(0, order)
-            return QuantizedWeight(q, scale, offset, kind=weight.kind, zero=weight.zero)
+            return QuantizedWeight(q, scale, offset, kind=weight.kind, zero=weight.zero, high=high)
         return weight.index_select(0, order)
 
 

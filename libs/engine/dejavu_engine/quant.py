@@ -1,9 +1,9 @@
-"""Weight-only quantized weights, kept quantized in memory: int8 or 4-bit values with float32 scales per group.
+"""Weight-only quantized weights, kept quantized in memory: int8, 4-bit or 5-bit values with float32 scales per group.
 
 A :class:`QuantizedWeight` is a 2-D weight ``W [N, K]`` held as values ``v [N, K]``, float32 scales ``scale [N,
 G]`` and optional float32 offsets ``offset [N, G]``: ``W[n, k] = scale[n, g] * v[n, k] (+ offset[n, g])`` with
 ``g = k // (K // G)``. ``N`` is the output dimension (``F.linear``'s ``[out, in]``). The values ``q`` are held
-one of two ways:
+one of three ways:
 
 * **int8**, one a byte: ``q`` int8 ``[N, K]``, ``v = q``.
 * **4-bit, packed** two a byte in blocks of :data:`BLOCK` values, a scale (and offset) a block: ``q`` uint8
@@ -11,17 +11,21 @@ one of two ways:
   value ``i + 16`` in its high nibble (GGUF's own order for Q4_0 and Q4_1: the file's bytes as they are), and
   ``v = nibble - zero`` (:attr:`~QuantizedWeight.zero`: 8 for Q4_0, 0 for Q4_1). A block's low nibbles are its
   first 16 values, so the kernel unpacks whole registers of consecutive values with a mask or a shift.
+* **5-bit, packed** as GGUF packs Q5_0 and Q5_1: each value's low 4 bits as the 4-bit layout's nibbles (``q``
+  uint8 ``[N, K / 2]``) and its fifth bit in a 32-bit mask a block, ``high`` int32 ``[N, K / 32]`` (bit ``i`` of
+  a block's mask: its value ``i``'s fifth bit; the file's little-endian word as it is), ``v = (nibble | bit << 4)
+  - zero`` (16 for Q5_0, 0 for Q5_1). Bits 0-15 of a mask go with the block's low nibbles and bits 16-31 with its
+  high ones, so a register of consecutive values takes its fifth bits from one shift of the mask.
 
 Formats that use it:
 
 * **int8 per output channel** (``G = 1``, no offset): symmetric, ``scale = max|W[n]| / 127`` (:func:`quantize`);
   a prepared ``int8`` checkpoint stores it (``<name>`` int8 and ``<name>_scale``: :mod:`dejavu_engine.weights`).
 * **GGUF blocks** of 32 (:mod:`dejavu_engine.gguf_file`): Q8_0, Q4_0, Q5_0 (symmetric) and Q4_1, Q5_1 (a
-  per-block minimum as offset), their float16 scales widened to float32. Q4_0 and Q4_1 stay packed (0.625 and
-  0.75 bytes a weight held with the float32 scales and minimums, against 0.5625 and 0.625 in the file); Q8_0 is
-  int8 as published, and Q5_0 and Q5_1 are widened to int8 at load (1.125 and 1.25 bytes a weight: their fifth
-  bits sit in a separate word a block, which the kernels do not unpack). All lossless: the weights are the
-  published file's exactly.
+  per-block minimum as offset), their float16 scales widened to float32. Q4_0, Q4_1, Q5_0 and Q5_1 stay packed
+  (0.625, 0.75, 0.75 and 0.875 bytes a weight held with the float32 scales and minimums, against 0.5625, 0.625,
+  0.6875 and 0.75 in the file; widened to int8 they would hold 1.125, 1.25, 1.125, 1.25); Q8_0 is int8 as
+  published. All lossless: the weights are the published file's exactly.
 
 :func:`linear` multiplies rows by it in one of three ways (:func:`_path`):
 
@@ -34,11 +38,11 @@ Formats that use it:
   row per block to 15 bits in two int8 parts, ``x ~ dx * (high + low / 128)`` with ``dx = max|x| / 127`` (``high``
   is llama.cpp's q8_0 of x; ``low``, in [-64, 64], the rest), and each block's ``xq . v`` (``xq = 128 high + low``)
   is an exact int32 sum of int8 dot products (AVX512-VNNI), scaled once: ``y = sum_blocks d * dx / 128 * (xq . v)
-  + m * sum(x)``. The weight stays as it is held (packed nibbles or int8), unpacked a panel of output rows at a time
-  into a cache-resident scratch. Against the float product its only extra error is x's rounding, ``|xq * dx / 128
-  - x| <= dx / 256`` an element (tests/engine/test_quant.py holds it to that): q8_0 alone (``dx / 2``) moved the
-  default model's logits by up to 3.3 and 7% of its greedy tokens (read after float32's); the low part, which
-  doubles the dot products, keeps them float32's (``dejavu bench quant``).
+  + m * sum(x)``. The weight stays as it is held (packed nibbles, with their fifth bits, or int8), unpacked a panel
+  of output rows at a time into a cache-resident scratch. Against the float product its only extra error is x's
+  rounding, ``|xq * dx / 128 - x| <= dx / 256`` an element (tests/engine/test_quant.py holds it to that): q8_0
+  alone (``dx / 2``) moved the default model's logits by up to 3.3 and 7% of its greedy tokens (read after
+  float32's); the low part, which doubles the dot products, keeps them float32's (``dejavu bench quant``).
 * **dequantized tiles** where the int8 GEMM is not built (AVX2 and scalar hosts) past :data:`DECODE_ROWS` rows:
   float32 tiles of :data:`TILE_ROWS` output rows, each multiplied by torch's GEMM.
 
@@ -84,17 +88,18 @@ INT8_ROWS = 5
 INT8_ROWS_WITHOUT_VNNI = 8
 TILE_ROWS = 256  # output rows of a weight dequantized at a time for many rows (a few hundred KiB: cache-resident)
 INT8_MAX = 127
-BLOCK = 32  # values of a block of packed 4-bit values (GGUF's block), two a byte
+BLOCK = 32  # values of a block of packed 4-bit or 5-bit values (GGUF's block), their nibbles two a byte
 _HALF = BLOCK // 2  # bytes a packed block: value i in byte i's low nibble, value i + 16 in its high one
 
 
 class QuantizedWeight:
-    """A 2-D weight kept as int8 or packed 4-bit values and float32 scales (and offsets) per group of each output
-    row (the layouts: the module's docstring).
+    """A 2-D weight kept as int8 or packed 4-bit or 5-bit values and float32 scales (and offsets) per group of each
+    output row (the layouts: the module's docstring).
 
     ``transposed``: the logical tensor is ``[K, N]`` (HF's Conv1D stores ``[in, out]``); ``q`` stays ``[N, K]``
     (``[N, K / 2]`` packed). ``kind`` names the format (``"int8"``, ``"Q4_1"``, ...); ``zero`` is what a packed
-    value's nibble is less (0 for int8 values). Immutable; :meth:`t` and :meth:`split` share ``q``'s memory.
+    value is less (0 for int8 values); ``high``, for 5-bit values, their fifth bits (int32 ``[N, K / 32]``, a mask
+    a block). Immutable; :meth:`t` and :meth:`split` share ``q``'s memory.
     """
 
     _base = None  # no dense tensor underneath (what stages check of packed weights' views)
@@ -108,6 +113,7 @@ class QuantizedWeight:
         transposed: bool = False,
         kind: str = "int8",
         zero: int = 0,
+        high: torch.Tensor | None = None,
     ) -> None:
         if q.dtype not in (torch.int8, torch.uint8) or q.dim() != 2:
             raise ValueError(
@@ -121,10 +127,17 @@ class QuantizedWeight:
                     f"packed 4-bit values come in blocks of {BLOCK} with a scale each: {q.shape[1]} bytes a row "
                     f"need {q.shape[1] // _HALF} scales, got {scale.shape[1]}"
                 )
-            if not 0 <= zero <= 15:
+            if high is not None and (high.dtype != torch.int32 or high.shape != scale.shape):
+                raise ValueError(
+                    f"5-bit values' fifth bits are an int32 mask a block [{q.shape[0]}, {scale.shape[1]}], "
+                    f"got {high.dtype} {tuple(high.shape)}"
+                )
+            if high is not None and not 0 <= zero <= 31:
+                raise ValueError(f"a packed 5-bit value's zero is within 0 to 31, got {zero}")
+            if high is None and not 0 <= zero <= 15:
                 raise ValueError(f"a packed value's zero is a nibble (0 to 15), got {zero}")
-        elif zero != 0:
-            raise ValueError(f"int8 values take no zero, got {zero}")
+        elif zero != 0 or high is not None:
+            raise ValueError(f"int8 values take no zero nor fifth bits, got zero {zero}")
         if scale.shape[1] < 1 or q.shape[1] % scale.shape[1]:
             raise ValueError(f"{scale.shape[1]} groups do not divide a row of {q.shape[1]} values")
         if offset is not None and (offset.dtype != torch.float32 or offset.shape != scale.shape):
@@ -135,6 +148,7 @@ class QuantizedWeight:
         self.transposed = transposed
         self.kind = kind
         self.zero = zero
+        self.high = high.contiguous() if high is not None else None
 
     @classmethod
     def from_stored(cls, q: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
@@ -160,8 +174,13 @@ class QuantizedWeight:
     # --- the tensor facts stages and planners read ---------------------------------------------------------
     @property
     def packed(self) -> bool:
-        """Whether the values are 4-bit, two a byte (else int8)."""
+        """Whether the values are packed, 4-bit or 5-bit (else int8)."""
         return self.q.dtype == torch.uint8
+
+    @property
+    def bits(self) -> int:
+        """Bits a value: 8 (int8), 4 or 5 (packed)."""
+        return 8 if not self.packed else 5 if self.high is not None else 4
 
     @property
     def columns(self) -> int:
@@ -184,9 +203,10 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: values, scales and offsets."""
+        """Bytes held: values (and fifth bits), scales and offsets."""
         extra = self.offset.nbytes if self.offset is not None else 0
-        return self.q.nbytes + self.scale.nbytes + extra
+        fifth = self.high.nbytes if self.high is not None else 0
+        return self.q.nbytes + fifth + self.scale.nbytes + extra
 
     @property
     def group(self) -> int:
@@ -210,7 +230,7 @@ class QuantizedWeight:
         return self
 
     def t(self) -> QuantizedWeight:
-        return QuantizedWeight(self.q, self.scale, self.offset, not self.transposed, self.kind, self.zero)
+        return QuantizedWeight(self.q, self.scale, self.offset, not self.transposed, self.kind, self.zero, self.high)
 
     @property
     def T(self) -> QuantizedWeight:  # noqa: N802 (torch's name)
@@ -222,8 +242,10 @@ class QuantizedWeight:
             raise ValueError("a quantized weight splits along its output rows only")
         parts = zip(self.q.split(list(sizes)), self.scale.split(list(sizes)), strict=True)
         offsets = self.offset.split(list(sizes)) if self.offset is not None else [None] * len(sizes)
+        highs = self.high.split(list(sizes)) if self.high is not None else [None] * len(sizes)
         return tuple(
-            QuantizedWeight(q, s, o, False, self.kind, self.zero) for (q, s), o in zip(parts, offsets, strict=True)
+            QuantizedWeight(q, s, o, False, self.kind, self.zero, h)
+            for (q, s), o, h in zip(parts, offsets, highs, strict=True)
         )
 
     def widen(self) -> QuantizedWeight:
@@ -231,10 +253,11 @@ class QuantizedWeight:
         kernels compute is what this one's compute, bit for bit."""
         if not self.packed:
             return self
-        return QuantizedWeight(_values(self.q, self.zero), self.scale, self.offset, self.transposed, self.kind)
+        values = _values(self.q, self.zero, self.high)
+        return QuantizedWeight(values, self.scale, self.offset, self.transposed, self.kind)
 
     def __repr__(self) -> str:
-        packed = ", packed" if self.packed else ""
+        packed = f", packed {self.bits}-bit" if self.packed else ""
         return f"QuantizedWeight({self.kind}, shape={tuple(self.shape)}, group={self.group}{packed})"
 
     # --- the math ------------------------------------------------------------------------------------------
@@ -245,9 +268,9 @@ class QuantizedWeight:
         op = _ops()
         if op is not None and self.device.type == "cpu":
             if self.packed:
-                return op.quant_dequantize4(self.q, self.scale, self.offset, self.zero, first, last)
+                return op.quant_dequantize4(self.q, self.scale, self.offset, self.zero, first, last, self.high)
             return op.quant_dequantize(self.q, self.scale, self.offset, first, last)
-        values = _values(self.q[first:last], self.zero)
+        values = _values(self.q[first:last], self.zero, _rows(self.high, first, last))
         return _dequantize_rows(values, self.scale[first:last], _rows(self.offset, first, last))
 
     def dense(self) -> torch.Tensor:
@@ -261,7 +284,8 @@ class QuantizedWeight:
             raise ValueError("an embedding is looked up by its rows; this quantized weight is transposed")
         flat = ids.reshape(-1)
         offset = self.offset[flat] if self.offset is not None else None
-        rows = _dequantize_rows(_values(self.q[flat], self.zero), self.scale[flat], offset)
+        high = self.high[flat] if self.high is not None else None
+        rows = _dequantize_rows(_values(self.q[flat], self.zero, high), self.scale[flat], offset)
         return rows.view(*ids.shape, self.columns)
 
     @classmethod
@@ -312,9 +336,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     else:
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         if path == "int8":
-            y = op.quant_gemm(x2, weight.q, weight.scale, weight.offset, b, weight.zero)
+            y = op.quant_gemm(x2, weight.q, weight.scale, weight.offset, b, weight.zero, weight.high)
         elif weight.packed:
-            y = op.quant_linear4(x2, weight.q, weight.scale, weight.offset, b, weight.zero)
+            y = op.quant_linear4(x2, weight.q, weight.scale, weight.offset, b, weight.zero, weight.high)
         else:
             y = op.quant_linear(x2, weight.q, weight.scale, weight.offset, b)
     return y.to(x.dtype).view(*x.shape[:-1], n)
@@ -381,15 +405,19 @@ def _rows(t: torch.Tensor | None, first: int, last: int) -> torch.Tensor | None:
     return t[first:last] if t is not None else None
 
 
-def _values(q: torch.Tensor, zero: int) -> torch.Tensor:
+def _values(q: torch.Tensor, zero: int, high: torch.Tensor | None = None) -> torch.Tensor:
     """The int8 values ``[rows, K]`` of rows of values ``q``: themselves if int8, else unpacked from their nibbles
-    (each block's low nibbles, then its high ones) less ``zero``."""
+    (each block's low nibbles, then its high ones), with bit ``i`` of a block's ``high`` mask as value ``i``'s fifth
+    bit where given, less ``zero``."""
     if q.dtype == torch.int8:
         return q
     rows, width = q.shape
     blocks = q.view(rows, width // _HALF, _HALF)
-    nibbles = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).view(rows, width * 2)
-    return nibbles.to(torch.int8) - zero
+    values = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).to(torch.int8)  # [rows, blocks, 32]
+    if high is not None:
+        fifth = (high.unsqueeze(-1) >> torch.arange(BLOCK, dtype=torch.int32)) & 1  # an arithmetic shift: bit 31 too
+        values |= (fifth << 4).to(torch.int8)
+    return values.view(rows, width * 2) - zero
 
 
 def _dequantize_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -447,14 +475,16 @@ def _cat(tensors: Sequence[Any], dim: int = 0) -> Any:
     first = parts[0]
     if any(t.kind != first.kind or t.scale.shape[1] != first.scale.shape[1] for t in parts):
         return NotImplemented
-    if any(t.q.dtype != first.q.dtype or t.zero != first.zero for t in parts):
+    if any(
+        t.q.dtype != first.q.dtype or t.zero != first.zero or (t.high is None) != (first.high is None) for t in parts
+    ):
         return NotImplemented
     if any((t.offset is None) != (first.offset is None) for t in parts):
         return NotImplemented
     offset = torch.cat([t.offset for t in parts]) if first.offset is not None else None  # type: ignore[misc]
-    return QuantizedWeight(
-        torch.cat([t.q for t in parts]), torch.cat([t.scale for t in parts]), offset, False, first.kind, first.zero
-    )
+    high = torch.cat([t.high for t in parts if t.high is not None]) if first.high is not None else None
+    q, scale = torch.cat([t.q for t in parts]), torch.cat([t.scale for t in parts])
+    return QuantizedWeight(q, scale, offset, False, first.kind, first.zero, high)
 
 
 _HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {

@@ -4,23 +4,30 @@
 // consecutive values per output row: W[n, k] = s[n, g] * q[n, k] (+ o[n, g]), g = k / (K / G). The values come two
 // ways:
 // * int8, one a byte (q [N, K]). One group per row (G = 1) is symmetric int8 per output channel; groups of 32 are
-//   GGUF's blocks (Q8_0, and Q5_0, Q5_1 widened to int8 at load).
+//   GGUF's blocks (Q8_0, and any of the packed types widened to int8).
 // * 4-bit, two a byte in blocks of 32 values (q uint8 [N, K / 2], 16 bytes a block): byte i of a block holds
 //   the block's value i in its low nibble and value i + 16 in its high nibble (GGUF's own order for Q4_0 and Q4_1,
 //   so the file's bytes are used as they are), and the value is the nibble minus `zero` (8 for Q4_0, 0 for Q4_1).
 //   A block's low nibbles are its first 16 values and its high ones the next 16, so one load of its bytes, masked
 //   or shifted, gives whole registers of consecutive values (AVX-512: 16, AVX2: 8) with no reordering; AVX-512
 //   then looks each value's weight up in the block's 16 possible weights (vpermps), AVX2 converts and scales it.
+// * 5-bit, packed as GGUF packs Q5_0 and Q5_1: the low 4 bits of each value as the 4-bit layout's nibbles (q uint8
+//   [N, K / 2]) and the fifth bits in a 32-bit mask a block (h int32 [N, K / 32], bit i: value i's fifth bit, the
+//   file's word as it is), the value (nibble | bit << 4) minus `zero` (16 for Q5_0, 0 for Q5_1). Bits 0-15 of a
+//   mask are the fifth bits of the block's low nibbles, bits 16-31 those of its high ones, so a register of
+//   consecutive values takes its bits from one shift of the mask: AVX-512 as a lane mask (bit i for lane i) that
+//   ORs 16 into the lanes' indices and looks each weight up in the block's 32 (vpermt2ps, two tables of 16), AVX2
+//   as a variable shift per lane.
 //
 // quant_linear widens each int8 weight to float32 in registers (16 lanes on AVX-512, 8 on AVX2) and multiplies it
 // into up to four rows of x at once, so a decode step reads each weight byte once from memory; a scale per row
 // applies to the row's sum (per channel), a scale per block to each weight as it is widened, and offsets as offset *
 // (sum of x over the block): x times the dequantized weight, distributed, in another summation order than a float
 // GEMM's, with subnormals flushed to zero while it runs (FlushSubnormals). quant_linear4 is the same for 4-bit
-// values, unpacked from their nibbles in registers: the same products summed in the same order, so its results are
-// quant_linear's on the same values widened to int8, bit for bit. quant_dequantize (quant_dequantize4) writes the
-// float32 weight (rows [a, b)) for the GEMMs of many rows, which are compute-bound. All run on torch's intra-op
-// threads, split over output rows.
+// (and 5-bit) values, unpacked from their nibbles (and fifth bits) in registers: the same products summed in the
+// same order, so its results are quant_linear's on the same values widened to int8, bit for bit. quant_dequantize
+// (quant_dequantize4) writes the float32 weight (rows [a, b)) for the GEMMs of many rows, which are compute-bound.
+// All run on torch's intra-op threads, split over output rows.
 //
 // Registered as torch operators in this extension's own namespace (torch.ops.<extension name>.quant_linear),
 // beside the pybind11 module of kernels.cpp, by dejavu_quant_register.
@@ -69,6 +76,16 @@ inline Vec vq4(const uint8_t* p, Nibble zero) {
   b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0x0F)), zero);
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
+// The 16 5-bit values whose low 4 bits are the low (High = false) or high nibbles of 16 bytes and whose fifth bits
+// are bits 0-15 of `bits` (value i's in bit i), each minus `zero`, as float32.
+template <bool High>
+inline Vec vq5(const uint8_t* p, int zero, uint32_t bits) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (High) b = _mm_srli_epi16(b, 4);
+  __m512i v = _mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+  v = _mm512_mask_or_epi32(v, static_cast<__mmask16>(bits), v, _mm512_set1_epi32(16));
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(zero)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 constexpr int kWeightRows = 2;  // 8 accumulators of the 16 registers
@@ -99,6 +116,18 @@ inline Vec vq4(const uint8_t* p, Nibble zero) {
   b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(0x0F)), zero);
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
+// The 8 5-bit values of 8 bytes' low (High = false) or high nibbles and bits 0-7 of `bits`, each minus `zero`.
+template <bool High>
+inline Vec vq5(const uint8_t* p, int zero, uint32_t bits) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (High) b = _mm_srli_epi16(b, 4);
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i fifth =
+      _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), lane), one), 4);
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(v, fifth), _mm256_set1_epi32(zero)));
+}
 #else
 constexpr int kLanes = 1;  // scalar build: the "register" is one float
 constexpr int kWeightRows = 1;
@@ -117,6 +146,10 @@ inline Nibble nibble_zero(int zero) { return zero; }
 template <bool High>
 inline Vec vq4(const uint8_t* p, Nibble zero) {
   return static_cast<float>(((High ? *p >> 4 : *p) & 0x0F) - zero);
+}
+template <bool High>
+inline Vec vq5(const uint8_t* p, int zero, uint32_t bits) {
+  return static_cast<float>((((High ? *p >> 4 : *p) & 0x0F) | static_cast<int>((bits & 1u) << 4)) - zero);
 }
 #endif
 
@@ -196,13 +229,21 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kHalf = kBlock / 2;
 
 // Adds x . (s * v) over half a block (the values of its low nibbles, High = false, or of its high ones) to acc: x
-// at the half's first value, q at row 0's block (rows `row` bytes apart), vs the rows' scales of the block.
-template <bool High, int R, int NT>
+// at the half's first value, q at row 0's block (rows `row` bytes apart), vs the rows' scales of the block. Five:
+// 5-bit values, h the block's fifth-bit masks (rows `hrow` words apart), z the zero as an int.
+template <bool High, bool Five, int R, int NT>
 __attribute__((always_inline)) inline void dot_half(const float* x, int64_t ldx, const uint8_t* q, int64_t row,
-                                                    const Vec (&vs)[NT], Nibble zero, Vec (&acc)[NT][R]) {
+                                                    const uint32_t* h, int64_t hrow, const Vec (&vs)[NT],
+                                                    Nibble zero, int z, Vec (&acc)[NT][R]) {
   for (int64_t c = 0; c < kHalf; c += kLanes) {
     Vec w[NT];
-    for (int j = 0; j < NT; ++j) w[j] = vmul(vq4<High>(q + j * row + c, zero), vs[j]);
+    for (int j = 0; j < NT; ++j) {
+      if constexpr (Five) {
+        w[j] = vmul(vq5<High>(q + j * row + c, z, h[j * hrow] >> ((High ? kHalf : 0) + c)), vs[j]);
+      } else {
+        w[j] = vmul(vq4<High>(q + j * row + c, zero), vs[j]);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const Vec xv = vload(x + r * ldx + c);
       for (int j = 0; j < NT; ++j) acc[j][r] = vfma(xv, w[j], acc[j][r]);
@@ -215,10 +256,11 @@ __attribute__((always_inline)) inline void dot_half(const float* x, int64_t ldx,
 // the same values widened to int8, added to the same accumulators in the same order (a block's low nibbles, then
 // its high ones), and the offsets are added as it adds them, so the results are dot_groups's bit for bit. With
 // Channel (one block a row and no offset, which the int8 kernel takes as a scale per output channel) the values
-// are summed unscaled and the row's sum scaled once, as dot_channel does.
-template <int R, int NT, bool Channel>
-inline void dot_blocks4(const float* x, int64_t ldx, const uint8_t* q, const float* s, const float* o,
-                        const float* xsum, int64_t K, int zero, float* y, int64_t ldy) {
+// are summed unscaled and the row's sum scaled once, as dot_channel does. Five: 5-bit values, h their fifth-bit
+// masks (a word a block, rows K / 32 words apart), each value (nibble | bit << 4) minus `zero`.
+template <int R, int NT, bool Channel, bool Five>
+inline void dot_blocks4(const float* x, int64_t ldx, const uint8_t* q, const uint32_t* h, const float* s,
+                        const float* o, const float* xsum, int64_t K, int zero, float* y, int64_t ldy) {
   Vec acc[NT][R];
   float tail[NT][R];
   for (int j = 0; j < NT; ++j)
@@ -229,8 +271,11 @@ inline void dot_blocks4(const float* x, int64_t ldx, const uint8_t* q, const flo
   const int64_t blocks = K / kBlock, row = K / 2;
 #if defined(__AVX512F__)
   // The 16 values a nibble can stand for, 0 - zero to 15 - zero, in lane order.
-  const Vec levels = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(zero)));
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const Vec levels = _mm512_cvtepi32_ps(_mm512_sub_epi32(lanes, _mm512_set1_epi32(zero)));
+  // 5-bit values: the 16 with the fifth bit set, 16 - zero to 31 - zero (the others are `levels`).
+  const Vec upper = _mm512_cvtepi32_ps(_mm512_sub_epi32(lanes, _mm512_set1_epi32(zero - 16)));
+  const __m512i nibble = _mm512_set1_epi32(0x0F), sixteen = _mm512_set1_epi32(16);
 #else
   const Nibble z = nibble_zero(zero);
 #endif
@@ -242,12 +287,24 @@ inline void dot_blocks4(const float* x, int64_t ldx, const uint8_t* q, const flo
     // high ones; vpermps reads the low 4 bits of a lane's index only, so it looks each value's weight up in the
     // row's 16 possible weights (scale * level, the products dot_groups forms) straight from the byte, shifted
     // for the high nibbles: no mask, no conversion and no multiply a value.
+    // 5-bit values: a lane's fifth bit ORs 16 into its index, and vpermt2ps, which reads its low 5 bits, looks it up
+    // in the 32 weights of two registers (so the low nibbles are masked first).
     Vec low[NT], high[NT];
     for (int j = 0; j < NT; ++j) {
       const Vec weights = Channel ? levels : vmul(levels, vset(s[j * blocks + g]));
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + j * row)));
-      low[j] = _mm512_permutexvar_ps(bytes, weights);
-      high[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), weights);
+      if constexpr (Five) {
+        const Vec weights5 = Channel ? upper : vmul(upper, vset(s[j * blocks + g]));
+        const uint32_t bits = h[j * blocks + g];
+        const __m512i lo = _mm512_and_si512(bytes, nibble), hi = _mm512_srli_epi32(bytes, 4);
+        low[j] = _mm512_permutex2var_ps(
+            weights, _mm512_mask_or_epi32(lo, static_cast<__mmask16>(bits), lo, sixteen), weights5);
+        high[j] = _mm512_permutex2var_ps(
+            weights, _mm512_mask_or_epi32(hi, static_cast<__mmask16>(bits >> 16), hi, sixteen), weights5);
+      } else {
+        low[j] = _mm512_permutexvar_ps(bytes, weights);
+        high[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), weights);
+      }
     }
     for (int r = 0; r < R; ++r) {
       const Vec xv = vload(xg + r * ldx);
@@ -260,8 +317,9 @@ inline void dot_blocks4(const float* x, int64_t ldx, const uint8_t* q, const flo
 #else
     Vec vs[NT];
     for (int j = 0; j < NT; ++j) vs[j] = vset(Channel ? 1.0f : s[j * blocks + g]);  // times 1: exact
-    dot_half<false, R, NT>(xg, ldx, qg, row, vs, z, acc);
-    dot_half<true, R, NT>(xg + kHalf, ldx, qg, row, vs, z, acc);
+    const uint32_t* hg = Five ? h + g : nullptr;
+    dot_half<false, Five, R, NT>(xg, ldx, qg, row, hg, blocks, vs, z, zero, acc);
+    dot_half<true, Five, R, NT>(xg + kHalf, ldx, qg, row, hg, blocks, vs, z, zero, acc);
 #endif
   }
   if (o != nullptr) {
@@ -297,24 +355,25 @@ void dot_tile(int rows, const float* x, int64_t ldx, const int8_t* q, const floa
   }
 }
 
-// The same for 4-bit values (as dot_tile, a row of one block and no offset is summed as a channel).
-template <int NT>
-void dot_tile4(int rows, const float* x, int64_t ldx, const uint8_t* q, const float* s, const float* o,
-               const float* xsum, int64_t K, int zero, float* y, int64_t ldy) {
+// The same for 4-bit values (as dot_tile, a row of one block and no offset is summed as a channel), and 5-bit ones
+// (Five: h their fifth-bit masks).
+template <int NT, bool Five>
+void dot_tile4(int rows, const float* x, int64_t ldx, const uint8_t* q, const uint32_t* h, const float* s,
+               const float* o, const float* xsum, int64_t K, int zero, float* y, int64_t ldy) {
   if (K == kBlock && o == nullptr) {
     switch (rows) {
-      case 4: dot_blocks4<4, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
-      case 3: dot_blocks4<3, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
-      case 2: dot_blocks4<2, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
-      default: dot_blocks4<1, NT, true>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+      case 4: dot_blocks4<4, NT, true, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
+      case 3: dot_blocks4<3, NT, true, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
+      case 2: dot_blocks4<2, NT, true, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
+      default: dot_blocks4<1, NT, true, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
     }
     return;
   }
   switch (rows) {
-    case 4: dot_blocks4<4, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
-    case 3: dot_blocks4<3, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
-    case 2: dot_blocks4<2, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
-    default: dot_blocks4<1, NT, false>(x, ldx, q, s, o, xsum, K, zero, y, ldy); break;
+    case 4: dot_blocks4<4, NT, false, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
+    case 3: dot_blocks4<3, NT, false, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
+    case 2: dot_blocks4<2, NT, false, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
+    default: dot_blocks4<1, NT, false, Five>(x, ldx, q, h, s, o, xsum, K, zero, y, ldy); break;
   }
 }
 
@@ -354,9 +413,10 @@ void check_weight(const at::Tensor& q, const at::Tensor& scale, const std::optio
               " for q ", q.sizes());
 }
 
-// 4-bit values: uint8 [N, K / 2], K a multiple of kBlock, a scale (and offset) a block, zero a nibble's value.
+// 4-bit values: uint8 [N, K / 2], K a multiple of kBlock, a scale (and offset) a block, zero a nibble's value;
+// 5-bit ones (high given): the same and a fifth-bit mask a block (int32 [N, K / 32]), zero a 5-bit value.
 void check_weight4(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
-                   int64_t zero) {
+                   int64_t zero, const std::optional<at::Tensor>& high) {
   check_scales(scale, offset);
   TORCH_CHECK(q.device().is_cpu(), "quant: CPU tensors only");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) % kHalf == 0,
@@ -366,7 +426,15 @@ void check_weight4(const at::Tensor& q, const at::Tensor& scale, const std::opti
                   scale.size(0) == q.size(0) && scale.size(1) * kHalf == q.size(1),
               "quant: 4-bit values need a float32 scale a block of ", kBlock, " ([N, K / ", kBlock, "]), got ",
               scale.sizes(), " for q ", q.sizes());
-  TORCH_CHECK(0 <= zero && zero <= 15, "quant: a nibble's zero must be within [0, 15], got ", zero);
+  if (high.has_value()) {
+    TORCH_CHECK(high->device().is_cpu() && high->scalar_type() == at::kInt && high->is_contiguous() &&
+                    high->sizes() == scale.sizes(),
+                "quant: 5-bit values' fifth bits must be a contiguous int32 [N, K / ", kBlock,
+                "] tensor (a mask a block), got ", high->scalar_type(), " ", high->sizes());
+    TORCH_CHECK(0 <= zero && zero <= 31, "quant: a 5-bit value's zero must be within [0, 31], got ", zero);
+  } else {
+    TORCH_CHECK(0 <= zero && zero <= 15, "quant: a nibble's zero must be within [0, 15], got ", zero);
+  }
 }
 
 // What quant_linear and quant_linear4 share: the checks of x (float32 [M, K], rows contiguous) and bias, the sums
@@ -449,22 +517,31 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
                      });
 }
 
-// The same for 4-bit values q (uint8 [N, K / 2], blocks of 32, each value its nibble minus `zero`): its results are
+// The same for 4-bit values q (uint8 [N, K / 2], blocks of 32, each value its nibble minus `zero`), or 5-bit ones
+// (high: int32 [N, K / 32], a fifth-bit mask a block; each value (nibble | bit << 4) minus `zero`): its results are
 // quant_linear's on the values widened to int8, bit for bit.
 at::Tensor quant_linear4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                         int64_t zero) {
-  check_weight4(q, scale, offset, zero);
+                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t zero,
+                         const std::optional<at::Tensor>& high) {
+  check_weight4(q, scale, offset, zero, high);
   const int64_t K = 2 * q.size(1), blocks = scale.size(1);
   const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint32_t* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
   const int z = static_cast<int>(zero);
   return linear_rows(x, K, q.size(0), blocks, op != nullptr, bias,
                      [&](auto nt, int rows, const float* xm, int64_t ldx, int64_t n, const float* xsm, float* ym,
                          int64_t ldy) {
-                       dot_tile4<decltype(nt)::value>(rows, xm, ldx, qp + n * (K / 2), sp + n * blocks,
-                                                      op != nullptr ? op + n * blocks : nullptr, xsm, K, z, ym, ldy);
+                       const uint8_t* qn = qp + n * (K / 2);
+                       const float* on = op != nullptr ? op + n * blocks : nullptr;
+                       if (hp != nullptr) {
+                         dot_tile4<decltype(nt)::value, true>(rows, xm, ldx, qn, hp + n * blocks, sp + n * blocks, on,
+                                                              xsm, K, z, ym, ldy);
+                       } else {
+                         dot_tile4<decltype(nt)::value, false>(rows, xm, ldx, qn, nullptr, sp + n * blocks, on, xsm,
+                                                               K, z, ym, ldy);
+                       }
                      });
 }
 
@@ -508,14 +585,12 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize(const a
   return w;
 }
 
-// The same for 4-bit values (uint8 [N, K / 2], blocks of 32, each value its nibble minus `zero`): the values
-// widened to int8 give quant_dequantize's weight, bit for bit.
-__attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize4(const at::Tensor& q,
-                                                                           const at::Tensor& scale,
-                                                                           const std::optional<at::Tensor>& offset,
-                                                                           int64_t zero, int64_t first,
-                                                                           int64_t last) {
-  check_weight4(q, scale, offset, zero);
+// The same for 4-bit values (uint8 [N, K / 2], blocks of 32, each value its nibble minus `zero`) and 5-bit ones
+// (high: a fifth-bit mask a block): the values widened to int8 give quant_dequantize's weight, bit for bit.
+__attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize4(
+    const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t zero,
+    int64_t first, int64_t last, const std::optional<at::Tensor>& high) {
+  check_weight4(q, scale, offset, zero, high);
   const int64_t N = q.size(0), K = 2 * q.size(1), blocks = scale.size(1);
   TORCH_CHECK(0 <= first && first <= last && last <= N, "quant_dequantize4: rows [", first, ", ", last,
               ") not within [0, ", N, ")");
@@ -524,7 +599,9 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize4(const 
   const float* sp = scale.data_ptr<float>();
   const float* op = offset.has_value() ? offset->data_ptr<float>() : nullptr;
   float* wp = w.data_ptr<float>();
+  const uint32_t* hp = high.has_value() ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   const Nibble z = nibble_zero(static_cast<int>(zero));
+  const int zi = static_cast<int>(zero);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
   at::parallel_for(first, last, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
@@ -533,8 +610,10 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor quant_dequantize4(const 
         const Vec vo = vset(op != nullptr ? op[n * blocks + g] : 0.0f);
         const uint8_t* qg = qp + n * (K / 2) + g * kHalf;
         float* wg = wp + (n - first) * K + g * kBlock;
+        const uint32_t bits = hp != nullptr ? hp[n * blocks + g] : 0;
         for (int64_t c = 0; c < kHalf; c += kLanes) {
-          Vec low = vmul(vq4<false>(qg + c, z), vs), high = vmul(vq4<true>(qg + c, z), vs);
+          Vec low = vmul(hp != nullptr ? vq5<false>(qg + c, zi, bits >> c) : vq4<false>(qg + c, z), vs);
+          Vec high = vmul(hp != nullptr ? vq5<true>(qg + c, zi, bits >> (kHalf + c)) : vq4<true>(qg + c, z), vs);
           if (op != nullptr) {
             low = vadd(low, vo);
             high = vadd(high, vo);
@@ -553,7 +632,8 @@ int64_t quant_lanes() { return kLanes; }
 
 // quant_gemm.cpp: weights in blocks of 32 times many rows, on int8 dot products.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t zero);
+                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t zero,
+                       const std::optional<at::Tensor>& high);
 int64_t quant_int8_dot();
 
 // Registers the operators in namespace `ns` (the extension's name), once per library; called by Python through
@@ -570,12 +650,15 @@ extern "C" __attribute__((visibility("default"))) int dejavu_quant_register(cons
               &quant_linear);
     made->def("quant_dequantize(Tensor q, Tensor scale, Tensor? offset, int first, int last) -> Tensor",
               &quant_dequantize);
-    made->def("quant_linear4(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int zero) -> Tensor",
+    made->def("quant_linear4(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int zero, "
+              "Tensor? high=None) -> Tensor",
               &quant_linear4);
-    made->def("quant_dequantize4(Tensor q, Tensor scale, Tensor? offset, int zero, int first, int last) -> Tensor",
+    made->def("quant_dequantize4(Tensor q, Tensor scale, Tensor? offset, int zero, int first, int last, "
+              "Tensor? high=None) -> Tensor",
               &quant_dequantize4);
     made->def("quant_lanes() -> int", &quant_lanes);
-    made->def("quant_gemm(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int zero) -> Tensor",
+    made->def("quant_gemm(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias, int zero, "
+              "Tensor? high=None) -> Tensor",
               &quant_gemm);
     made->def("quant_int8_dot() -> int", &quant_int8_dot);
     library = made;

@@ -1,10 +1,12 @@
-// Many-row GEMMs of weights in blocks of 32 (GGUF's: Q4_0 and Q4_1 packed, Q8_0 and Q5_x as int8) on int8 dot
+// Many-row GEMMs of weights in blocks of 32 (GGUF's: Q4_0, Q4_1, Q5_0 and Q5_1 packed, Q8_0 as int8) on int8 dot
 // products: a prefill's, a prompt chunk's, a wide decode batch's projections, compute-bound where a decode step of a
 // few rows is bound by memory.
 //
 // The weight is quant.cpp's layout, as the file holds it: values in blocks of 32 with a float32 scale d and optional
-// offset m a block, W = d * v + m, the values v int8 (q [N, K]: Q8_0, Q5_x widened) or packed 4-bit (q uint8
-// [N, K / 2], byte i of a block's 16: value i in its low nibble, value i + 16 in its high one, v = nibble - zero).
+// offset m a block, W = d * v + m, the values v int8 (q [N, K]: Q8_0, or a packed type widened), packed 4-bit (q
+// uint8 [N, K / 2], byte i of a block's 16: value i in its low nibble, value i + 16 in its high one, v = nibble -
+// zero) or packed 5-bit (the same nibbles and a fifth-bit mask a block, h int32 [N, K / 32], bit i for value i: v =
+// (nibble | bit << 4) - zero).
 // The activations x [M, K] are rounded per row per block of 32 to 15 bits in two int8 parts: u = x / dx with dx =
 // max|x| / 127, high = round(u) in [-127, 127] (llama.cpp's q8_0 of x), low = round(128 * (u - high)) in [-64, 64],
 // so x ~ dx / 128 * xq with xq = 128 * high + low, within dx / 256 an element (q8_0's high part alone, within dx /
@@ -12,17 +14,19 @@
 // to y[r, n] is then d * dx / 128 * (xq . v) + m * sum(x): xq . v an exact int32 sum of int8 dot products of
 // unsigned weight bytes and signed x bytes (vpdpbusd on AVX512-VNNI, 4 products a 32-bit lane; vpmaddubsw and
 // vpmaddwd on AVX512BW without it, the same sums): 128 * (u8 . high) + (u8 . low) - shift * sum(xq), the weight
-// entering as unsigned bytes u8 = v + shift (nibbles: shift = zero; int8 values: + 128), sum(xq) and sum(x) made
-// once a row. Packed values and the same values widened to int8 give the same integers, so the same results.
+// entering as unsigned bytes u8 = v + shift (nibbles, 5-bit values: shift = zero; int8 values: + 128), sum(xq) and
+// sum(x) made once a row. Packed values and the same values widened to int8 give the same integers, so the same
+// results.
 //
 // Layout in the loop: a panel of kPanel output rows is unpacked once a call into a scratch that stays in L1/L2 and
 // is reused by every row of x: for each block and each 4 consecutive values of it, one 64-byte register holds those
 // 4 bytes of 16 output rows (a 32-bit lane a row), so one vpdpbusd of it against x's 4 bytes broadcast adds 64
 // products into 16 rows' sums, and a block's 32 values are 8 of them (twice: x's high parts, then, the sums shifted
-// by 7 bits, its low ones); its scales (and offsets) sit beside it, 16 a
-// register. Each block's int32 sums are converted and scaled once into float32 accumulators of 16 output rows.
-// The 16 rows of a register are a 4 x 4 transpose of the weight's 16-byte block rows (row 4a + i in lane 4i + a);
-// the output is permuted back as it is stored.
+// by 7 bits, its low ones); its scales (and offsets) sit beside it, 16 a register. A 5-bit value's fifth bit is
+// ORed into bit 4 of its byte as the panel is unpacked (4 bits of the mask a 32-bit lane, spread a bit a byte by
+// one multiply), so the loop is the 4-bit one. Each block's int32 sums are converted and scaled once into float32
+// accumulators of 16 output rows. The 16 rows of a register are a 4 x 4 transpose of the weight's 16-byte block
+// rows (row 4a + i in lane 4i + a); the output is permuted back as it is stored.
 //
 // Built only where the compiler targets AVX512BW (quant_int8_dot() says which dot product); elsewhere Python keeps
 // dequantized tiles and torch's GEMM for many rows.
@@ -180,15 +184,32 @@ inline void words_of_rows(const uint8_t* q, int64_t row, int64_t rows, __m512i (
   out[3] = _mm512_unpackhi_epi64(u1, u3);
 }
 
+// The fifth bits of step c's values (4c..4c+3) of 16 rows, as bit 4 of their bytes: bits 4c..4c+3 of each 32-bit
+// lane's mask in m, which are in the lane's byte c / 2, copied to its 4 bytes (vpshufb), each byte tested against
+// its own bit (vptestmb) and made 16 where it is set.
+inline __m512i fifth_bits(__m512i m, int c) {
+  const __m512i copy = _mm512_add_epi32(_mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0),
+                                        _mm512_set1_epi32((c / 2) * 0x01010101));
+  const __m512i own = _mm512_set1_epi32(c % 2 != 0 ? static_cast<int>(0x80402010u) : 0x08040201);
+  return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(_mm512_shuffle_epi8(m, copy), own), _mm512_set1_epi8(16));
+}
+
 // Output rows [n0, n0 + kPanel) into the panel (rows past N: zero weights). Packed 4-bit values (Wide = false, q
-// uint8 [N, K / 2]) go as their nibbles; int8 values (Wide, q [N, K]) as value + 128, an unsigned byte.
-template <bool Wide>
-void unpack_panel(const uint8_t* q, const float* scale, const float* offset, int64_t N, int64_t K, int64_t n0,
-                  Panel& panel) {
+// uint8 [N, K / 2]) go as their nibbles, packed 5-bit ones (Five, h their fifth-bit masks [N, K / 32]) as nibble |
+// bit << 4; int8 values (Wide, q [N, K]) as value + 128, an unsigned byte.
+template <bool Wide, bool Five>
+void unpack_panel(const uint8_t* q, const uint32_t* h, const float* scale, const float* offset, int64_t N, int64_t K,
+                  int64_t n0, Panel& panel) {
+  static_assert(!(Wide && Five), "5-bit values are packed");
   const int64_t G = K / kBlock, row = Wide ? K : K / 2;
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // Where a tile's rows' masks of a block are, in the words' lane order (row lane_of(i) in lane i), G words a row.
+  const __m512i by_lane = _mm512_mullo_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0),
+                                             _mm512_set1_epi32(static_cast<int>(G)));
   for (int t = 0; t < kTiles; ++t) {
     const int64_t base = n0 + t * kLanes, rows = std::max<int64_t>(0, N - base);
+    __mmask16 present = 0;  // lanes of the rows before N
+    for (int i = 0; i < kLanes; ++i) present |= static_cast<__mmask16>((lane_of(i) < rows ? 1u : 0u) << i);
     for (int64_t g = 0; g < G; ++g) {
       uint8_t* out = panel.w.data() + g * kSteps * kTiles * 64 + t * 64;
       __m512i C[4];
@@ -200,9 +221,18 @@ void unpack_panel(const uint8_t* q, const float* scale, const float* offset, int
         }
       } else {  // a block's 16 bytes: word w's low nibbles are step w, its high ones step 4 + w
         words_of_rows(q + base * row + g * kHalf, row, rows, C);
+        __m512i masks = _mm512_setzero_si512();  // the rows' fifth-bit masks, in the words' lane order
+        if constexpr (Five) {
+          if (present != 0) masks = _mm512_mask_i32gather_epi32(masks, present, by_lane, h + base * G + g, 4);
+        }
         for (int w = 0; w < 4; ++w) {
-          _mm512_storeu_si512(out + w * kTiles * 64, _mm512_and_si512(C[w], low));
-          _mm512_storeu_si512(out + (w + 4) * kTiles * 64, _mm512_and_si512(_mm512_srli_epi16(C[w], 4), low));
+          __m512i first = _mm512_and_si512(C[w], low), second = _mm512_and_si512(_mm512_srli_epi16(C[w], 4), low);
+          if constexpr (Five) {  // steps w (values 4w..4w+3) and 4 + w (values 16 + 4w..)
+            first = _mm512_or_si512(first, fifth_bits(masks, w));
+            second = _mm512_or_si512(second, fifth_bits(masks, 4 + w));
+          }
+          _mm512_storeu_si512(out + w * kTiles * 64, first);
+          _mm512_storeu_si512(out + (w + 4) * kTiles * 64, second);
         }
       }
     }
@@ -298,17 +328,32 @@ void panel_all_rows(const QuantizedRows& xq, int64_t M, int64_t K, const Panel& 
 }
 
 // Every panel of the weight, split over torch's threads (each its own panel scratch).
-template <bool Wide, bool Zero, bool Offset>
-void all_panels(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* q, const float* scale,
-                const float* offset, const float* bias, float* y, int64_t N) {
+template <bool Wide, bool Five, bool Zero, bool Offset>
+void all_panels(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* q, const uint32_t* h,
+                const float* scale, const float* offset, const float* bias, float* y, int64_t N) {
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
     const FlushSubnormals flush;
     Panel panel(K, Offset);
     for (int64_t p = p0; p < p1; ++p) {
-      unpack_panel<Wide>(q, scale, offset, N, K, p * kPanel, panel);
+      unpack_panel<Wide, Five>(q, h, scale, offset, N, K, p * kPanel, panel);
       panel_all_rows<Wide, Zero, Offset>(xq, M, K, panel, bias, y, N, p * kPanel);
     }
   });
+}
+
+// all_panels for a weight of one layout (Wide, Five), with or without a shift to take off and offsets.
+template <bool Wide, bool Five>
+void panels_of(bool shift, bool offsets, const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* q,
+               const uint32_t* h, const float* scale, const float* offset, const float* bias, float* y, int64_t N) {
+  if (shift && offsets) {
+    all_panels<Wide, Five, true, true>(xq, M, K, q, h, scale, offset, bias, y, N);
+  } else if (shift) {
+    all_panels<Wide, Five, true, false>(xq, M, K, q, h, scale, offset, bias, y, N);
+  } else if (offsets) {
+    all_panels<Wide, Five, false, true>(xq, M, K, q, h, scale, offset, bias, y, N);
+  } else {
+    all_panels<Wide, Five, false, false>(xq, M, K, q, h, scale, offset, bias, y, N);
+  }
 }
 #endif
 
@@ -328,11 +373,13 @@ int64_t quant_int8_dot() {
 
 // x [M, K] (float32, rows contiguous) @ W^T (+ bias [N]) -> [M, N] float32 for W in blocks of 32 with a float32
 // scale and optional offset [N, K / 32] a block: int8 values (q int8 [N, K], zero 0) or packed 4-bit ones (q uint8
-// [N, K / 2], each value its nibble minus `zero`); x rounded per row per block to two int8 parts (the file's
-// header). A packed weight's results are those of its values widened to int8, bit for bit: the int32 sums are the
-// same integers and the float arithmetic on them the same.
+// [N, K / 2], each value its nibble minus `zero`) or packed 5-bit ones (the same and high, int32 [N, K / 32], a
+// fifth-bit mask a block: each value (nibble | bit << 4) minus `zero`); x rounded per row per block to two int8
+// parts (the file's header). A packed weight's results are those of its values widened to int8, bit for bit: the
+// int32 sums are the same integers and the float arithmetic on them the same.
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t zero) {
+                      const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias, int64_t zero,
+                      const std::optional<at::Tensor>& high) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "quant_gemm: x must be a float32 [M, K] CPU tensor with contiguous rows");
   const bool wide = q.scalar_type() == at::kChar;
@@ -350,8 +397,17 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor
                     offset->sizes() == scale.sizes(),
                 "quant_gemm: offset must be a contiguous float32 tensor shaped like scale");
   }
-  TORCH_CHECK(wide ? zero == 0 : 0 <= zero && zero <= 15,
-              "quant_gemm: a nibble's zero must be within [0, 15] (int8 values take none), got ", zero);
+  const bool five = high.has_value();
+  if (five) {
+    TORCH_CHECK(!wide && high->device().is_cpu() && high->scalar_type() == at::kInt && high->is_contiguous() &&
+                    high->sizes() == scale.sizes(),
+                "quant_gemm: 5-bit values are packed nibbles (uint8) with a contiguous int32 [N, K / ", kBlock,
+                "] fifth-bit mask a block, got ", high->scalar_type(), " ", high->sizes(), " for q ", q.scalar_type());
+    TORCH_CHECK(0 <= zero && zero <= 31, "quant_gemm: a 5-bit value's zero must be within [0, 31], got ", zero);
+  } else {
+    TORCH_CHECK(wide ? zero == 0 : 0 <= zero && zero <= 15,
+                "quant_gemm: a nibble's zero must be within [0, 15] (int8 values take none), got ", zero);
+  }
   TORCH_CHECK(x.size(1) == K, "quant_gemm: x has ", x.size(1), " columns, the weight ", K);
   if (bias.has_value()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -371,22 +427,13 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   const float* op = offsets ? offset->data_ptr<float>() : nullptr;
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const uint32_t* hp = five ? reinterpret_cast<const uint32_t*>(high->data_ptr<int32_t>()) : nullptr;
   if (wide) {
-    if (offsets) {
-      all_panels<true, true, true>(xq, M, K, qp, sp, op, bp, yp, N);
-    } else {
-      all_panels<true, true, false>(xq, M, K, qp, sp, op, bp, yp, N);
-    }
-  } else if (shift != 0) {
-    if (offsets) {
-      all_panels<false, true, true>(xq, M, K, qp, sp, op, bp, yp, N);
-    } else {
-      all_panels<false, true, false>(xq, M, K, qp, sp, op, bp, yp, N);
-    }
-  } else if (offsets) {
-    all_panels<false, false, true>(xq, M, K, qp, sp, op, bp, yp, N);
+    panels_of<true, false>(true, offsets, xq, M, K, qp, hp, sp, op, bp, yp, N);
+  } else if (five) {
+    panels_of<false, true>(shift != 0, offsets, xq, M, K, qp, hp, sp, op, bp, yp, N);
   } else {
-    all_panels<false, false, false>(xq, M, K, qp, sp, op, bp, yp, N);
+    panels_of<false, false>(shift != 0, offsets, xq, M, K, qp, hp, sp, op, bp, yp, N);
   }
   return y;
 #else
