@@ -499,6 +499,29 @@ def test_disaggregated_intake_under_a_window_reserves_the_whole_prompt_and_gives
     for p in range(20):  # the stream lands
         model.kv[(r.table[p // BS], p % BS)] = r.token_ids[p]
     sched.arrived(r, 7)
-    assert r.table[:3] == [FREED] * 3 and book.free == 9  # the next query (20) reads 15..20
+    assert book.free == 6 and FREED not in r.table  # its blocks enter the cache once its first pass returns
+    step = sched.schedule()
+    sched.update(step, model.run(sched, step))
+    assert r.table[:3] == [FREED] * 3  # the next query (21) reads 16..21
     _drain(sched, model)
     assert r.generated == 30 and book.free == 12
+
+
+def test_a_streamed_prompt_enters_the_prefix_cache_only_once_its_first_pass_returned() -> None:
+    """Its prompt KV reached stage 0 but the other stages write theirs only in its first pass: a pass that never
+    returns (it failed there) leaves nothing another request could hit."""
+    book = BlockBook(12, BS)
+    sched = Scheduler(book, Budget(tokens=64, max_running=3))
+    prompt = list(range(10))
+    r = _req("a", prompt, max_tokens=4)
+    assert sched.reserve(r)
+    sched.arrived(r, 77)
+    assert book.cached_prefix(book.hashes(prompt), 2) == []
+    step = sched.schedule()
+    sched.abandon(step)
+    sched.finish("a")
+    again = _req("b", prompt, max_tokens=4)
+    assert sched.reserve(again) and again.cached_tokens == 0  # nothing cached to hit
+    sched.arrived(again, 77)
+    sched.update(sched.schedule(), {"b": 5})
+    assert len(book.cached_prefix(book.hashes(prompt), 2)) == 2  # its first pass returned: both full blocks

@@ -22,10 +22,11 @@ from dejavu_common.messages import FinishReason, SamplingSpec
 from dejavu_common.sched import BlockBook, Budget, Scheduler
 from dejavu_engine.pipeline import Pipeline
 from dejavu_engine.stage import Stage
+from dejavu_token_worker.downstream import Downstream
 from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import SliceExecutor
 from dejavu_token_worker.follow import SliceFollower
-from dejavu_token_worker.loop import Downstream, RequestLoop
+from dejavu_token_worker.loop import RequestLoop
 from dejavu_worker.endpoint import Channel
 from dejavu_worker.lifecycle import SERVE_RETRYABLE
 from dejavu_worker.metrics import WorkerMetrics
@@ -108,7 +109,8 @@ class Running:
         metrics = WorkerMetrics(names[0], "token")
         executors = [SliceExecutor(stage, pool) for stage, pool in zip(stages, pools, strict=True)]
         first = Emitter(client, None, eos)
-        self.loop = RequestLoop(scheduler, executors[0], client, names[0], metrics, first, [], 8, downstream)
+        self.loop = RequestLoop(scheduler, executors[0], client, names[0], metrics, first, [], 8, depth=len(stages))
+        self.loop.downstream = self.downstream = downstream
         # The last stage's own client (a test makes its writes fail).
         self.emitter = Emitter(redis.Redis(connection_pool=client.connection_pool), None, eos)
         self.followers = []
@@ -131,9 +133,9 @@ class Running:
     def __enter__(self) -> Running:
         collect = self.loop._collect
 
-        def counting(wait: bool) -> None:
-            self.most_in_flight = max(self.most_in_flight, len(self.loop.inflight))
-            collect(wait)
+        def counting(down: Downstream, wait: bool) -> None:
+            self.most_in_flight = max(self.most_in_flight, len(down.inflight))
+            collect(down, wait)
 
         self.loop._collect = counting  # type: ignore[method-assign]
         for t in self.threads:
@@ -154,7 +156,8 @@ def pipeline(client: redis.Redis, stages: list[Stage]) -> Iterator[Running]:
 
 def _all_free(loop: RequestLoop) -> bool:
     book = loop.scheduler.book
-    return book.free == book.num_blocks and not loop.served and len(loop.scheduler) == 0 and not loop.inflight
+    idle = loop.downstream is None or not loop.downstream.inflight
+    return book.free == book.num_blocks and not loop.served and len(loop.scheduler) == 0 and idle
 
 
 def test_prompts_chunked_over_three_stages_with_passes_in_flight_deliver_transformers_greedy_tokens(
@@ -254,4 +257,4 @@ def test_a_pass_a_later_stage_cannot_compute_fails_its_requests_and_the_others_a
 
 
 def _has(pipeline: Running, rid: str) -> bool:
-    return any(s.request.request_id == rid for f in pipeline.loop.inflight.values() for s in f.step.slices)
+    return any(s.request.request_id == rid for f in pipeline.downstream.inflight.values() for s in f.step.slices)

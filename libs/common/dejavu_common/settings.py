@@ -127,8 +127,8 @@ class EngineSettings(BaseModel):
 
     mixed_passes: bool = Field(
         True,
-        description="A colocated one-stage pipeline prefills arriving prompts in the same pass as the decode "
-        "step of the requests already streaming (one forward over both; needs the paged pool and the native "
+        description="Microbatch cohorts on a colocated one-stage pipeline (request scheduling off) prefill arriving "
+        "prompts in the same pass as the decode step of the requests already streaming (one forward over both; needs the paged pool and the native "
         "kernels), so streaming requests get a token from every pass instead of waiting out each prefill. "
         "Off: prefill and decode passes alternate.",
     )
@@ -167,11 +167,12 @@ class EngineSettings(BaseModel):
     )
     request_scheduling: bool = Field(
         True,
-        description="A colocated one-stage pipeline over the paged pool schedules requests, not microbatches "
-        "(dejavu_common.sched): each request has its own positions and blocks (no padding), joins the next pass "
-        "once the pool has room and leaves the pass it finishes in; every pass runs the running requests' decodes "
-        "and then prompt chunks under engine.token_budget (chunked prefill), and prompts reuse the blocks of a "
-        "cached prefix (engine.prefix_caching). Off: the microbatch cohorts every other deployment runs.",
+        description="Token pipelines over the paged pool (colocated or fed by a prompt pipeline, any number of "
+        "stages, no swapping) schedule requests, not microbatches (dejavu_common.sched): each request has its own "
+        "positions and blocks (no padding), joins the next pass once the pool has room and leaves the pass it "
+        "finishes in, and is replicated and resumed by itself; every pass runs the running requests' decodes and "
+        "then prompt chunks under engine.token_budget (chunked prefill), and prompts reuse the blocks of a cached "
+        "prefix (engine.prefix_caching). Off: microbatch cohorts (what swapping runs).",
     )
     token_budget: int = Field(
         256,

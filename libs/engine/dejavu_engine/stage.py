@@ -455,6 +455,13 @@ class Stage:
         lead with freed blocks (:attr:`Slice.freed`): one table serves every layer, and a global one reads them all."""
         return self.family.window if all(self._local) else None
 
+    @property
+    def model_kv_window(self) -> int | None:
+        """The sliding window every layer of the whole model attends within (None where one attends fully): what a
+        pipeline of several stages may free blocks by, since one block table serves every stage's layers."""
+        every = all(i in self.family.windowed_layers for i in range(self.spec.num_layers))
+        return self.family.window if every else None
+
     @functools.cached_property
     def native_slices(self) -> bool:
         """Whether passes of slices (:meth:`forward_slices`) attend in the native kernels: a whole prompt's

@@ -195,6 +195,7 @@ class WireSlice(Message):
     generated: int = Field(0, ge=0)
     spec: MicrobatchSpec | None = None
     streamed: bool = False  # its prompt KV came from the prompt pipeline: placed into its blocks first
+    cached: int = Field(0, ge=0)  # streamed: its leading positions found in the prefix cache (not placed)
 
 
 class SlicePassMeta(Message):
@@ -242,10 +243,12 @@ class Outcome(Message):
 
 class PassReturn(Message):
     """The last stage's answer to a request-scheduled pass: each sampling request's :class:`Outcome`; or ``error``
-    (the pass's own values broke it on some stage: stage 0 fails its requests); or ``broken`` (an error the stage
-    outlives, Redis refusing the tokens, stopped it: its requests run again from their token streams)."""
+    (the pass could not be computed on some stage: stage 0 fails the requests of ``failed``, or every request of
+    the pass when it names none, and runs the others again from their token streams); or ``broken`` (an error the
+    stage outlives, Redis refusing the tokens, stopped it: its requests run again from their token streams)."""
 
     pass_id: int
     outcomes: tuple[Outcome, ...] = ()
     error: str | None = None
+    failed: tuple[int, ...] = ()
     broken: bool = False

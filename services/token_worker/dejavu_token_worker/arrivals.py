@@ -41,7 +41,7 @@ class Arrival:
     def add(self, region: Region, message: Message) -> None:
         self.parts.append((region, message))
         for layer in range(*region.layers):
-            self.covered.setdefault(layer, []).append(tuple(region.positions))  # type: ignore[arg-type]
+            self.covered.setdefault(layer, []).append(tuple(region.positions))
 
     @property
     def prompt_len(self) -> int:
@@ -126,9 +126,11 @@ class PromptArrivals:
                     raise DeadlineExceeded(f"the prompt KV of request {mb} is incomplete after {timeout_s:.0f} s")
                 self._changed.wait(min(left, 0.05))
 
-    def place(self, mb: int, pool: BlockPool, table: Sequence[int]) -> int:
+    def place(self, mb: int, pool: BlockPool, table: Sequence[int], cached: int = 0) -> int:
         """Write request ``mb``'s prompt KV into the blocks of ``table`` in ``pool`` and forget it here; returns the
-        prompt's length. Raises ValueError where it is not complete."""
+        prompt's length. Its first ``cached`` positions (whole blocks found in the prefix cache, which other
+        requests may be reading) are left as they are. Raises ValueError where it is not complete, or where a
+        region does not fit its request (it fails alone)."""
         with self._changed:
             arrival = self._arrivals.pop(mb, None)
         if arrival is None or not arrival.complete(self.layers):
@@ -137,9 +139,12 @@ class PromptArrivals:
         if len(table) * g.block_size < arrival.prompt_len:
             raise ValueError(f"request {mb}'s table of {len(table)} blocks does not hold its prompt")
         pool.ensure(b for b in table if b >= 0)
-        layout = request_layout(pool, len(table))
-        view = PagedKVCache.view(pool, layout, table, arrival.prompt_len)
+        skip = cached // g.block_size
+        targets = [-1] * skip + list(table[skip:])  # no block: nothing written there
+        view = PagedKVCache.view(pool, request_layout(pool, len(table)), targets, arrival.prompt_len)
         for region, message in arrival.parts:
+            if region.nbytes(view.layout) != message.payload.nbytes:
+                raise ValueError(f"prompt KV of request {mb}: {message.payload.nbytes} bytes for region {region}")
             stream_in(view, message, region)
         return arrival.prompt_len
 

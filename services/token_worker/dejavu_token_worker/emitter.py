@@ -20,7 +20,7 @@ import torch
 
 from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
-from dejavu_common.messages import Logprob, MicrobatchSpec, TokenStep
+from dejavu_common.messages import FinishReason, Logprob, MicrobatchSpec, TokenStep
 from dejavu_common.signing import EntrySigner, token_entry
 from dejavu_engine.sampling import RowContext, logprob, sample_rows
 from dejavu_token_worker.runner import history
@@ -141,6 +141,20 @@ class Emitter:
             if ended:
                 self.records.pop(r.mb_id, None)
         return outcomes
+
+    def publish_end(self, mb_id: int, step: int, reason: FinishReason) -> None:
+        """End request ``mb_id``'s stream with ``reason`` at ``step``, without a token."""
+        self._append(TokenStep(mb_id=mb_id, step=step, tokens=(-1,), finished=(reason,)))
+
+    def publish_failure(self, spec: MicrobatchSpec, step: int, error: Exception) -> None:
+        """End every row of ``spec``'s stream at ``step`` with an error (the controller fails its requests)."""
+        log.error("request of microbatch %d failed at step %d: %r", spec.mb_id, step, error)
+        n = len(spec.rows)
+        self._append(TokenStep(mb_id=spec.mb_id, step=step, tokens=(-1,) * n, finished=(FinishReason.ERROR,) * n))
+
+    def _append(self, entry: TokenStep) -> None:
+        key = keys.tokens(entry.mb_id)
+        self.redis.xadd(key, token_entry(self.signer, key, entry.encode()))
 
     def cancelled(self, mb_ids: Sequence[int]) -> dict[int, set[int]]:
         """Per request, the rows its controller cancelled (``{0}`` or nothing), in one Redis round trip."""

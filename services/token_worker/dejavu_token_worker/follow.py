@@ -12,6 +12,7 @@ hands out again was last written by a pass that has returned.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -32,6 +33,18 @@ from dejavulib.paged import PagedKVCache
 from dejavulib.streaming import stream_in
 
 log = logging.getLogger("dejavu.token_worker.follow")
+
+
+class _Abandoned(Exception):
+    """A newer epoch began while a pass waited here: nobody waits for its answer."""
+
+
+class _Missing(Exception):
+    """One request of a pass cannot be computed here (its prompt KV never came, or does not fit it)."""
+
+    def __init__(self, mb: int, why: str) -> None:
+        super().__init__(why)
+        self.mb = mb
 
 
 class SliceFollower:
@@ -112,16 +125,17 @@ class SliceFollower:
 
     def handle(self, msg: SlicePass) -> None:
         """Compute ``msg`` here, replicate what it wrote and hand it on (or answer stage 0, on the last stage). A
-        pass whose values break the computation fails its requests (stage 0 publishes their errors); one an error
-        this stage outlives stops (Redis refusing the tokens) is answered ``broken``, so its requests run again
-        from their streams, and the error goes on to the lifecycle."""
-        self._forget(msg.ended)
-        if not msg.slices:  # only what ended
-            if self.next_peer is not None:
-                self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
-            return
-        assert msg.tensor is not None  # a pass of slices carries their hidden states
+        pass that cannot be computed fails its requests (stage 0 publishes their errors; a request whose prompt KV
+        never came fails alone, the others run again); one an error this stage outlives stops (Redis refusing the
+        tokens) is answered ``broken``, so its requests run again from their streams, and the error goes on to the
+        lifecycle."""
         try:
+            self._forget(msg.ended)
+            if not msg.slices:  # only what ended
+                if self.next_peer is not None:
+                    self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
+                return
+            assert msg.tensor is not None  # a pass of slices carries their hidden states
             self._place(msg)
             pieces = [(Slice(w.table, w.start, w.length), (b for b in w.table if b >= 0)) for w in msg.slices]
             out = self.executor.forward(pieces, StageIO(hidden=msg.tensor), self._every(msg))
@@ -137,15 +151,18 @@ class SliceFollower:
                 forward = SlicePass(msg.pass_id, msg.slices, out, msg.ended)
                 self.endpoint.send(self.next_peer, Channel.ACTIVATION, forward.encode())
                 return
-            outcomes = self._emit(msg, out)
+            self._answer(PassReturn(pass_id=msg.pass_id, outcomes=tuple(self._emit(msg, out))))
+        except _Abandoned:
+            return  # a newer epoch: the pass is stage 0's to forget
+        except _Missing as exc:
+            log.error("pass %d: %s", msg.pass_id, exc)
+            self._answer(PassReturn(pass_id=msg.pass_id, error=str(exc), failed=(exc.mb,)))
         except SERVE_RETRYABLE:
             self._answer(PassReturn(pass_id=msg.pass_id, broken=True))
             raise
         except STEP_FAILURES as exc:
             log.error("pass %d failed here: %r", msg.pass_id, exc)
             self._answer(PassReturn(pass_id=msg.pass_id, error=f"{type(exc).__name__}: {exc}"))
-            return
-        self._answer(PassReturn(pass_id=msg.pass_id, outcomes=tuple(outcomes)))
 
     def _forget(self, ended: Iterable[int]) -> None:
         ended = list(ended)
@@ -162,17 +179,21 @@ class SliceFollower:
     def _place(self, msg: SlicePass) -> None:
         """Write into the blocks the pass's tables name here the KV of its requests that came from elsewhere: the
         prompt KV the prompt pipeline streamed (a request's first pass after stage 0 admitted it: waited for, up
-        to the transport deadline, as it may still be on its way) and what a restore brought."""
+        to the transport deadline for the whole pass, as it may still be on its way) and what a restore brought."""
         pool = self.executor.pool
+        end_by = time.monotonic() + self.kv_deadline_s
         for w in msg.slices:
             if w.streamed and self.arrivals is not None:
                 try:
-                    self.arrivals.wait(w.mb, self.kv_deadline_s, self.stop)
+                    self.arrivals.wait(w.mb, max(0.0, end_by - time.monotonic()), self.stop)
                 except DeadlineExceeded as exc:
                     if self.stop():
-                        raise  # a newer epoch: this pass is abandoned
-                    raise RuntimeError(str(exc)) from exc  # its KV is lost: the pass fails, the stage serves on
-                end = self.arrivals.place(w.mb, pool, w.table)
+                        raise _Abandoned from exc
+                    raise _Missing(w.mb, f"the prompt KV of request {w.mb} did not reach this stage") from exc
+                try:
+                    end = self.arrivals.place(w.mb, pool, w.table, w.cached)
+                except ValueError as exc:
+                    raise _Missing(w.mb, str(exc)) from exc
                 self.held[w.mb] = (w.table, end)
             part = self.restores.pop(w.mb, None)
             if part is None:

@@ -17,8 +17,6 @@ its stream goes on exactly where it was and no step is emitted twice.
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import time
 import uuid
@@ -28,41 +26,39 @@ from dataclasses import dataclass, field
 import redis
 import torch
 
-from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
-from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptTask, TokenStep
-from dejavu_common.sched import RequestState, RequestTooLong, ScheduledPass, Scheduler, Slice
-from dejavu_common.signing import token_entry
+from dejavu_common.messages import FinishReason, MicrobatchSpec, PromptTask
+from dejavu_common.sched import RequestState, RequestTooLong, ScheduledPass, Scheduler, Slice, Status
 from dejavu_token_worker.arrivals import PromptArrivals
+from dejavu_token_worker.downstream import Downstream
 from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import PassLogits, SliceExecutor, request_layout
-from dejavu_token_worker.intake import ColocatedQueue
+from dejavu_token_worker.intake import Announced, Announcements, ColocatedIntake, ColocatedQueue
 from dejavu_token_worker.ready import ReadyPrompts
-from dejavu_token_worker.replication import ReplicaSender
 from dejavu_token_worker.runner import STEP_FAILURES, history
 from dejavu_token_worker.traces import MemberTrace
-from dejavu_worker.dataplane import Outcome, PassReturn, SlicePass, WireSlice
-from dejavu_worker.endpoint import Channel, DataEndpoint
+from dejavu_worker.dataplane import Outcome, PassReturn, WireSlice
 from dejavu_worker.metrics import Occupancy, PassKind, PoolUsage, Preemption, PrefixCacheStats, WorkerMetrics
-from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
+from dejavulib.errors import DejaVuLibError
 from dejavulib.paged import PagedKVCache
 
 log = logging.getLogger("dejavu.token_worker.loop")
 
-CLAIMS_PER_PASS = 16  # colocated tasks taken before each pass at most (the controller bounds what it dispatches)
+CLAIMS_PER_PASS = 16  # requests taken before each pass at most (the controller bounds what it dispatches)
 
 
 @dataclass
 class Served:
     """One request as stage 0 serves it: its spec (one row), its progress through the policy, whether the last
-    stage has yet to be given its spec (``fresh``: it was (re)admitted since its last pass was sent)."""
+    stage has yet to be given its spec (``fresh``: it was (re)admitted since its last pass was sent) and whether
+    the later stages have yet to place its prompt KV (``streamed``: it came from a prompt pipeline)."""
 
     spec: MicrobatchSpec
     state: RequestState
     trace: MemberTrace | None = None
     fresh: bool = True
-    streamed: bool = False  # admitted with its prompt KV from the prompt pipeline; later stages place theirs first
+    streamed: bool = False
     since: float = field(default_factory=time.monotonic)
 
     @property
@@ -74,39 +70,11 @@ class Served:
         return self.spec.rows[0].sampling.prompt_logprobs is not None and self.state.generated == 0
 
 
-@dataclass
-class Downstream:
-    """The stages after stage 0: where its passes go (``next_peer``), how many it keeps in flight (``depth``, one per
-    stage) and how long one may take before its requests fail (``deadline_s``: the data plane lost it)."""
-
-    endpoint: DataEndpoint
-    next_peer: str
-    depth: int
-    deadline_s: float
-    replicas: ReplicaSender | None = None  # to stage 1, which keeps stage 0's replica
-
-
-@dataclass
-class Announced:
-    """A request whose prompt the prompt pipeline computed (disaggregated), waiting for its prompt KV on stage 0
-    and for the blocks the policy gives it."""
-
-    spec: MicrobatchSpec
-    first_token: int
-    since: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class InFlight:
-    step: ScheduledPass
-    started: float
-    sent: float = field(default_factory=time.monotonic)
-
-
 class RequestLoop:
-    """Stage 0 of a request-scheduled pipeline (and its only stage, with ``emitter``, when ``downstream`` is None).
-    Its books outlive epochs (the prefix cache does); what it serves is dropped when a new epoch begins with a
-    recovery (:meth:`drop_all`)."""
+    """Stage 0 of a request-scheduled pipeline (its only stage while ``downstream``, set per epoch, is None). Its
+    books outlive epochs (the prefix cache does); a new epoch's recovery resumes or drops what it serves
+    (:meth:`resume`, :meth:`drop_all`). ``ready`` and ``arrivals``: a disaggregated pipeline's intake; ``depth``:
+    the pipeline's stages."""
 
     def __init__(
         self,
@@ -118,10 +86,10 @@ class RequestLoop:
         emitter: Emitter,
         held: list[PromptTask],
         max_recomputes: int = 8,
-        downstream: Downstream | None = None,
         ready: ReadyPrompts | None = None,
         arrivals: PromptArrivals | None = None,
         kv_deadline_s: float = 60.0,
+        depth: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -129,26 +97,24 @@ class RequestLoop:
         self.metrics = metrics
         self.emitter = emitter
         self.max_recomputes = max_recomputes
-        self.downstream = downstream
+        self.depth = depth  # the pipeline's stages
+        self.downstream: Downstream | None = None  # the stages after this one, at the epoch served
+        self._ended: list[int] = []  # requests that ended since the last pass went on: every stage forgets them
         self.queue = ColocatedQueue(client, worker_id, 0, held)
-        # Disaggregated: prompts the prompt pipeline announces done, and their KV on this stage.
-        self.ready, self.arrivals, self.kv_deadline_s = ready, arrivals, kv_deadline_s
-        self.announced: collections.deque[Announced] = collections.deque()
+        self.colocated = ColocatedIntake(self.queue, lambda spec, error: emitter.publish_failure(spec, 0, error))
+        self.arrivals = arrivals
+        self.announced = (
+            Announcements(ready, arrivals, kv_deadline_s, self._forget_everywhere) if ready and arrivals else None
+        )
         self.served: dict[str, Served] = {}
-        self.inflight: dict[int, InFlight] = {}
-        self._pass_ids = itertools.count()
-        self._ended: list[int] = []  # requests ended since the last pass was sent (the last stage forgets them)
         self._broken: ScheduledPass | None = None  # a pass an error stopped: its requests start over (_settle)
         self.on_ended: Callable[[Iterable[int]], None] = lambda mbs: None  # the stage forgets their replicas
-
-    @property
-    def depth(self) -> int:
-        return 1 if self.downstream is None else self.downstream.depth
 
     def serve(self, epoch: int) -> None:
         """Serve ``epoch`` from now on (tasks queued under another epoch are held or dropped)."""
         self.queue.epoch = epoch
 
+    # -- what the worker reads ------------------------------------------------------------------
     def occupancy(self) -> Occupancy:
         """Requests holding blocks (running) and queued for their first pass (waiting); safe from another thread."""
         running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
@@ -168,24 +134,6 @@ class RequestLoop:
         """Memory of the blocks requests reference now (the pool's slabs are made as it fills)."""
         return self.pool_usage().used * self.executor.pool.geometry.bytes_per_block
 
-    def drop_all(self, forget_cache: bool = False) -> None:
-        """Forget every request (a new epoch's recovery re-queues those still wanted) and every pass in flight;
-        their blocks go back to the pool. The cached prefixes stay, unless ``forget_cache`` (a stage that took
-        over part of the pipeline holds none of their KV)."""
-        self._settle()
-        for flight in self.inflight.values():
-            self.scheduler.abandon(flight.step)
-        self.inflight.clear()
-        for rid in list(self.served):
-            self._leave(rid)
-        self._ended.clear()
-        self.emitter.clear()
-        self.announced.clear()
-        if self.arrivals is not None:
-            self.arrivals.keep(())
-        if forget_cache:
-            self.scheduler.book.forget_cached()
-
     def progress(self) -> dict[int, int]:
         """Per running request, the last position whose KV every stage holds (what a repair resumes from)."""
         return {s.mb_id: s.state.computed - 1 for s in self.served.values() if s.state.computed > 0}
@@ -201,29 +149,34 @@ class RequestLoop:
                 view = PagedKVCache.view(pool, request_layout(pool, len(state.table)), state.table, state.computed)
                 yield served.mb_id, view, state.computed - 1
 
+    # -- epochs -----------------------------------------------------------------------------------
+    def drop_all(self) -> None:
+        """Forget every request (a new epoch's recovery re-queues those still wanted): their blocks go back to the
+        pool, their cached prefixes stay."""
+        self._forget_passes()
+        for rid in list(self.served):
+            self._leave(rid)
+        if self.arrivals is not None:
+            self.arrivals.keep(())
+
     def resume(self, points: Mapping[int, int]) -> None:
         """A repair resumes the requests of ``points`` (request -> positions every stage holds now, restored from
         replicas where a stage was replaced) and re-queues the rest, which are forgotten here. Each resumed request
         goes on from those positions (its later ones computed again), with the tokens its stream has that no pass
         returned here (their last stage published them before the failure). Cached prefixes are forgotten: a stage
         that took over holds none of their KV."""
-        self._settle()
-        for flight in self.inflight.values():
-            self.scheduler.abandon(flight.step)
-        self.inflight.clear()
-        self._ended.clear()
-        self.emitter.clear()
-        self.announced.clear()  # not admitted: re-run by the repair, announced again
+        self._forget_passes()
         if self.arrivals is not None:
             self.arrivals.keep(points)
         self.scheduler.book.forget_cached()
         for rid in [rid for rid, s in self.served.items() if s.mb_id not in points]:
             self._leave(rid, finished=False)
-        kept = list(self.served.values())
-        pipe = self.redis.pipeline(transaction=False)
-        for served in kept:
-            pipe.xrange(keys.tokens(served.mb_id))
-        pipe.execute()  # one round trip: the histories below read streams already in Redis's reply order
+        window = self.scheduler.window
+        for served in list(self.served.values()):  # rolled back into blocks its window gave back: from its stream
+            state = served.state
+            if window is not None and points[served.mb_id] < state.freed * self.scheduler.book.block_size + window:
+                self._restart(served.spec)
+        kept = [s for s in self.served.values() if s.state.status is not Status.WAITING]
         for served in kept:
             state = served.state
             state.computed = min(state.computed, points[served.mb_id])
@@ -237,6 +190,15 @@ class RequestLoop:
         log.info("resumed requests %s from positions %s", [s.mb_id for s in kept],
                  [s.state.computed for s in kept])  # fmt: skip
 
+    def _forget_passes(self) -> None:
+        """A new epoch: no pass in flight comes back, the last stage starts its records over."""
+        self._settle()
+        for step in self.downstream.abandon() if self.downstream is not None else ():
+            self.scheduler.abandon(step)
+        self.emitter.clear()
+        if self.announced is not None:
+            self.announced.clear()  # not admitted: re-run by the repair, announced again
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: Callable[[], bool]) -> None:
         """Serve until ``stop()``. An error leaving it (Redis refusing a write) leaves the books in order: the
@@ -244,23 +206,21 @@ class RequestLoop:
         self._settle()
         idle = True
         while not stop():
-            if self.ready is not None:
-                self._take_announced(block=idle and not self.inflight)
-            else:
-                self._take_tasks(block=idle and not self.inflight)  # wait a moment for a task instead of spinning
-            if self.downstream is not None:
-                full = len(self.inflight) >= self.depth
-                self._collect(wait=bool(self.inflight) and (idle or full))
-                self._expire()
-                if len(self.inflight) >= self.depth:
+            down = self.downstream
+            self._take(block=idle and not (down and down.inflight))  # a moment's wait for work instead of spinning
+            if down is not None:
+                self._collect(down, wait=bool(down.inflight) and (idle or down.full))
+                if down.full:
                     continue
-            if idle and not self.inflight:  # a pass reads the cancellations once it returns; without one, here
-                self._end_cancelled(self._cancelled(self.served.values()))
+            if idle and not (down and down.inflight):  # a pass reads the cancellations as it returns
+                self._end_cancelled(self.emitter.cancelled([s.mb_id for s in self.served.values()]))
             step = self.scheduler.schedule()
             self._preempted(step)
             idle = not step
             if idle:
-                self._send_ended()
+                if down is not None and self._ended:
+                    down.send_ended(self._ended)
+                    self._ended = []
                 continue
             self._broken = step
             self._launch(step)
@@ -293,86 +253,66 @@ class RequestLoop:
             self._update(step, self._emit(step, out), started)
             return
         assert self.downstream is not None
-        pass_id = next(self._pass_ids)
-        wire = tuple(self._wire(s, i in every) for i, s in enumerate(slices))
-        if self.downstream.replicas is not None:  # before the pass: stage 1 has it first (FIFO per peer)
-            written = [(w.mb, w.table, 0 if w.spec is not None else w.start, w.start + w.length) for w in wire]
-            self.downstream.replicas.send_slices(self.executor.pool, written)
-        message = SlicePass(pass_id, wire, out, tuple(self._ended))
-        self.downstream.endpoint.send(self.downstream.next_peer, Channel.ACTIVATION, message.encode())
-        self._ended.clear()
+        wire = [self._wire(s, i in every) for i, s in enumerate(slices)]
+        self.downstream.send(step, wire, out, self.executor.pool, started, self._ended)
+        self._ended = []
         for s in slices:
             served = self.served[s.request.request_id]
             served.fresh = served.streamed = False
-        self.inflight[pass_id] = InFlight(step, started)
-
-    def _send_ended(self) -> None:
-        """Tell the later stages which requests ended, when no pass goes to carry it."""
-        if self.downstream is None or not self._ended:
-            return
-        message = SlicePass(next(self._pass_ids), (), None, tuple(self._ended))
-        self.downstream.endpoint.send(self.downstream.next_peer, Channel.ACTIVATION, message.encode())
-        self._ended.clear()
 
     def _wire(self, s: Slice, every: bool) -> WireSlice:
         served = self.served[s.request.request_id]
         spec = served.spec if served.fresh else None
+        cached = s.request.cached_tokens if served.streamed else 0
         return WireSlice(mb=served.mb_id, start=s.start, length=s.length, table=s.table, samples=s.samples,
-                         every=every, generated=s.request.generated, spec=spec, streamed=served.streamed)  # fmt: skip
+                         every=every, generated=s.request.generated, spec=spec, streamed=served.streamed,
+                         cached=cached)  # fmt: skip
 
     def _emit(self, step: ScheduledPass, out: PassLogits) -> tuple[list[Outcome], dict[int, set[int]]]:
         """A one-stage pipeline's sampling: the emitter's outcome of each sampling slice."""
         slices = step.slices
+        records = self.emitter.records
         for i, logits in out.every.items():
-            record = self.emitter.records.get(self.served[slices[i].request.request_id].mb_id)
+            record = records.get(self.served[slices[i].request.request_id].mb_id)
             if record is not None:
                 self.emitter.note_prompt_logprobs(record, slices[i].start, logits)
-        cancels = self._cancelled(self.served.values())  # one read a pass, every request's
+        cancels = self.emitter.cancelled([s.mb_id for s in self.served.values()])  # one read a pass
         sampling = [i for i, s in enumerate(slices) if s.samples]
-        records = [self.emitter.records[self.served[slices[i].request.request_id].mb_id] for i in sampling]
         if not sampling:
             return [], cancels
+        chosen = [records[self.served[slices[i].request.request_id].mb_id] for i in sampling]
         index = torch.tensor(sampling, dtype=torch.long, device=out.last.device)
-        return self.emitter.sample(records, out.last[index], cancels), cancels
+        return self.emitter.sample(chosen, out.last[index], cancels), cancels
 
-    def _collect(self, wait: bool) -> None:
-        """Take the returns of passes in flight (waiting a moment for one when ``wait``)."""
-        assert self.downstream is not None
-        timeout = 0.05 if wait else 0.0
-        while self.inflight:
-            payload = self.downstream.endpoint.recv(Channel.TOKENS, timeout_s=timeout)
-            if payload is None:
-                return
-            timeout = 0.0
-            try:
-                answer = PassReturn.decode(bytes(payload))
-            except ValueError as exc:
-                log.error("dropped a malformed pass return: %s", exc)
-                continue
-            flight = self.inflight.pop(answer.pass_id, None)
-            if flight is None:
-                log.info("dropped the return of pass %d: it is no longer in flight", answer.pass_id)
-                continue
+    def _collect(self, down: Downstream, wait: bool) -> None:
+        """Take the returns of passes in flight (waiting a moment for one when ``wait``); fail the passes lost."""
+        for flight, answer in down.returns(wait):
             self._broken = flight.step
-            if answer.broken:
-                self._restart_pass(flight.step, "the last stage could not publish its tokens")
-            elif answer.error is not None:
-                self._fail_pass(flight.step, RuntimeError(answer.error))
-            else:
-                self._update(flight.step, (list(answer.outcomes), self._cancelled(self.served.values())),
-                             flight.started)  # fmt: skip
+            self._returned(flight.step, answer, flight.started)
+            self._broken = None
+        while (gone := down.pop_expired()) is not None:
+            pass_id, flight = gone
+            self._broken = flight.step
+            self._fail_pass(flight.step, DeadlineExceeded(
+                f"pass {pass_id} did not come back within {down.deadline_s:.0f} s"))  # fmt: skip
             self._broken = None
 
-    def _expire(self) -> None:
-        """Fail the passes in flight for longer than the downstream deadline: the data plane lost them (a dead
-        stage would have changed the epoch)."""
-        assert self.downstream is not None
-        now = time.monotonic()
-        for pass_id, flight in list(self.inflight.items()):
-            if now - flight.sent > self.downstream.deadline_s:
-                del self.inflight[pass_id]
-                self._fail_pass(flight.step, DeadlineExceeded(
-                    f"pass {pass_id} did not come back within {self.downstream.deadline_s:.0f} s"))  # fmt: skip
+    def _returned(self, step: ScheduledPass, answer: PassReturn, started: float) -> None:
+        if answer.broken:
+            self._restart_pass(step, "the last stage could not publish its tokens")
+        elif answer.error is not None and answer.failed:  # some requests could not be computed: they fail alone
+            self.scheduler.abandon(step)
+            failed = {str(mb) for mb in answer.failed}
+            for rid in [s.request.request_id for s in step.slices]:
+                if rid in failed:
+                    self._fail(rid, RuntimeError(answer.error))
+                elif rid in self.served:
+                    self._restart(self.served[rid].spec)
+        elif answer.error is not None:
+            self._fail_pass(step, RuntimeError(answer.error))
+        else:
+            cancels = self.emitter.cancelled([s.mb_id for s in self.served.values()])
+            self._update(step, (list(answer.outcomes), cancels), started)
 
     def _fail_pass(self, step: ScheduledPass, error: Exception) -> None:
         self.scheduler.abandon(step)
@@ -382,7 +322,8 @@ class RequestLoop:
     def _update(self, step: ScheduledPass, results: tuple[list[Outcome], dict[int, set[int]]], started: float) -> None:
         """Hand the policy what ``step`` produced: the outcome of each request whose slice sampled."""
         outcomes, cancels = results
-        by_mb = {served.mb_id: rid for rid, served in self.served.items()}
+        in_step = {s.request.request_id for s in step.slices}
+        by_mb = {served.mb_id: rid for rid, served in self.served.items() if rid in in_step}
         sampled, stopped = {}, []
         for outcome in outcomes:
             rid = by_mb.get(outcome.mb)
@@ -400,7 +341,7 @@ class RequestLoop:
         for request in self.scheduler.update(step, sampled, stopped):
             served = self.served.get(request.request_id)
             if served is not None and request.request_id not in stopped:  # the policy's bound came first
-                self._publish_end(served, FinishReason.LENGTH)
+                self.emitter.publish_end(served.mb_id, served.state.generated, FinishReason.LENGTH)
             self._leave(request.request_id)
         for rid in sampled:
             served = self.served.get(rid)
@@ -416,97 +357,60 @@ class RequestLoop:
         self.metrics.observe_pass(kind, time.perf_counter() - started, step.tokens)
 
     # -- intake ---------------------------------------------------------------------------------
-    def _take_tasks(self, block: bool) -> None:
-        for _ in range(CLAIMS_PER_PASS):
-            task = self.queue.claim(block)
-            if task is None:
-                return
-            block = False
+    def _take(self, block: bool) -> None:
+        if self.announced is not None:
+            self.announced.take(block, CLAIMS_PER_PASS)
+            self._admit_announced(self.announced)
+            return
+        for task, spec in self.colocated.specs(block, CLAIMS_PER_PASS):
             try:
-                self._take(task)
+                self._restart(spec)
             except redis.RedisError:
-                self.queue.put_back(task)  # claimed (acknowledged) but not taken: the next run takes it
+                self.colocated.put_back(task)
                 raise
 
-    def _take(self, task: PromptTask) -> None:
-        if len(task.pieces) != 1 or task.pieces[0].dst_rows != (0, 1):
-            self._refuse(task)
-            return
-        try:
-            spec = fetch_spec(self.redis, task.pieces[0].mb_id, 0.0)
-        except DeadlineExceeded:  # its spec is written before its task is queued: the request ended
-            log.info("dropped colocated task %d: microbatch %d is gone", task.task_id, task.pieces[0].mb_id)
-            return
-        if len(spec.rows) != 1:
-            self._refuse(task)
-            return
-        self._restart(spec)
-
-    def _take_announced(self, block: bool) -> None:
-        """Disaggregated intake: the prompts announced done since the last pass, then admit those whose prompt KV
-        is all on this stage, first come first served, while the policy gives them blocks."""
-        assert self.ready is not None
-        for _ in range(CLAIMS_PER_PASS):
-            ready = self.ready.pop(block_ms=5 if block else None)
-            if ready is None:
-                break
-            block = False
-            if ready.all_finished:  # it ended at its first token: its prompt KV is freed everywhere
-                self._forget_everywhere(ready.spec.mb_id)
-            else:
-                self.announced.append(Announced(ready.spec, ready.first_tokens[0]))
-        while self.ready.ended:
-            self._forget_everywhere(self.ready.ended.popleft())
-        self._admit_announced()
-
-    def _admit_announced(self) -> None:
-        assert self.arrivals is not None
-        now = time.monotonic()
-        for waiting in list(self.announced):
-            mb = waiting.spec.mb_id
-            if not self.arrivals.complete(mb):
-                if now - waiting.since > self.kv_deadline_s:
-                    self.announced.remove(waiting)
-                    self._publish_failure(waiting.spec, 1, DeadlineExceeded(
-                        f"its prompt KV did not reach token stage 0 within {self.kv_deadline_s:.0f} s"))  # fmt: skip
-                    self._forget_everywhere(mb)
-                continue
-            spec, row = waiting.spec, waiting.spec.rows[0]
-            # A prompt run again (after a repair) goes on from its token stream: the tokens it delivered follow
-            # its prompt, computed before its next token is sampled.
-            tracker = RowTracker(spec, self.emitter.eos_ids)
-            tracker.replay(history(self.redis, mb, before_step=1 << 30))
-            if tracker.done:
-                self.announced.remove(waiting)
-                self._forget_everywhere(mb)
-                continue
-            outputs = tracker.outputs[0] or [waiting.first_token]
-            longest = min(row.sampling.max_tokens, spec.max_len - len(row.prompt_ids) + 1)
-            state = RequestState(str(mb), list(row.prompt_ids), len(row.prompt_ids), longest)
+    def _admit_announced(self, announced: Announcements) -> None:
+        """Admit the announced requests whose prompt KV is all here while the policy gives them blocks."""
+        for late in announced.late():
+            self.emitter.publish_failure(late.spec, 1, DeadlineExceeded(
+                f"its prompt KV did not reach token stage 0 within {announced.kv_deadline_s:.0f} s"))  # fmt: skip
+        for waiting in announced.complete():
             try:
-                if not self.scheduler.reserve(state):
+                if not self._admit_streamed(waiting):
                     return  # no room yet: it and those after it wait for blocks to come back
             except RequestTooLong as exc:
-                self.announced.remove(waiting)
-                self._publish_failure(spec, 1, exc)
-                self._forget_everywhere(mb)
-                continue
-            self.announced.remove(waiting)
-            self.arrivals.place(mb, self.executor.pool, state.table)
-            self.scheduler.arrived(state, outputs[0])
-            state.token_ids.extend(outputs[1:])
-            served = Served(spec, state, streamed=True)
-            self.served[str(mb)] = served
-            if self.downstream is None:
-                self.emitter.begin(spec, tracker)
-            served.trace = MemberTrace.start(spec, state.generated, (0,), self.queue.epoch)
+                self.emitter.publish_failure(waiting.spec, 1, exc)
+                self._forget_everywhere(waiting.spec.mb_id)
+            announced.admitted(waiting)
 
-    def _forget_everywhere(self, mb: int) -> None:
-        """A request whose prompt KV may have reached the stages and that ended before it was admitted."""
-        if self.arrivals is not None:
-            self.arrivals.drop([mb])
-        if self.downstream is not None:
-            self._ended.append(mb)
+    def _admit_streamed(self, waiting: Announced) -> bool:
+        """Admit a request whose prompt KV came from the prompt pipeline, going on from its token stream (a prompt
+        run again after a repair: the tokens it delivered follow its prompt, computed before its next token is
+        sampled); False when the policy has no room for it yet."""
+        assert self.arrivals is not None
+        spec, mb = waiting.spec, waiting.spec.mb_id
+        tracker = RowTracker(spec, self.emitter.eos_ids)
+        tracker.replay(history(self.redis, mb, before_step=1 << 30))
+        if tracker.done:
+            self._forget_everywhere(mb)
+            return True
+        row = spec.rows[0]
+        longest = min(row.sampling.max_tokens, spec.max_len - len(row.prompt_ids) + 1)
+        state = RequestState(str(mb), list(row.prompt_ids), len(row.prompt_ids), longest)
+        if not self.scheduler.reserve(state):
+            return False
+        try:
+            self.arrivals.place(mb, self.executor.pool, state.table, state.cached_tokens)
+        except (ValueError, RuntimeError, DejaVuLibError) as exc:  # its KV does not fit it: it fails alone
+            self.scheduler.finish(state.request_id)
+            self.emitter.publish_failure(spec, tracker.generated[0], exc)
+            self._forget_everywhere(mb)
+            return True
+        outputs = tracker.outputs[0] or [waiting.first_token]
+        self.scheduler.arrived(state, outputs[0])
+        state.token_ids.extend(outputs[1:])
+        self._serve(Served(spec, state, streamed=True), tracker)
+        return True
 
     def _restart(self, spec: MicrobatchSpec) -> None:
         """Serve ``spec``'s request from what its token stream says (from its prompt when the stream is empty);
@@ -516,8 +420,9 @@ class RequestLoop:
             self._leave(rid, finished=False)
         tracker = RowTracker(spec, self.emitter.eos_ids)
         tracker.replay(history(self.redis, spec.mb_id, before_step=1 << 30))
-        if tracker.done:
-            return  # its stream has its end already
+        if tracker.done:  # its stream has its end already
+            self._forget_everywhere(spec.mb_id)
+            return
         row = spec.rows[0]
         wants_prompt = row.sampling.prompt_logprobs is not None and not tracker.outputs[0]
         # A prompt whose every position's log probabilities are reported computes every position: its blocks are
@@ -529,41 +434,23 @@ class RequestLoop:
         try:
             self.scheduler.add(state)
         except RequestTooLong as exc:
-            self._publish_failure(spec, tracker.generated[0], exc)
+            self.emitter.publish_failure(spec, tracker.generated[0], exc)
+            self._forget_everywhere(spec.mb_id)
             return
-        served = Served(spec, state)
-        self.served[rid] = served
-        if self.downstream is None:
-            self.emitter.begin(spec, tracker)
-        served.trace = MemberTrace.start(spec, tracker.generated[0], (0,), self.queue.epoch)
+        self._serve(Served(spec, state), tracker)
 
-    def _refuse(self, task: PromptTask) -> None:
-        error = ValueError(f"colocated task {task.task_id} is not one request: {list(task.pieces)}")
-        log.error("refused %s", error)
-        for piece in task.pieces:
-            try:
-                spec = fetch_spec(self.redis, piece.mb_id, 0.0)
-            except DeadlineExceeded:
-                continue
-            self._publish_failure(spec, 0, error)
+    def _serve(self, served: Served, tracker: RowTracker) -> None:
+        self.served[served.state.request_id] = served
+        if self.downstream is None:  # the last stage is this one: its emitter's record starts now
+            self.emitter.begin(served.spec, tracker)
+        served.trace = MemberTrace.start(served.spec, tracker.generated[0], (0,), self.queue.epoch)
 
     # -- ends -----------------------------------------------------------------------------------
     def _end_cancelled(self, cancels: dict[int, set[int]]) -> None:
-        """End the requests not in flight whose clients went away (``cancels``: :meth:`_cancelled`'s reading)."""
+        """End the requests not in flight whose clients went away (``cancels``: :meth:`Emitter.cancelled`'s)."""
         for s in [s for s in self.served.values() if cancels.get(s.mb_id) and not s.state.in_flight]:
-            self._publish_end(s, FinishReason.CANCELLED)
+            self.emitter.publish_end(s.mb_id, s.state.generated, FinishReason.CANCELLED)
             self._leave(str(s.mb_id))
-
-    def _publish_end(self, served: Served, reason: FinishReason) -> None:
-        """End ``served``'s stream with ``reason`` at the step it reached, without a token."""
-        step = served.state.generated
-        entry = TokenStep(mb_id=served.mb_id, step=step, tokens=(-1,), finished=(reason,))
-        key = keys.tokens(served.mb_id)
-        self.redis.xadd(key, token_entry(self.emitter.signer, key, entry.encode()))
-
-    def _cancelled(self, served: Iterable[Served]) -> dict[int, set[int]]:
-        """Per request, the rows its controller cancelled (``{0}`` or nothing), in one Redis round trip."""
-        return self.emitter.cancelled([s.mb_id for s in served])
 
     def _preempted(self, step: ScheduledPass) -> None:
         for request in step.preempted:
@@ -582,18 +469,18 @@ class RequestLoop:
         served = self.served.get(rid)
         if served is None:
             return
-        self._publish_failure(served.spec, served.state.generated, error)
+        self.emitter.publish_failure(served.spec, served.state.generated, error)
         if served.trace is not None:
             served.trace.left(served.state.generated, error)
             served.trace = None
         self._leave(rid)
 
-    def _publish_failure(self, spec: MicrobatchSpec, step: int, error: Exception) -> None:
-        log.error("request of microbatch %d failed at step %d: %r", spec.mb_id, step, error)
-        n = len(spec.rows)
-        entry = TokenStep(mb_id=spec.mb_id, step=step, tokens=(-1,) * n, finished=(FinishReason.ERROR,) * n)
-        key = keys.tokens(spec.mb_id)
-        self.redis.xadd(key, token_entry(self.emitter.signer, key, entry.encode()))
+    def _forget_everywhere(self, mb: int) -> None:
+        """Request ``mb`` ended: every stage forgets it (its prompt KV arrived, its replicas, its record)."""
+        if self.arrivals is not None:
+            self.arrivals.drop([mb])
+        if self.depth > 1:
+            self._ended.append(mb)
 
     def _leave(self, rid: str, finished: bool = True) -> None:
         """Forget request ``rid`` here; ``finished``: it never comes back (the other stages forget it with the next
@@ -605,9 +492,6 @@ class RequestLoop:
         if served.trace is not None:
             served.trace.left(served.state.generated)
         self.emitter.forget([served.mb_id])
-        if finished and self.arrivals is not None:
-            self.arrivals.drop([served.mb_id])
-        if finished and self.downstream is not None:
-            self._ended.append(served.mb_id)
         if finished:
+            self._forget_everywhere(served.mb_id)
             self.on_ended([served.mb_id])

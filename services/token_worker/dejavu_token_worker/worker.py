@@ -36,11 +36,12 @@ from dejavu_engine.stage import Stage
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
 from dejavu_token_worker.arrivals import PromptArrivals
+from dejavu_token_worker.downstream import Downstream
 from dejavu_token_worker.driver import PASS_DEADLINES, Driver, ensure_group
 from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import SliceExecutor
 from dejavu_token_worker.follow import SliceFollower
-from dejavu_token_worker.loop import Downstream, RequestLoop
+from dejavu_token_worker.loop import RequestLoop
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
 from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
@@ -167,11 +168,14 @@ class TokenWorker(WorkerProcess):
 
     def _schedules_requests(self, topology: Topology, stage: Stage, swap: SwapManager | None) -> bool:
         """Whether this stage belongs to a request-scheduled pipeline (stage 0's :class:`RequestLoop`, the others'
-        :class:`SliceFollower`): token stages, colocated or fed by a prompt pipeline, over paged pools whose
-        attention runs natively, ``engine.request_scheduling`` on, no swapping. The controller decides the same way
-        (``pipeline_backend.schedules_requests``)."""
+        :class:`SliceFollower`): token stages, colocated or fed by a prompt pipeline, over paged pools,
+        ``engine.request_scheduling`` on, no swapping. Settings alone decide, as the controller decides
+        (``pipeline_backend.schedules_requests``), so every stage of a pipeline agrees: a stage without the native
+        paged kernels attends through torch (``Stage.native_slices``)."""
         engine = self.settings.engine
-        return engine.request_scheduling and swap is None and engine.kv_block_size > 0 and stage.paged_attention
+        if engine.request_scheduling and swap is None and engine.kv_block_size > 0 and not stage.native_slices:
+            log.warning("request scheduling without the native paged kernels here: passes attend through torch")
+        return engine.request_scheduling and swap is None and engine.kv_block_size > 0
 
     def _slice_executor(self, stage: Stage, topology: Topology) -> SliceExecutor:
         """The executor of a request-scheduled stage over a new paged pool. Stage 0's book hands out the block ids
@@ -211,7 +215,7 @@ class TokenWorker(WorkerProcess):
         )
         stage = executor.stage
         return RequestLoop(
-            Scheduler(book, budget, stage.kv_window),  # blocks out of a sliding window go back as requests advance
+            Scheduler(book, budget, stage.model_kv_window),  # blocks out of every layer's window go back
             executor,
             self.redis,
             self.worker_id,
@@ -222,6 +226,7 @@ class TokenWorker(WorkerProcess):
             ready=self.ready,
             arrivals=self.arrivals,
             kv_deadline_s=self.settings.transport.deadline_s,
+            depth=depth,
         )
 
     def _pool_blocks(self, geometry: BlockGeometry) -> int:
@@ -377,8 +382,11 @@ class TokenWorker(WorkerProcess):
                     self.loop.resume(points)
                 elif self.loop is not None:
                     self.loop.drop_all()
+                if self.loop is not None and pos.next_peer is not None:  # the passes of this epoch, from none
+                    deadline = PASS_DEADLINES * self.settings.transport.deadline_s
+                    self.loop.downstream = Downstream(self.endpoint, pos.next_peer, pos.depth, deadline, replicas)
                 self.recovered_epoch = topology.epoch
-            else:
+            else:  # the passes in flight go on (their returns come back at this epoch)
                 log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
             recovered.set()
             if self.follower is not None:
@@ -393,9 +401,6 @@ class TokenWorker(WorkerProcess):
                 self.ready.serving(topology.epoch)
             self.loop.serve(topology.epoch)
             self.loop.on_ended = self._forget_replicas
-            if pos.next_peer is not None:
-                deadline = PASS_DEADLINES * self.settings.transport.deadline_s
-                self.loop.downstream = Downstream(self.endpoint, pos.next_peer, pos.depth, deadline, replicas)
             self.loop.run(self.epoch_changed)
         finally:
             stop.set()

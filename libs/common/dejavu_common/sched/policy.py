@@ -160,14 +160,13 @@ class Scheduler:
         return True
 
     def arrived(self, request: RequestState, first_token: int) -> None:
-        """Its prompt KV is all here and the prompt pipeline sampled ``first_token``: it decodes from now on."""
+        """Its prompt KV is all here and the prompt pipeline sampled ``first_token``: it decodes from now on. Its
+        prompt blocks enter the prefix cache when its first pass returns (every stage holds their KV then)."""
         if request.status is not Status.ARRIVING:
             raise ValueError(f"request {request.request_id} is {request.status}, not arriving")
         request.computed = request.prompt_len
         request.token_ids.append(first_token)
         request.move(Status.RUNNING)
-        self._commit(request)
-        self._slide(request)
 
     def finish(self, request_id: str) -> RequestState | None:
         """End a request now (cancelled, failed, stopped): its blocks go back at once, or when its pass returns."""
