@@ -128,9 +128,9 @@ class EngineSettings(BaseModel):
     mixed_passes: bool = Field(
         True,
         description="Microbatch cohorts on a colocated one-stage pipeline (request scheduling off) prefill arriving "
-        "prompts in the same pass as the decode step of the requests already streaming (one forward over both; needs the paged pool and the native "
-        "kernels), so streaming requests get a token from every pass instead of waiting out each prefill. "
-        "Off: prefill and decode passes alternate.",
+        "prompts in the same pass as the decode step of the requests already streaming (one forward over both; "
+        "needs the paged pool and the native kernels), so streaming requests get a token from every pass instead "
+        "of waiting out each prefill. Off: prefill and decode passes alternate.",
     )
 
     kv_block_size: int = Field(

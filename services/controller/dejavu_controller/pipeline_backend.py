@@ -650,11 +650,7 @@ def schedules_requests(settings: Settings) -> bool:
     microbatch of its own, dispatched at once (prompt tasks of a prompt pipeline pack several), and the token
     pipeline's policy decides when it joins a pass."""
     engine = settings.engine
-    return (
-        engine.request_scheduling
-        and engine.kv_block_size > 0
-        and not settings.swap.enabled
-    )
+    return engine.request_scheduling and engine.kv_block_size > 0 and not settings.swap.enabled
 
 
 def _outstanding_rows(settings: Settings) -> int:
