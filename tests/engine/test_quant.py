@@ -237,8 +237,16 @@ def test_a_row_with_inf_or_nan_gives_nan_outputs_and_leaves_the_others() -> None
     _assert_int8_gemm(y[rest], x[rest], w, None)
 
 
+def _build_folder(name: str, key: str) -> Path:
+    """Where a test's build of the quantized kernels for another instruction set goes: beside the kernels' own
+    builds, under the key of its sources and flags, so a later run with the same sources compiles nothing."""
+    folder = native.cache_dir() / "tests" / f"{name}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @pytest.mark.slow
-def test_the_int8_gemm_built_without_vnni_forms_the_same_sums(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_int8_gemm_built_without_vnni_forms_the_same_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     """Built for AVX512BW without VNNI (x86-64-v4: vpmaddubsw and vpmaddwd for vpdpbusd, int8 values as their two
     nibbles), the int8 GEMM forms the same int32 sums, so its results are the VNNI build's bit for bit."""
     if quant._ops() is None or quant._ops().quant_int8_dot() != 2:
@@ -247,16 +255,17 @@ def test_the_int8_gemm_built_without_vnni_forms_the_same_sums(tmp_path: Path, mo
 
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # ninja
     name = "dejavu_quant_without_vnni"
+    folder = _build_folder(name, native.build_key())
     cpp_extension.load(
         name=name,
         sources=[str(native.QUANT_SOURCE), str(native.QUANT_GEMM_SOURCE)],
         extra_cflags=[*native.compile_flags(), "-mno-avx512vnni"],
         extra_ldflags=["-fopenmp"],
-        build_directory=str(tmp_path),
+        build_directory=str(folder),
         is_python_module=False,
     )
     error = ctypes.create_string_buffer(512)
-    library = ctypes.CDLL(str(tmp_path / f"{name}.so"))
+    library = ctypes.CDLL(str(folder / f"{name}.so"))
     assert library.dejavu_quant_register(name.encode(), error, ctypes.c_int64(len(error))) == 0, error.value
     emulated, vnni = getattr(torch.ops, name), quant._ops()
     assert emulated.quant_int8_dot() == 1
@@ -275,7 +284,7 @@ def test_the_int8_gemm_built_without_vnni_forms_the_same_sums(tmp_path: Path, mo
 @pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "scalar"])
 def test_the_float_kernels_avx2_and_scalar_builds_unpack_packed_values_bit_for_bit(
-    march: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    march: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Built for AVX2 (8 lanes, the fifth bits by a shift a lane) and for no SIMD at all (a value at a time), the
     float kernel and the dequantization compute each packed weight as they compute it widened to int8, bit for
@@ -286,16 +295,17 @@ def test_the_float_kernels_avx2_and_scalar_builds_unpack_packed_values_bit_for_b
 
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # ninja
     name = f"dejavu_quant_{march.replace('-', '_')}"
+    folder = _build_folder(name, native.build_key(march))
     cpp_extension.load(
         name=name,
         sources=[str(native.QUANT_SOURCE), str(native.QUANT_GEMM_SOURCE)],
         extra_cflags=list(native.compile_flags(march)),
         extra_ldflags=["-fopenmp"],
-        build_directory=str(tmp_path),
+        build_directory=str(folder),
         is_python_module=False,
     )
     error = ctypes.create_string_buffer(512)
-    library = ctypes.CDLL(str(tmp_path / f"{name}.so"))
+    library = ctypes.CDLL(str(folder / f"{name}.so"))
     assert library.dejavu_quant_register(name.encode(), error, ctypes.c_int64(len(error))) == 0, error.value
     op = getattr(torch.ops, name)
     assert op.quant_lanes() == (8 if march == "x86-64-v3" else 1)

@@ -29,6 +29,7 @@ from dejavu_token_worker.runner import STEP_FAILURES
 from dejavu_worker.dataplane import Outcome, PassReturn, SlicePass
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.lifecycle import SERVE_RETRYABLE
+from dejavu_worker.metrics import PassKind, WorkerMetrics
 from dejavulib.paged import PagedKVCache
 from dejavulib.streaming import stream_in
 
@@ -59,8 +60,10 @@ class SliceFollower:
         emitter: Emitter | None,
         arrivals: PromptArrivals | None = None,
         kv_deadline_s: float = 60.0,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.executor = executor
+        self.metrics = metrics
         self.endpoint = endpoint
         self.emitter = emitter
         self.arrivals = arrivals  # disaggregated: the prompt KV the prompt pipeline streams here
@@ -82,7 +85,7 @@ class SliceFollower:
     # -- what recovery reads and sets -----------------------------------------------------------------
     def progress(self) -> dict[int, int]:
         """Per request, the last position this stage holds (a repair resumes each from what every stage holds)."""
-        return {mb: end - 1 for mb, (_table, end) in self.held.items() if end > 0}
+        return {mb: end - 1 for mb, (_table, end) in list(self.held.items()) if end > 0}
 
     def caches(self, mbs: Iterable[int]) -> Iterator[tuple[int, PagedKVCache, int]]:
         """(request, its KV here as a cache, its last position) of each of ``mbs`` this stage holds: what a
@@ -136,11 +139,13 @@ class SliceFollower:
                     self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
                 return
             assert msg.tensor is not None  # a pass of slices carries their hidden states
+            started = time.perf_counter()
             self._place(msg)
             pieces = [(Slice(w.table, w.start, w.length), (b for b in w.table if b >= 0)) for w in msg.slices]
             out = self.executor.forward(pieces, StageIO(hidden=msg.tensor), self._every(msg))
             for w in msg.slices:
                 self.held[w.mb] = (w.table, w.start + w.length)
+            self._observe(msg, time.perf_counter() - started)
             if self.replicas is not None:  # before the pass goes on: the successor has it first (FIFO per peer)
                 # A request's first pass since it was admitted sends from position 0: a replica starts there.
                 written = [(w.mb, w.table, 0 if w.spec is not None else w.start, w.start + w.length)
@@ -206,6 +211,14 @@ class SliceFollower:
             stream_in(PagedKVCache.view(pool, request_layout(pool, len(w.table)), w.table, end), part.message,
                       part.region)  # fmt: skip
             self.held[w.mb] = (w.table, end)
+
+    def _observe(self, msg: SlicePass, seconds: float) -> None:
+        if self.metrics is None:
+            return
+        decode = [w.length == 1 for w in msg.slices]  # one token: the one sampled last (a prompt of one, rarely)
+        kind = PassKind.MIXED if any(decode) and not all(decode) else PassKind.DECODE if all(decode) else (
+            PassKind.PREFILL)  # fmt: skip
+        self.metrics.observe_pass(kind, seconds, sum(w.length for w in msg.slices))
 
     def _every(self, msg: SlicePass) -> set[int]:
         return {i for i, w in enumerate(msg.slices) if w.every} if self.emitter is not None else set()

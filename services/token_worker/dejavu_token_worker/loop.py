@@ -136,7 +136,7 @@ class RequestLoop:
 
     def progress(self) -> dict[int, int]:
         """Per running request, the last position whose KV every stage holds (what a repair resumes from)."""
-        return {s.mb_id: s.state.computed - 1 for s in self.served.values() if s.state.computed > 0}
+        return {s.mb_id: s.state.computed - 1 for s in list(self.served.values()) if s.state.computed > 0}
 
     def caches(self, mbs: Iterable[int]) -> Iterator[tuple[int, PagedKVCache, int]]:
         """(request, its KV on this stage as a cache, its last position) of each of ``mbs`` this stage holds:

@@ -76,6 +76,7 @@ class TokenWorker(WorkerProcess):
         self.follower: SliceFollower | None = None  # its later stages' (instead of the runner's follow)
         self.arrivals: PromptArrivals | None = None  # disaggregated: the prompt KV streamed to its stages
         self._broken: tuple[memoryview | bytes, float] | None = None  # a later stage's message an error broke
+        self._replicates_requests = False  # a request-scheduled stage sending replicas to its successor
 
     # -- lifecycle hooks ----------------------------------------------------------------------
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
@@ -154,7 +155,7 @@ class TokenWorker(WorkerProcess):
             assert self.slices is not None
             last = assignment.stage == len(topology.token_stages) - 1
             self.follower = SliceFollower(self.slices, self.endpoint, self.emitter if last else None, self.arrivals,
-                                          self.settings.transport.deadline_s)  # fmt: skip
+                                          self.settings.transport.deadline_s, self.metrics)  # fmt: skip
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
@@ -360,6 +361,7 @@ class TokenWorker(WorkerProcess):
         if replicating and self.replica is None:
             self._open_replicas(topology, pos.index, by_position=True)
         replicas = ReplicaSender(self.endpoint, stages[(pos.index + 1) % pos.depth].worker_id) if replicating else None
+        self._replicates_requests = replicating
         if pos.depth > 1:
             self.endpoint.connect_all(self.redis, [a.worker_id for a in stages if a.worker_id != self.worker_id])
         stop = threading.Event()
@@ -519,7 +521,8 @@ class TokenWorker(WorkerProcess):
         if replica is not None and replica.pool is not None:
             pools["replica"] = PoolUsage(replica.pool.used_blocks, replica.pool.max_blocks)
         preempted = [st.cache.nbytes for st in states if st.status is KVStatus.PREEMPTED]
-        replicating = runner.replicas is not None and base.stage is not None
+        replicating = (runner.replicas is not None or self._replicates_requests) and base.stage is not None
+        held = self._held_steps(states)
         return replace(
             base,
             microbatches=len(states),
@@ -527,14 +530,23 @@ class TokenWorker(WorkerProcess):
             pools=pools,
             host_bytes=sum(preempted) if runner.pool is not None else None,
             replicas=len(replica.replicas) if replica is not None else None,
-            replication_lag_steps=self._replication_lag(base.stage, states) if replicating else None,  # type: ignore[arg-type]
+            replication_lag_steps=self._replication_lag(base.stage, held) if replicating else None,  # type: ignore[arg-type]
             swap=asdict(runner.swap.stats()) if runner.swap is not None else None,
             prefix_cache=loop.prefix_cache() if loop is not None else None,
         )
 
-    def _replication_lag(self, stage: int, states: list[MicrobatchState]) -> int | None:
-        """The largest gap between the step this stage holds of a microbatch and the watermark its successor
-        recorded for it (-1 when none); None when Redis cannot be read now."""
+    def _held_steps(self, states: list[MicrobatchState]) -> dict[int, int]:
+        """What this stage holds, as its successor's watermarks count it: per microbatch its last step, per request
+        of a request-scheduled pipeline its last position (read without locks: a scrape's snapshot)."""
+        if self.loop is not None:
+            return dict(self.loop.progress())
+        if self.follower is not None:
+            return dict(self.follower.progress())
+        return {st.mb_id: st.done_step for st in states if st.holds_kv}
+
+    def _replication_lag(self, stage: int, held: dict[int, int]) -> int | None:
+        """The largest gap between what this stage holds of a microbatch or request and the watermark its
+        successor recorded for it (-1 when none); None when Redis cannot be read now."""
         assert self.redis is not None
         try:
             raw = self.redis.hgetall(keys.watermark(stage))
@@ -545,7 +557,7 @@ class TokenWorker(WorkerProcess):
         for mb, step in raw.items():  # any worker may write these: a field that does not parse is skipped
             with contextlib.suppress(ValueError):
                 marks[int(mb)] = int(step)
-        return max((st.done_step - marks.get(st.mb_id, -1) for st in states if st.holds_kv), default=0)
+        return max((last - marks.get(mb, -1) for mb, last in held.items()), default=0)
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
