@@ -4,7 +4,7 @@
 # prepared GGUF folder, weights kept quantized) and by DejaVu in float32 (the default), and vLLM-CPU in float32
 # (prefix caching on, warmed up); concurrency 1 and 16, all driven by vLLM's own benchmark client.
 # Usage: run.sh OUT_DIR   (needs $HOME/.cache/dejavu-peers/venv-llamacpp with llama-cpp-python[server]==0.3.36,
-# vLLM's venv from ../shared/peers/serve_vllm.sh, and `dejavu model prepare --format gguf` done)
+# vLLM's venv from ../shared/peers/serve_vllm.sh, and `dejavu model prepare --weights gguf` done)
 set -u
 out=${1:-/tmp/window-llamacpp}; mkdir -p "$out"
 root=$(cd "$(dirname "$0")/../../.." && pwd)

@@ -62,6 +62,22 @@ class ModelSettings(BaseModel):
         "safetensors, computed in `dtype`), 'int8' (int8 per output channel), 'gguf' (the published GGUF file, "
         "kept quantized). Quantized weights compute in float32 on CPU. A `path` folder is served in its own format.",
     )
+    source_url: str | None = Field(
+        None,
+        pattern=r"^https?://",
+        description="Weight source (`dejavu model serve`) a worker fetches its stage's share of the checkpoint "
+        "from at load (only its layers' tensors, as stored), into `cache_dir`/remote, reused on restart. None: "
+        "the worker reads `path` (or the prepared default model) from its own disk.",
+    )
+    source_token: SecretStr | None = Field(
+        None, description="Bearer token of the weight source: what workers send and `dejavu model serve` requires."
+    )
+    source_deadline_s: float = Field(
+        30.0, gt=0, le=3600, description="Deadline of one request to the weight source, its whole answer included."
+    )
+    source_retries: int = Field(
+        3, ge=0, le=20, description="Retries (with backoff) of a weight-source request that failed or answered wrongly."
+    )
 
     @property
     def folder(self) -> Path:
@@ -314,6 +330,15 @@ class ControllerSettings(BaseModel):
     prompt_depth: int = Field(1, ge=1, le=256, description="D_p: stages of the prompt pipeline.")
     token_depth: int = Field(1, ge=1, le=256, description="D_t: stages of the token pipeline.")
     prompt_microbatch: int = Field(4, ge=1, le=1024, description="Requests per prompt microbatch.")
+    prompt_task_tokens: int = Field(
+        2048,
+        ge=1,
+        le=1 << 20,
+        description="Prompt tokens a prompt microbatch packs at most (disaggregated): requests join a task while "
+        "its prompts stay within this and prompt_microbatch, so short prompts are not held up behind long ones; a "
+        "longer prompt is a task of its own, which the prompt stages of a request-scheduled deployment compute in "
+        "chunks of this many positions, each streamed to the token stages as it is done.",
+    )
     token_microbatch: int = Field(4, ge=1, le=1024, description="Requests per token microbatch.")
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="How long a partial microbatch waits for more.")
     queue_bound: int = Field(256, ge=1, le=1_000_000, description="Waiting requests before the API answers 503.")
@@ -591,6 +616,16 @@ class Settings(BaseSettings):
         description="Log lines of every service: plain text, or one JSON object per line with the service, worker "
         "and request ids as fields (dejavu_common.logs).",
     )
+
+    @property
+    def schedules_requests(self) -> bool:
+        """Whether the pipelines schedule requests, not microbatches: token stages over paged pools
+        (``engine.kv_block_size``), ``engine.request_scheduling`` on, no swapping. Then every request is a
+        microbatch of its own, token stage 0's policy decides when it joins a pass, and a prompt pipeline
+        computes its prompts over a paged pool with a prefix cache. Settings alone decide, so the controller and
+        every worker agree."""
+        engine = self.engine
+        return engine.request_scheduling and engine.kv_block_size > 0 and not self.swap.enabled
 
     def to_env(self) -> dict[str, str]:
         """These settings as ``DEJAVU_*`` variables, so a launcher can hand them to child processes."""
