@@ -18,8 +18,8 @@ from dejavu_common import fatal, keys
 from dejavu_common.fatal import guarded
 from dejavu_common.messages import MicrobatchSpec, RowSpec, SamplingSpec
 from dejavu_common.settings import Replication, TransportSettings
+from dejavu_token_worker.prompt_kv import cohort_placer, receive_prompt_kv
 from dejavu_token_worker.replication import ReplicaStore
-from dejavu_token_worker.worker import TokenWorker
 from dejavu_worker.endpoint import DataEndpoint
 from dejavulib.handle import Handle
 from dejavulib.header import Channel, Header
@@ -144,12 +144,11 @@ class Runner:
 
 def test_a_corrupt_prompt_kv_message_is_dropped_and_the_receiver_serves_the_next(link, exits) -> None:
     sender, receiver, flaky, _client = link
-    worker = TokenWorker.__new__(TokenWorker)  # only its prompt KV receiver runs here
-    worker.endpoint, worker.runner = receiver, Runner()
+    runner = Runner()
     stop, recovered = threading.Event(), threading.Event()
     recovered.set()
-    receive = guarded("prompt KV receiver", worker._receive_prompt_kv, retry_on=(redis.RedisError,))
-    thread = threading.Thread(target=receive, args=(stop, recovered, 1))
+    receive = guarded("prompt KV receiver", receive_prompt_kv, retry_on=(redis.RedisError,))
+    thread = threading.Thread(target=receive, args=(receiver, stop, recovered, 1, cohort_placer(runner, 1)))
     thread.start()
     try:
         flaky.corrupt = 1
@@ -157,10 +156,10 @@ def test_a_corrupt_prompt_kv_message_is_dropped_and_the_receiver_serves_the_next
             cache = _cache(float(mb))
             header = Header(Channel.KV_PROMPT, microbatch=mb, user=1)  # for token stage 1
             sender.send_region("t1", header, cache, cache.whole(mb))
-        _wait(lambda: 6 in worker.runner.states)
+        _wait(lambda: 6 in runner.states)
         assert thread.is_alive() and exits == []
         assert receiver.corrupt[Channel.KV_PROMPT.name] == 1
-        assert set(worker.runner.states) == {6} and worker.runner.states[6].placed == [(6, (0, 3))]
+        assert set(runner.states) == {6} and runner.states[6].placed == [(6, (0, 3))]
     finally:
         stop.set()
         thread.join(5)

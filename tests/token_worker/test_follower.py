@@ -7,13 +7,14 @@ scripted runner and endpoint stand in for the engine and the data plane."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from dejavu_common.settings import Settings
+from dejavu_token_worker.follow_cohorts import CohortFollower
 from dejavu_token_worker.runner import Position
-from dejavu_token_worker.worker import TokenWorker
 from dejavu_worker.dataplane import Kind, StageMessage
 from dejavu_worker.endpoint import Channel
 from dejavulib.errors import BackPressureTimeout
@@ -36,6 +37,7 @@ class Follower:
         self.followed: list[tuple[int, ...]] = []
         self.failed: list[tuple[int, int]] = []
         self.sent: list[tuple[str, Channel, bytes]] = []
+        self.released: list[int] = []
         self.states = {7: Tracked(), 8: Tracked()}
 
     def follow(self, pos, msg) -> None:
@@ -53,27 +55,25 @@ class Follower:
         self.sent.append((peer, channel, payload))
 
 
-def _stage(errors: list[Exception]) -> tuple[TokenWorker, Follower]:
+def _stage(errors: list[Exception]) -> tuple[CohortFollower, Follower, Callable[[], bool]]:
     message = StageMessage(Kind.DECODE, 1, 0, torch.zeros(3, 1, 4), members=((7, 4, (0, 1)), (8, 2, (0,))))
     stage = Follower(errors, message.encode())
-    worker = TokenWorker.__new__(TokenWorker)  # only its follower loop runs here
-    worker.settings, worker._broken = Settings(), None
-    worker.endpoint, worker.runner = stage, stage
+    deadline_s = Settings().transport.deadline_s
+    follower = CohortFollower(stage, stage, deadline_s, stage.released.append)  # type: ignore[arg-type]
     # The epoch "changes" (the loop returns) once the stage has nothing left to handle.
-    worker.epoch_changed = lambda: not stage.inbox and worker._broken is None  # type: ignore[method-assign]
-    return worker, stage
+    return follower, stage, lambda: not stage.inbox and follower.broken is None
 
 
 POS = Position(1, 2, None, "t0", colocated=False)
 
 
 def test_a_pass_a_later_stage_cannot_hand_on_is_handled_again_when_the_epoch_is_served_again() -> None:
-    worker, stage = _stage([BackPressureTimeout("no room within 10 s")])
+    follower, stage, stop = _stage([BackPressureTimeout("no room within 10 s")])
     with pytest.raises(BackPressureTimeout):
-        worker._follow(POS)  # the error goes on to the lifecycle, which pauses
+        follower.run(POS, stop)  # the error goes on to the lifecycle, which pauses
     assert stage.followed == [] and stage.failed == [] and stage.sent == []
     assert all(s.tracker is not None for s in stage.states.values())
-    worker._follow(POS)  # the epoch served again
+    follower.run(POS, stop)  # the epoch served again
     assert stage.followed == [(7, 8)] and stage.failed == []
     assert all(s.tracker is None for s in stage.states.values())  # rebuilt from the streams as it samples
 
@@ -81,10 +81,11 @@ def test_a_pass_a_later_stage_cannot_hand_on_is_handled_again_when_the_epoch_is_
 def test_a_broken_pass_past_stage_0s_deadline_is_dropped_not_run_again() -> None:
     """Stage 0 failed the pass at its deadline meanwhile (a long outage): running it now would only
     publish tokens nobody reads."""
-    worker, stage = _stage([BackPressureTimeout("no room within 10 s")])
+    follower, stage, stop = _stage([BackPressureTimeout("no room within 10 s")])
     with pytest.raises(BackPressureTimeout):
-        worker._follow(POS)
-    payload, _since = worker._broken
-    worker._broken = (payload, time.monotonic() - 61 * Settings().transport.deadline_s)
-    worker._follow(POS)
-    assert stage.followed == [] and stage.failed == [] and worker._broken is None
+        follower.run(POS, stop)
+    assert follower.broken is not None
+    payload, _since = follower.broken
+    follower.broken = (payload, time.monotonic() - 61 * Settings().transport.deadline_s)
+    follower.run(POS, stop)
+    assert stage.followed == [] and stage.failed == [] and follower.broken is None

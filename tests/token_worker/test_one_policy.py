@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dejavu_common import sched
 from dejavu_planner import budget as simulated
-from dejavu_token_worker import loop, worker
+from dejavu_token_worker import loop, request_stage
 
 
 def test_the_request_loop_and_the_simulator_share_one_scheduler_class() -> None:
-    assert worker.Scheduler is simulated.Scheduler is sched.Scheduler
+    assert request_stage.Scheduler is simulated.Scheduler is sched.Scheduler
     assert loop.Scheduler is sched.Scheduler

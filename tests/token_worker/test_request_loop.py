@@ -56,7 +56,7 @@ def stage(folder: Path) -> Stage:
     """The whole default model as one float32 stage, the stage a colocated one-stage pipeline serves."""
     stage = Pipeline(folder, 1, "cpu", "float32").stages[0]
     if not stage.paged_attention:
-        pytest.skip("the request loop needs the native paged attention kernels (see TokenWorker._schedules_requests)")
+        pytest.skip("the request loop needs the native paged attention kernels (see request_stage.schedules_requests)")
     return stage
 
 
@@ -114,7 +114,7 @@ def _loop(
     caching: bool = True,
     max_recomputes: int = 8,
 ) -> RequestLoop:
-    """A loop built as ``TokenWorker._request_loop`` builds it, over a pool of ``blocks`` blocks of ``BLOCK`` (the
+    """A loop built as ``request_stage.request_loop`` builds it, over a pool of ``blocks`` blocks of ``BLOCK`` (the
     stage's sliding window, if every layer has one, gives back the blocks out of it)."""
     pool = stage.block_pool(BLOCK, blocks, slab_blocks=16)
     book = BlockBook(pool.max_blocks, BLOCK, b"SmolLM2-135M|float32|16", caching=caching)
@@ -174,7 +174,7 @@ def _until(loop: RequestLoop, mbs: Iterable[int], then: Callable[[], None] | Non
         if all(_finished(client, mb) for mb in mbs):
             return True
         (group,) = client.xinfo_groups(keys.COLOCATED_QUEUE)
-        return not loop.served and not loop.queue.held and group["lag"] == 0
+        return not loop.requests.served and not loop.queue.held and group["lag"] == 0
 
     return _bounded(done, f"streams of microbatches {mbs} finished")
 
@@ -221,7 +221,7 @@ def _passes(loop: RequestLoop) -> list[list[tuple[str, int, int]]]:
 
 def _all_free(loop: RequestLoop) -> bool:
     book = loop.scheduler.book
-    return book.free == book.num_blocks and not loop.served and len(loop.scheduler) == 0
+    return book.free == book.num_blocks and not loop.requests.served and len(loop.scheduler) == 0
 
 
 def _assert_prompt_logprobs(reported: tuple | None, prompt: list[int], reference: Reference, top: int) -> None:
@@ -679,7 +679,7 @@ def test_a_sliding_window_stage_gives_back_blocks_out_of_the_window_and_streams_
     )
     stage = Pipeline(folder, 1, "cpu", "float32").stages[0]
     if not stage.paged_attention:
-        pytest.skip("the request loop needs the native paged attention kernels (see TokenWorker._schedules_requests)")
+        pytest.skip("the request loop needs the native paged attention kernels (see request_stage.schedules_requests)")
     assert stage.kv_window == 32
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     ids = torch.randint(3, 380, (100,), generator=torch.Generator().manual_seed(9)).tolist()

@@ -157,7 +157,7 @@ def pipeline(client: redis.Redis, stages: list[Stage]) -> Iterator[Running]:
 def _all_free(loop: RequestLoop) -> bool:
     book = loop.scheduler.book
     idle = loop.downstream is None or not loop.downstream.inflight
-    return book.free == book.num_blocks and not loop.served and len(loop.scheduler) == 0 and idle
+    return book.free == book.num_blocks and not loop.requests.served and len(loop.scheduler) == 0 and idle
 
 
 def test_prompts_chunked_over_three_stages_with_passes_in_flight_deliver_transformers_greedy_tokens(

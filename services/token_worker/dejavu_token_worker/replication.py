@@ -30,6 +30,7 @@ from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.private import ensure_private_dir
 from dejavu_common.settings import Replication
 from dejavu_common.signing import EntrySigner, sign_watermark
+from dejavu_token_worker.executor import request_layout
 from dejavu_worker.endpoint import Channel, DataEndpoint
 from dejavu_worker.microbatch import MicrobatchState, fetch_spec
 from dejavulib.endpoint import Message
@@ -76,10 +77,9 @@ class ReplicaSender:
         replica of a request keeps is the last position it holds (:attr:`Replica.by_position`)."""
         if self.peer is None:
             return
-        g = pool.geometry
         for mb, table, first, end in written:
-            layout = KVLayout(g.layers, 1, g.kv_heads, len(table) * g.block_size, g.head_dim, g.dtype, g.first_layer)
-            view = PagedKVCache.view(pool, layout, table, end)  # the layout executor.request_layout names
+            layout = request_layout(pool, len(table))
+            view = PagedKVCache.view(pool, layout, table, end)
             region = layout.region(positions=(first, end), microbatch=mb)
             self.endpoint.send_region(self.peer, Header(Channel.KV_REPLICA, microbatch=mb, step=end - 1), view, region)
 

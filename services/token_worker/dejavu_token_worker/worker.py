@@ -1,57 +1,57 @@
-"""A token worker: one stage of the token pipeline (the paper's T-worker).
+"""A token worker: one stage of the token pipeline (the paper's T-worker), and the wiring of its parts.
 
-Per epoch, :meth:`TokenWorker.serve` connects to its peers, starts the receivers (prompt KV from the
-prompt pipeline; the replica of its predecessor's cache), takes part in recovery when the epoch
-follows a failure, and then runs stage 0's :class:`Driver` or the follower loop of later stages.
-Microbatch caches and replicas survive an epoch change: that is what recovery resumes from.
+At load it builds its stage: where settings say the pipeline schedules requests, a
+:class:`~dejavu_token_worker.request_stage.RequestStage` (stage 0's :class:`RequestLoop` or a later stage's
+:class:`SliceFollower`, over a paged pool); otherwise a cohort stage (a :class:`StageRunner`, driven by stage 0's
+:class:`Driver` and followed by the later stages' :class:`CohortFollower`). Per epoch, :meth:`TokenWorker.serve`
+connects to its peers, starts the receivers (prompt KV from the prompt pipeline:
+:mod:`dejavu_token_worker.prompt_kv`; the replica of its predecessor's KV), takes part in recovery when the epoch
+follows a failure, and then runs its stage. Caches and replicas survive an epoch change: that is what recovery
+resumes from. What it reports holding is :mod:`dejavu_token_worker.snapshot`'s.
 
-An epoch served again after an error (:data:`SERVE_RETRYABLE`: Redis refusing a write, back-pressure,
-a peer's message failing its check) is continued, never started over: its recovery ran already (running
-it again would forget every microbatch admitted since). Stage 0 runs the same :class:`Driver` again, whose
-microbatches of the pass the error broke run again from where their token streams end; a later stage
-handles the message the error broke again, then follows on with the caches it holds.
+An epoch served again after an error (:data:`~dejavu_worker.lifecycle.SERVE_RETRYABLE`: Redis refusing a write,
+back-pressure, a peer's message failing its check) is continued, never started over: its recovery ran already
+(running it again would forget every request or microbatch admitted since). Stage 0 runs the same loop or driver
+again, whose requests or microbatches of the pass the error broke run again from where their token streams end; a
+later cohort stage handles the message the error broke again, then follows on with the caches it holds (a later
+request-scheduled stage answers that pass ``broken`` instead, and stage 0 restarts its requests from their streams).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, replace
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
 
 import redis
 
-from dejavu_common import keys, tracing
+from dejavu_common import keys
 from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.fatal import guarded
 from dejavu_common.messages import MicrobatchSpec, PromptTask, RecoveryOrder, StageAssignment, Topology, WorkerRole
-from dejavu_common.sched import BlockBook, Budget, Scheduler
 from dejavu_common.settings import Mode, Replication, Settings
-from dejavu_common.tracing import RowSpans
+from dejavu_engine.remote import resolve_model_folder
 from dejavu_engine.stage import Stage
 from dejavu_engine.threads import configure_torch_threads
 from dejavu_token_worker import recovery
-from dejavu_token_worker.arrivals import PromptArrivals
-from dejavu_token_worker.downstream import Downstream
 from dejavu_token_worker.driver import PASS_DEADLINES, Driver, ensure_group
-from dejavu_token_worker.emitter import Emitter
-from dejavu_token_worker.executor import SliceExecutor
-from dejavu_token_worker.follow import SliceFollower
-from dejavu_token_worker.loop import RequestLoop
+from dejavu_token_worker.follow_cohorts import CohortFollower
+from dejavu_token_worker.memory import host_bytes, pool_blocks, replica_bytes
+from dejavu_token_worker.prompt_kv import cohort_placer, receive_prompt_kv
 from dejavu_token_worker.ready import ReadyPrompts
 from dejavu_token_worker.replication import ReplicaSender, ReplicaStore
-from dejavu_token_worker.runner import STEP_FAILURES, FinishedMicrobatch, Position, StageRunner
-from dejavu_worker.dataplane import Kind, Returned, StageMessage, TokenReturn
-from dejavu_worker.endpoint import Channel, largest_message
-from dejavu_worker.lifecycle import SERVE_RETRYABLE, WorkerProcess
-from dejavu_worker.metrics import PoolUsage, RepairRole, StageSnapshot
-from dejavu_worker.microbatch import KVStatus, MicrobatchState, fetch_spec
+from dejavu_token_worker.request_stage import RequestStage, schedules_requests
+from dejavu_token_worker.runner import Position, StageRunner
+from dejavu_token_worker.snapshot import stage_kv_held, stage_snapshot
+from dejavu_worker.endpoint import largest_message
+from dejavu_worker.lifecycle import WorkerProcess
+from dejavu_worker.metrics import RepairRole, StageSnapshot
+from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.swap import SwapManager
-from dejavulib.errors import DejaVuLibError, IntegrityError, ProtocolError
+from dejavulib.endpoint import Message
+from dejavulib.errors import DejaVuLibError, IntegrityError
 from dejavulib.kvcache import KVCache
 from dejavulib.paged import BlockGeometry, PagedKVCache
 from dejavulib.streaming import region_of
@@ -70,12 +70,8 @@ class TokenWorker(WorkerProcess):
         self.held_tasks: list[PromptTask] = []  # colocated tasks of an epoch this worker does not serve yet
         self.recovered_epoch: int | None = None  # the epoch whose recovery (or fresh start) this stage did
         self.driver: Driver | None = None  # stage 0's driver of ``recovered_epoch``
-        self.slices: SliceExecutor | None = None  # a request-scheduled pipeline's stage (instead of the runner's)
-        self.emitter: Emitter | None = None  # its sampling end (used on its last stage)
-        self.loop: RequestLoop | None = None  # its stage 0's loop (instead of a driver)
-        self.follower: SliceFollower | None = None  # its later stages' (instead of the runner's follow)
-        self.arrivals: PromptArrivals | None = None  # disaggregated: the prompt KV streamed to its stages
-        self._broken: tuple[memoryview | bytes, float] | None = None  # a later stage's message an error broke
+        self.requests: RequestStage | None = None  # a request-scheduled pipeline's stage (instead of the runner's)
+        self.cohort: CohortFollower | None = None  # a later stage's follower of ``recovered_epoch`` (cohorts)
         self._replicates_requests = False  # a request-scheduled stage sending replicas to its successor
 
     # -- lifecycle hooks ----------------------------------------------------------------------
@@ -84,7 +80,7 @@ class TokenWorker(WorkerProcess):
         m = self.settings.model
         engine = self.settings.engine
         stage = Stage(
-            m.folder,
+            resolve_model_folder(self.settings, assignment.layers),
             assignment.layers,
             m.device,
             m.dtype,
@@ -101,17 +97,16 @@ class TokenWorker(WorkerProcess):
                 layout, len(topology.token_stages), m.device, deadline_s=self.settings.transport.deadline_s
             )
             log.info("swapping on: %d device buffer(s), %.1f MB", swap.slots, swap.device_bytes / 1e6)
-        pool = None
-        self.loop, self.follower, self.slices, self.emitter, self.arrivals = None, None, None, None, None
-        requests = self._schedules_requests(topology, stage, swap)
+        self.ready = None
+        if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
+            # Created before this worker reports SERVING, so no announcement is missed.
+            self.ready = ReadyPrompts(self.redis, signer=self.signer)
+        pool, self.requests = None, None
+        requests = schedules_requests(self.settings, stage)
         if requests:
-            self.slices = self._slice_executor(stage, topology)
-            self.emitter = Emitter(self.redis, self.signer, stage.spec.eos_token_ids)
-            if topology.mode == Mode.DISAGGREGATED.value:
-                index = assignment.stage
-                self.arrivals = PromptArrivals(
-                    assignment.layers, self._spec_of, lambda a: trace_arrival(a.spec, index, a.first_ns)
-                )
+            self.requests = RequestStage.build(self.settings, stage, assignment, topology, self.redis, self.endpoint,
+                                               self.signer, self.metrics, self.worker_id, self.held_tasks, self.ready,
+                                               self._spec_of)  # fmt: skip
         elif swap is None and engine.kv_block_size > 0 and not stage.paged_attention:
             log.info(
                 "paged KV pool off: no paged attention kernel for this stage (%s, %s): contiguous caches",
@@ -119,7 +114,7 @@ class TokenWorker(WorkerProcess):
                 type(stage.family).__name__,
             )
         elif swap is None and engine.kv_block_size > 0:
-            blocks = self._pool_blocks(BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size))
+            blocks = pool_blocks(self.settings, BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size))
             pool = stage.block_pool(engine.kv_block_size, blocks)
             log.info(
                 "paged KV pool: blocks of %d positions (%.2f MB), up to %d blocks (%.1f GB)",
@@ -143,19 +138,7 @@ class TokenWorker(WorkerProcess):
         if self.replica is not None:
             self.replica.close()  # of the previous assignment
         self.replica = None
-        self.ready = None
-        self.recovered_epoch, self.driver, self._broken = None, None, None  # a new stage holds nothing to continue
-        if assignment.stage == 0 and topology.mode == Mode.DISAGGREGATED.value:
-            # Created before this worker reports SERVING, so no announcement is missed.
-            self.ready = ReadyPrompts(self.redis, signer=self.signer)
-        if requests and assignment.stage == 0:
-            assert self.slices is not None and self.emitter is not None
-            self.loop = self._request_loop(self.slices, self.emitter, len(topology.token_stages))
-        elif requests:
-            assert self.slices is not None
-            last = assignment.stage == len(topology.token_stages) - 1
-            self.follower = SliceFollower(self.slices, self.endpoint, self.emitter if last else None, self.arrivals,
-                                          self.settings.transport.deadline_s, self.metrics)  # fmt: skip
+        self.recovered_epoch, self.driver, self.cohort = None, None, None  # a new stage holds nothing to continue
         if self.heartbeat is not None:
             self.heartbeat.kv_held = self.kv_held
         log.info(
@@ -167,85 +150,10 @@ class TokenWorker(WorkerProcess):
             self.runner.mixes,
         )
 
-    def _schedules_requests(self, topology: Topology, stage: Stage, swap: SwapManager | None) -> bool:
-        """Whether this stage belongs to a request-scheduled pipeline (stage 0's :class:`RequestLoop`, the others'
-        :class:`SliceFollower`): token stages, colocated or fed by a prompt pipeline, over paged pools,
-        ``engine.request_scheduling`` on, no swapping. Settings alone decide, as the controller decides
-        (``pipeline_backend.schedules_requests``), so every stage of a pipeline agrees: a stage without the native
-        paged kernels attends through torch (``Stage.native_slices``)."""
-        engine = self.settings.engine
-        if engine.request_scheduling and swap is None and engine.kv_block_size > 0 and not stage.native_slices:
-            log.warning("request scheduling without the native paged kernels here: passes attend through torch")
-        return engine.request_scheduling and swap is None and engine.kv_block_size > 0
-
-    def _slice_executor(self, stage: Stage, topology: Topology) -> SliceExecutor:
-        """The executor of a request-scheduled stage over a new paged pool. Stage 0's book hands out the block ids
-        of every stage's pool, so each stage sizes its pool by the stage of the pipeline with the most layers (the
-        same memory gives each the same number of blocks); a later stage allows a quarter more, as its slabs are
-        made only as ids are used and the memory each stage finds available at load differs a little."""
-        engine = self.settings.engine
-        geometry = BlockGeometry.of(stage.kv_layout(1, 1), engine.kv_block_size)
-        widest = max(a.layers[1] - a.layers[0] for a in topology.token_stages)
-        blocks = self._pool_blocks(replace(geometry, layers=widest))
-        if stage.layers[0] > 0:
-            blocks += blocks // 4
-        return SliceExecutor(stage, stage.block_pool(engine.kv_block_size, blocks))
-
     def _spec_of(self, mb_id: int) -> MicrobatchSpec:
         """A request's spec (written before its prompt was queued)."""
         assert self.redis is not None
         return fetch_spec(self.redis, mb_id, self.settings.transport.deadline_s, self.epoch_changed)
-
-    def _request_loop(self, executor: SliceExecutor, emitter: Emitter, depth: int) -> RequestLoop:
-        """Stage 0's loop and its policy, whose book hands out the blocks of every stage's pool."""
-        assert self.redis is not None
-        engine, m = self.settings.engine, self.settings.model
-        pool = executor.pool
-        # Equal token ids give other KV under another model, dtype or block size: none of them may hit.
-        namespace = f"{m.folder}|{m.dtype}|{engine.kv_block_size}".encode()
-        book = BlockBook(pool.max_blocks, engine.kv_block_size, namespace, caching=engine.prefix_caching)
-        budget = Budget(tokens=engine.token_budget, max_running=self.settings.controller.max_running, depth=depth)
-        log.info(
-            "request scheduling: a paged pool of up to %d blocks of %d positions (%.1f GB), %d positions a pass, "
-            "prefix caching %s",
-            pool.max_blocks,
-            engine.kv_block_size,
-            pool.max_blocks * pool.geometry.bytes_per_block / 1e9,
-            engine.token_budget,
-            "on" if engine.prefix_caching else "off",
-        )
-        stage = executor.stage
-        return RequestLoop(
-            Scheduler(book, budget, stage.model_kv_window),  # blocks out of every layer's window go back
-            executor,
-            self.redis,
-            self.worker_id,
-            self.metrics,
-            emitter,
-            self.held_tasks,
-            engine.max_recomputes,
-            ready=self.ready,
-            arrivals=self.arrivals,
-            kv_deadline_s=self.settings.transport.deadline_s,
-            depth=depth,
-        )
-
-    def _pool_blocks(self, geometry: BlockGeometry) -> int:
-        """Blocks of the paged pool: ``engine.kv_pool_bytes``, or 60% of the memory available now."""
-        budget = self.settings.engine.kv_pool_bytes
-        if budget is None:
-            budget = int(0.6 * available_memory_bytes())
-        return max(1, budget // geometry.bytes_per_block)
-
-    def _host_bytes(self) -> int:
-        """Bound on the preempted host copies: ``engine.kv_host_bytes``, or 10% of the memory available now."""
-        budget = self.settings.engine.kv_host_bytes
-        return budget if budget is not None else int(0.1 * available_memory_bytes())
-
-    def _replica_bytes(self) -> int:
-        """Bound on the replica pool: ``recovery.replica_memory_bytes``, or 30% of the memory available now."""
-        budget = self.settings.recovery.replica_memory_bytes
-        return budget if budget is not None else int(0.3 * available_memory_bytes())
 
     def serve(self, topology: Topology) -> None:
         assert self.endpoint is not None and self.runner is not None and self.redis is not None
@@ -261,8 +169,8 @@ class TokenWorker(WorkerProcess):
             colocated=topology.mode == Mode.COLOCATED.value,
         )
         self.endpoint.set_epoch(topology.epoch)
-        if self.slices is not None:
-            self._serve_requests(topology, pos, self.slices)
+        if self.requests is not None:
+            self._serve_requests(topology, pos, self.requests)
             return
         if self.ready is not None:
             self.ready.serving(topology.epoch)
@@ -274,29 +182,19 @@ class TokenWorker(WorkerProcess):
             self._open_replicas(topology, me.stage, by_position=False)
         self.runner.held_replicas = self.replica
         # Past it, a stage short of blocks discards instead of copying to host memory; stage 0 recomputes.
-        self.runner.host_budget = self._host_bytes() if self.runner.pool is not None else None
-        stop = threading.Event()
-        # Prompt KV waits in the endpoint's queue until this epoch's recovery is over: a re-run prompt's
-        # first layers can arrive before the resume point is read, and releasing the re-run microbatch's
-        # stale cache then would throw those fresh cells away with it.
-        recovered = threading.Event()
-        threads = []
-        if not pos.colocated:
-            receive = guarded("prompt KV receiver", self._receive_prompt_kv, retry_on=(redis.RedisError,))
-            threads.append(threading.Thread(target=receive, args=(stop, recovered, pos.index), daemon=True))
-        if self.replica is not None:
-            receive = guarded("replica receiver", self.replica.run, retry_on=(redis.RedisError,))
-            threads.append(threading.Thread(target=receive, args=(stop,), daemon=True))
-        for t in threads:
-            t.start()
-        try:
+        self.runner.host_budget = host_bytes(self.settings) if self.runner.pool is not None else None
+        place = None if pos.colocated else cohort_placer(self.runner, pos.index)
+        with self._receivers(place, pos.index) as recovered:  # prompt KV is read once the repair is over
             if self.recovered_epoch == topology.epoch:
                 log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
             else:
                 resume = self._recover(topology, pos)
                 if resume is None:
                     return
-                self.recovered_epoch, self._broken = topology.epoch, None
+                self.recovered_epoch = topology.epoch
+                deadline_s = self.settings.transport.deadline_s
+                cohort = CohortFollower(self.runner, self.endpoint, deadline_s, self.release)
+                self.cohort = None if pos.is_first else cohort
                 if self.driver is not None:
                     self.driver.end_traces()
                 self.driver = self._driver(topology, pos) if pos.is_first else None
@@ -310,11 +208,32 @@ class TokenWorker(WorkerProcess):
                     self.driver = self._driver(topology, pos)
                 self.driver.run(self.epoch_changed)
             else:
-                self._follow(pos)
+                assert self.cohort is not None  # made with the epoch's recovery
+                self.cohort.run(pos, self.epoch_changed)
+
+    @contextlib.contextmanager
+    def _receivers(self, place: Callable[[Message], None] | None, index: int) -> Iterator[threading.Event]:
+        """This epoch's receiver threads, run while the block runs: the prompt KV's (handing each message to
+        ``place``, on token stage ``index``: :func:`receive_prompt_kv`) and the replicas' (where this stage keeps its
+        predecessor's). Yields the event that lets the prompt KV be read, set once the repair decided what resumes
+        (:mod:`dejavu_token_worker.prompt_kv`)."""
+        stop, recovered = threading.Event(), threading.Event()
+        threads = []
+        if place is not None:
+            receive = guarded("prompt KV receiver", receive_prompt_kv, retry_on=(redis.RedisError,))
+            args = (self.endpoint, stop, recovered, index, place)
+            threads.append(threading.Thread(target=receive, args=args, daemon=True))
+        if self.replica is not None:
+            receive = guarded("replica receiver", self.replica.run, retry_on=(redis.RedisError,))
+            threads.append(threading.Thread(target=receive, args=(stop,), daemon=True))
+        for thread in threads:
+            thread.start()
+        try:
+            yield recovered
         finally:
             stop.set()
-            for t in threads:
-                t.join(timeout=2)
+            for thread in threads:
+                thread.join(timeout=2)
 
     def _open_replicas(self, topology: Topology, index: int, by_position: bool) -> None:
         """The store of the replica this stage keeps of its predecessor's KV (``by_position``: of requests)."""
@@ -334,7 +253,7 @@ class TokenWorker(WorkerProcess):
             self.epoch_changed,
             self.worker_id,
             block_size=self.settings.engine.kv_block_size or 16,
-            memory_bytes=self._replica_bytes(),
+            memory_bytes=replica_bytes(self.settings),
             by_position=by_position,
         )
         self.replica.signer = self.signer
@@ -347,7 +266,7 @@ class TokenWorker(WorkerProcess):
                 self.replica.pool.max_blocks * self.replica.pool.geometry.bytes_per_block / 1e9,
             )
 
-    def _serve_requests(self, topology: Topology, pos: Position, executor: SliceExecutor) -> None:
+    def _serve_requests(self, topology: Topology, pos: Position, requests: RequestStage) -> None:
         """Serve ``topology``'s epoch as a stage of a request-scheduled pipeline: stage 0's loop, or a later stage
         following its passes. Each stage replicates what every pass wrote on it to its successor (with several
         stages and replication on), whose replica of each request advances a watermark in positions. A recovery
@@ -364,68 +283,20 @@ class TokenWorker(WorkerProcess):
         self._replicates_requests = replicating
         if pos.depth > 1:
             self.endpoint.connect_all(self.redis, [a.worker_id for a in stages if a.worker_id != self.worker_id])
-        stop = threading.Event()
-        recovered = threading.Event()  # prompt KV is read once the repair decided what resumes (see serve)
-        threads = []
-        if self.replica is not None:
-            receive = guarded("replica receiver", self.replica.run, retry_on=(redis.RedisError,))
-            threads.append(threading.Thread(target=receive, args=(stop,), daemon=True))
-        if self.arrivals is not None:
-            receive = guarded("prompt KV receiver", self._receive_prompt_regions, retry_on=(redis.RedisError,))
-            threads.append(threading.Thread(target=receive, args=(stop, recovered, pos.index), daemon=True))
-        for thread in threads:
-            thread.start()
-        try:
+        arrivals = requests.arrivals
+        place = None if arrivals is None else lambda message: arrivals.add(region_of(message.header), message)
+        with self._receivers(place, pos.index) as recovered:  # prompt KV is read once the repair is over
             if self.recovered_epoch != topology.epoch:
                 points = self._recover(topology, pos)
                 if points is None:
                     return
-                if self.loop is not None and pos.depth > 1:
-                    self.loop.resume(points)
-                elif self.loop is not None:
-                    self.loop.drop_all()
-                if self.loop is not None and pos.next_peer is not None:  # the passes of this epoch, from none
-                    deadline = PASS_DEADLINES * self.settings.transport.deadline_s
-                    self.loop.downstream = Downstream(self.endpoint, pos.next_peer, pos.depth, deadline, replicas)
+                deadline = PASS_DEADLINES * self.settings.transport.deadline_s
+                requests.recovered(points, pos, self.endpoint, deadline, replicas)
                 self.recovered_epoch = topology.epoch
             else:  # the passes in flight go on (their returns come back at this epoch)
                 log.warning("serving epoch %d again: continuing what this stage holds", topology.epoch)
             recovered.set()
-            if self.follower is not None:
-                self.follower.connect(pos.next_peer, pos.first_peer, replicas)
-                self.follower.on_ended = self._forget_replicas
-                self.follower.run(self.epoch_changed)
-                return
-            assert self.loop is not None
-            if pos.colocated:
-                ensure_group(self.redis, keys.COLOCATED_QUEUE, keys.COLOCATED_GROUP)
-            if self.ready is not None:
-                self.ready.serving(topology.epoch)
-            self.loop.serve(topology.epoch)
-            self.loop.on_ended = self._forget_replicas
-            self.loop.run(self.epoch_changed)
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join(timeout=2)
-
-    def _receive_prompt_regions(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
-        """A request-scheduled token stage's prompt KV receiver: each region the prompt pipeline streams here is
-        kept until the request's first pass names its blocks (:class:`PromptArrivals`)."""
-        assert self.endpoint is not None and self.arrivals is not None
-        while not recovered.wait(0.1):
-            if stop.is_set():
-                return
-        while not stop.is_set():
-            message = self.endpoint.recv_message(Channel.KV_PROMPT, timeout_s=0.1)
-            if message is None:
-                continue
-            try:
-                if message.header.user != index:
-                    raise ProtocolError(f"prompt KV for token stage {message.header.user} arrived at stage {index}")
-                self.arrivals.add(region_of(message.header), message)
-            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
-                log.error("dropped a prompt KV message: %s", exc)
+            requests.run(topology, pos, self.redis, self.ready, replicas, self._forget_replicas, self.epoch_changed)
 
     def _forget_replicas(self, mbs: Iterable[int]) -> None:
         """Requests that ended: the replicas this stage keeps of them go (none of them comes back)."""
@@ -455,11 +326,9 @@ class TokenWorker(WorkerProcess):
         super().unassigned(epoch)
         if self.driver is not None:
             self.driver.end_traces()
-        self.recovered_epoch, self.driver, self._broken = None, None, None
-        if self.loop is not None:
-            self.loop.drop_all()
-        if self.emitter is not None:
-            self.emitter.clear()
+        self.recovered_epoch, self.driver, self.cohort = None, None, None
+        if self.requests is not None:
+            self.requests.unassigned()
         if self.runner is not None:
             self._release_all_but(set())
 
@@ -485,79 +354,18 @@ class TokenWorker(WorkerProcess):
         held = set(self.runner.states) | (self.replica.microbatches() if self.replica is not None else set())
         for mb in held - keep:
             self.release(mb, finished=False)
-        if self.follower is not None:
-            self.follower.keep(keep)
+        if self.requests is not None:
+            self.requests.keep(keep)
 
     def kv_held(self) -> tuple[int, int]:
         """(bytes, microbatches) of KV this stage holds: caches and replicas (what memory accounting checks)."""
-        caches = [st.cache for st in list(self.runner.states.values())] if self.runner is not None else []
-        if self.replica is not None:
-            caches += self.replica.memory_caches()  # a replica on disk holds no memory
-        held, count = sum(c.nbytes for c in caches), len(caches)
-        if self.loop is not None:
-            held += self.loop.held_bytes()
-            count += len(self.loop.served)
-        if self.arrivals is not None:
-            held += self.arrivals.nbytes
-            count += len(self.arrivals.requests())
-        return held, count
+        return stage_kv_held(self.runner, self.replica, self.requests)
 
     def snapshot(self) -> StageSnapshot:
-        """What this stage holds now (see :class:`StageSnapshot`): read on the scraping thread from snapshots
-        of the runner's, the replica store's and the driver's books (taken without their locks), the pools'
-        and the swap manager's counts (each under its own lock, held for a count, as a receiver thread taking
-        blocks holds it), and the watermarks of this stage's replicas (one Redis read)."""
-        base = super().snapshot()
-        runner, replica, driver = self.runner, self.replica, self.driver
-        if runner is None:
-            return base
-        states = list(runner.states.values())
-        pools: dict[str, PoolUsage] = {}
-        if runner.pool is not None:
-            pools["stage"] = PoolUsage(runner.pool.used_blocks, runner.pool.max_blocks)
-        loop = self.loop
-        if loop is not None:
-            pools["stage"] = loop.pool_usage()
-        if replica is not None and replica.pool is not None:
-            pools["replica"] = PoolUsage(replica.pool.used_blocks, replica.pool.max_blocks)
-        preempted = [st.cache.nbytes for st in states if st.status is KVStatus.PREEMPTED]
-        replicating = (runner.replicas is not None or self._replicates_requests) and base.stage is not None
-        held = self._held_steps(states)
-        return replace(
-            base,
-            microbatches=len(states),
-            occupancy=driver.occupancy() if driver is not None else loop.occupancy() if loop is not None else None,
-            pools=pools,
-            host_bytes=sum(preempted) if runner.pool is not None else None,
-            replicas=len(replica.replicas) if replica is not None else None,
-            replication_lag_steps=self._replication_lag(base.stage, held) if replicating else None,  # type: ignore[arg-type]
-            swap=asdict(runner.swap.stats()) if runner.swap is not None else None,
-            prefix_cache=loop.prefix_cache() if loop is not None else None,
-        )
-
-    def _held_steps(self, states: list[MicrobatchState]) -> dict[int, int]:
-        """What this stage holds, as its successor's watermarks count it: per microbatch its last step, per request
-        of a request-scheduled pipeline its last position (read without locks: a scrape's snapshot)."""
-        if self.loop is not None:
-            return dict(self.loop.progress())
-        if self.follower is not None:
-            return dict(self.follower.progress())
-        return {st.mb_id: st.done_step for st in states if st.holds_kv}
-
-    def _replication_lag(self, stage: int, held: dict[int, int]) -> int | None:
-        """The largest gap between what this stage holds of a microbatch or request and the watermark its
-        successor recorded for it (-1 when none); None when Redis cannot be read now."""
-        assert self.redis is not None
-        try:
-            raw = self.redis.hgetall(keys.watermark(stage))
-        except redis.RedisError as exc:
-            log.warning("replication lag not read: %s", exc)
-            return None
-        marks = {}
-        for mb, step in raw.items():  # any worker may write these: a field that does not parse is skipped
-            with contextlib.suppress(ValueError):
-                marks[int(mb)] = int(step)
-        return max((last - marks.get(mb, -1) for mb, last in held.items()), default=0)
+        """What this stage holds now (:func:`~dejavu_token_worker.snapshot.stage_snapshot`), read on the scraping
+        thread."""
+        return stage_snapshot(super().snapshot(), self.runner, self.replica, self.driver, self.requests, self.redis,
+                              self._replicates_requests)  # fmt: skip
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, topology: Topology, pos: Position) -> dict[int, int] | None:
@@ -591,7 +399,7 @@ class TokenWorker(WorkerProcess):
                     # Said at once, so the controller re-runs every microbatch now rather than at its deadline.
                     self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
                     raise
-                if self.loop is not None and pos.depth > 1:
+                if self.requests is not None and self.requests.loop is not None and pos.depth > 1:
                     # Stage 0 of a request-scheduled pipeline holds its book (every request's blocks and progress),
                     # which no replica keeps: its own KV came back (and is dropped), and every request re-runs.
                     log.warning("took over stage 0 of a request-scheduled pipeline: every request re-runs")
@@ -625,20 +433,16 @@ class TokenWorker(WorkerProcess):
         request-scheduled pipeline of several stages its last position (a one-stage one reports nothing: its
         requests all re-run, from the prefix cache)."""
         assert self.runner is not None
-        if self.loop is not None:
-            return self.loop.progress() if pos.depth > 1 else {}
-        if self.follower is not None:
-            return self.follower.progress()
+        if self.requests is not None:
+            return self.requests.progress(pos.depth)
         return self.runner.progress()
 
     def _own_caches(self, mbs: Iterable[int]) -> Iterator[tuple[int, KVCache | PagedKVCache, int]]:
         """(microbatch or request, its KV on this stage, its last step or position) of each of ``mbs`` held here:
         what a replaced successor gets back as its replica."""
         assert self.runner is not None
-        if self.loop is not None:
-            yield from self.loop.caches(mbs)
-        elif self.follower is not None:
-            yield from self.follower.caches(mbs)
+        if self.requests is not None:
+            yield from self.requests.caches(mbs)
         else:
             wanted = set(mbs)
             for mb, st in list(self.runner.states.items()):
@@ -673,9 +477,9 @@ class TokenWorker(WorkerProcess):
             {r.region.microbatch: r.step for r in primary},
             {r.region.microbatch: r.step for r in replica},
         )
-        if self.follower is not None:
-            self.follower.restored(primary)  # placed into the blocks the request's next pass names
-        for r in primary if self.slices is None else ():
+        if self.requests is not None:
+            self.requests.restored(primary)  # placed into the blocks the request's next pass names
+        for r in primary if self.requests is None else ():
             state = self.runner.state(r.region.microbatch)
             state.place(r.region, r.message)
             state.mark_complete(r.step)
@@ -688,124 +492,3 @@ class TokenWorker(WorkerProcess):
                     mb = r.region.microbatch
                     log.error("could not keep the restored replica of microbatch %d (%s): not replicated", mb, exc)
                     self.replica.drop(mb)  # no watermark: a failure of the predecessor re-runs its prompt
-
-    # -- stages > 0 ---------------------------------------------------------------------------
-    def _follow(self, pos: Position) -> None:
-        """Follow the passes (and releases) stage 0 sends, until the epoch changes. A message whose handling
-        an error broke (:data:`SERVE_RETRYABLE`: Redis refused the last stage's tokens, a send found no room:
-        the pass did not get through, since this stage hands it on last) is kept, and the error goes on to
-        the lifecycle; when it serves this epoch again, the message is handled again first (a pass runs
-        again from the top: it rewrites the same KV and samples the same tokens, from trackers rebuilt from
-        the token streams). Past stage 0's pass deadline it is dropped instead: stage 0 has failed it."""
-        assert self.endpoint is not None and self.runner is not None
-        while not self.epoch_changed():
-            broken, self._broken = self._broken, None
-            if broken is None:
-                payload = self.endpoint.recv(Channel.ACTIVATION, timeout_s=0.05)
-                if payload is None:
-                    continue
-                since = time.monotonic()
-            else:
-                payload, since = broken
-            try:
-                msg = StageMessage.decode(payload)
-            except ValueError as exc:
-                log.error("dropped a malformed stage message: %s", exc)
-                continue
-            if broken is not None and not self._follow_again(msg, since):
-                continue
-            try:
-                self._handle(pos, msg, payload)
-            except SERVE_RETRYABLE:
-                self._broken = (payload, since)
-                raise
-
-    def _follow_again(self, msg: StageMessage, since: float) -> bool:
-        """Whether a message an error broke (received at ``since``) is handled again: not past stage 0's
-        pass deadline. A pass that is has its members' trackers rebuilt from their token streams."""
-        assert self.runner is not None
-        if time.monotonic() - since > PASS_DEADLINES * self.settings.transport.deadline_s:
-            log.warning("dropped the pass of cohort %d broken here: stage 0 has failed it by now", msg.mb_id)
-            return False
-        for mb, _step, _rows in msg.members:
-            state = self.runner.states.get(mb)
-            if state is not None:
-                state.tracker = None
-        log.info("handling again the %s message of cohort %d an error broke here", msg.kind.name, msg.mb_id)
-        return True
-
-    def _handle(self, pos: Position, msg: StageMessage, payload: memoryview | bytes) -> None:
-        """One message from the previous stage: a release (freed here, then handed on) or a pass."""
-        assert self.endpoint is not None and self.runner is not None
-        if msg.kind is Kind.RELEASE:
-            self.release(msg.mb_id)
-            if pos.next_peer is not None:
-                self.endpoint.send(pos.next_peer, Channel.ACTIVATION, payload)
-            return
-        try:
-            self.runner.follow(pos, msg)
-        except STEP_FAILURES as exc:
-            # The pass's values broke the computation here: its members' clients get errors, stage 0
-            # frees them along the pipeline, and this stage keeps serving the others.
-            for mb, step, _rows in msg.members:
-                self.runner.fail(mb, step, exc)
-            failed = tuple(Returned(mb, step, (), True) for mb, step, _rows in msg.members)
-            self.endpoint.send(pos.first_peer, Channel.TOKENS, TokenReturn(msg.mb_id, failed).encode())
-
-    # -- prompt KV arrival (disaggregated) ----------------------------------------------------
-    def _receive_prompt_kv(self, stop: threading.Event, recovered: threading.Event, index: int) -> None:
-        assert self.endpoint is not None and self.runner is not None
-        # When traced, when each microbatch's first prompt KV arrived (time.time_ns()), until it is complete.
-        arriving: dict[int, int] | None = {} if tracing.enabled() else None
-        while not recovered.wait(0.1):
-            if stop.is_set():
-                return
-        while not stop.is_set():
-            message = self.endpoint.recv_message(Channel.KV_PROMPT, timeout_s=0.1)
-            if message is None:
-                continue
-            try:
-                region = region_of(message.header)
-                if message.header.user != index:
-                    raise ProtocolError(f"prompt KV for token stage {message.header.user} arrived at stage {index}")
-                try:
-                    state = self.runner.state(region.microbatch)
-                except FinishedMicrobatch:
-                    continue  # late prompt KV of a microbatch that already finished
-                if arriving is not None and not state.complete.is_set():
-                    arriving.setdefault(state.mb_id, time.time_ns())
-                state.place(region, message)
-                state.add_prompt_cells(region.layers, region.rows)
-                if arriving is not None and state.complete.is_set() and state.mb_id in arriving:
-                    trace_prompt_kv(state, index, arriving.pop(state.mb_id))
-            except (ValueError, KeyError, IndexError, RuntimeError, DeadlineExceeded, DejaVuLibError) as exc:
-                log.error("dropped a prompt KV message: %s", exc)
-
-
-def trace_prompt_kv(state: MicrobatchState, stage: int, first_ns: int) -> None:
-    """The ``dejavu.kv_stream`` span of each traced row of ``state``: its prompt KV arriving at this token stage,
-    from the first message to the last."""
-    attributes = {tracing.STAGE: stage, "dejavu.kv_cells": state.expected_cells}
-    spans = RowSpans.start("dejavu.kv_stream", state.spec.rows, attributes, start_ns=first_ns, mb_id=state.mb_id)
-    if spans is not None:
-        spans.end()
-
-
-def trace_arrival(spec: MicrobatchSpec, stage: int, first_ns: int) -> None:
-    """The ``dejavu.kv_stream`` span of a traced request of a request-scheduled pipeline: its prompt KV arriving at
-    this token stage, from the first message to the last."""
-    attributes = {tracing.STAGE: stage, "dejavu.kv_cells": spec.prompt_len}
-    spans = RowSpans.start("dejavu.kv_stream", spec.rows, attributes, start_ns=first_ns, mb_id=spec.mb_id)
-    if spans is not None:
-        spans.end()
-
-
-def available_memory_bytes() -> int:
-    """Memory the host can still give (Linux ``MemAvailable``; elsewhere physical memory)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
