@@ -525,3 +525,55 @@ def test_a_streamed_prompt_enters_the_prefix_cache_only_once_its_first_pass_retu
     sched.arrived(again, 77)
     sched.update(sched.schedule(), {"b": 5})
     assert len(book.cached_prefix(book.hashes(prompt), 2)) == 2  # its first pass returned: both full blocks
+
+
+def test_a_new_book_takes_running_requests_over_in_their_blocks_and_ends_with_the_same_tokens() -> None:
+    """Stage 0 lost mid-answer: a new book adopts each running request in the blocks its table names (two of them
+    sharing a prefix block), from a position every stage holds, and the answers equal an uninterrupted run's; every
+    block returns. A table that cannot be the request's is refused with nothing referenced."""
+
+    def requests() -> list[RequestState]:
+        return [_req("a", [5] * 9 + [1], max_tokens=12), _req("b", [5] * 9 + [2], max_tokens=12)]
+
+    def scheduler(book: BlockBook) -> Scheduler:
+        return Scheduler(book, Budget(tokens=64, max_running=4))
+
+    book = BlockBook(40, BS)
+    sched, model = scheduler(book), FakeModel(book)
+    whole = requests()
+    for r in whole:
+        sched.add(r)
+    _drain(sched, model)
+
+    book = BlockBook(40, BS)
+    sched, model = scheduler(book), FakeModel(book)
+    lost = requests()
+    sched.add(lost[0])
+    for _ in range(3):  # "a" is computed and cached, then "b" hits its first two blocks
+        step = sched.schedule()
+        sched.update(step, model.run(sched, step))
+    sched.add(lost[1])
+    for _ in range(4):
+        step = sched.schedule()
+        sched.update(step, model.run(sched, step))
+    assert lost[0].table[:2] == lost[1].table[:2]
+    held = {r.request_id: (tuple(r.table), r.computed, list(r.token_ids)) for r in lost}
+
+    book = BlockBook(40, BS)  # the new stage 0: its pool's KV is what the other stages and the restore hold
+    sched = scheduler(book)
+    model.book = book
+    taken = []
+    for rid, (table, computed, tokens) in held.items():
+        state = RequestState(rid, tokens, 10, 12)
+        sched.adopt(state, table, computed - 2)  # from a position every stage holds: the rest is computed again
+        taken.append(state)
+    assert book.ref(taken[0].table[0]) == 2  # the shared prefix block, referenced by both
+    _drain(sched, model)
+    assert [r.token_ids for r in taken] == [r.token_ids for r in whole]
+    assert book.free == 40
+
+    with pytest.raises(ValueError, match="does not hold"):
+        sched.adopt(RequestState("c", [1] * 9, 9, 4), (0, 1), 9)
+    with pytest.raises(ValueError, match="not all of a pool"):
+        sched.adopt(RequestState("d", [1] * 9, 9, 4), (0, 1, 99), 9)
+    assert book.free == 40

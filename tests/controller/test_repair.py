@@ -16,7 +16,7 @@ from dejavu_common.signing import EntrySigner, public_key, seal, sign_watermark
 from dejavu_controller.repair import Repair
 
 MBS = [10, 11]
-SIGNERS = {w: EntrySigner(w) for w in ("t0", "t2", "spare0")}  # stage holders and a spare
+SIGNERS = {w: EntrySigner(w) for w in ("t0", "t1", "t2", "spare0")}  # stage holders and a spare
 
 
 def _topology(epoch: int) -> Topology:
@@ -83,6 +83,43 @@ def test_a_restored_replacement_resumes_each_microbatch_past_its_slowest_stage(r
 def test_a_replacement_that_could_not_restore_re_runs_every_prompt_at_once(redis_url: str) -> None:
     plan, rerun = asyncio.run(_repair(redis_url, keys.RESTORE_FAILED))
     assert plan.resume == {} and plan.rerun == tuple(MBS) and rerun == [MBS]
+
+
+def test_a_replaced_stage_0_gets_the_tables_stage_1_holds_its_requests_in(redis_url: str) -> None:
+    """A request-scheduled pipeline whose stage 0 was replaced: stage 1's report carries each request's block
+    table, and the resume point hands the tables of the requests that resume to the new stage 0 (which takes them
+    over in those blocks); the request that re-runs has none."""
+
+    async def repair() -> ResumePoint:
+        client = aioredis.Redis.from_url(redis_url)
+        settings = Settings()
+        settings = settings.model_copy(
+            update={"transport": settings.transport.model_copy(update={"deadline_s": 3600.0})}
+        )
+        repair = Repair(settings, client)
+        repair.writers = {w: (public_key(s.public_key),) for w, s in SIGNERS.items()}
+        tables = {10: (4, 5, 6), 11: (4, 7)}
+        for stage, done in ((1, {10: 9, 11: 4}), (2, {10: 9, 11: 4})):
+            report = StageProgress(epoch=5, stage=stage, worker_id=f"t{stage}", done=done,
+                                   tables=tables if stage == 1 else {})  # fmt: skip
+            key = keys.progress(5, stage)
+            await client.set(key, seal(SIGNERS[f"t{stage}"], key, report.encode()))
+        key = keys.watermark(0)  # stage 0's replica lives on stage 1, whose holder signs the watermarks
+        await client.hset(keys.watermark_signatures(0), 10, sign_watermark(SIGNERS["t1"], key, 10, 9))
+        await client.hset(key, 10, 9)
+        await client.set(keys.restored(5, 0), keys.RESTORED)
+
+        async def redispatch(mbs: list[int]) -> None:
+            pass
+
+        async with asyncio.timeout(60):
+            plan = await repair.run(_topology(5), {0: "spare0"}, MBS, [], redispatch, 0.0)
+        await client.aclose()
+        return plan
+
+    plan = asyncio.run(repair())
+    assert plan.resume == {10: 10} and plan.rerun == (11,)  # no replica of stage 0's KV of request 11
+    assert plan.tables == {10: (4, 5, 6)}
 
 
 def _report(stage: int, worker_id: str, epoch: int = 5) -> bytes:

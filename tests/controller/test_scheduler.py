@@ -102,6 +102,26 @@ def test_prompt_packing_splits_and_merges(token_b, prompt_b, n_mbs, expected) ->
     assert {t.epoch for t in tasks} == {7}  # the epoch they are queued under (a prompt worker waits for it)
 
 
+def test_prompt_tasks_pack_prompt_tokens_up_to_their_bound() -> None:
+    """Requests of one row each (request scheduling) with prompts of 300, 900, 100, 1,500 and 200 tokens under a
+    bound of 1,024 tokens and 4 rows: a task closes before the prompt that would pass the bound, and a prompt
+    longer than the bound is a task of its own."""
+    s = Scheduler(SchedulerLimits(1, 4, 8, 100, 0.0, prompt_task_tokens=1024))
+    for i, n in enumerate([300, 900, 100, 1500, 200]):
+        s.admit(_req(i, n_prompt=n))
+    mbs = s.form(now=1.0)
+    tasks = s.pack_prompt_tasks(mbs, epoch=1)
+    got = [[p.mb_id - mbs[0].spec.mb_id for p in t.pieces] for t in tasks]
+    assert got == [[0], [1, 2], [3], [4]]
+    # Rows of one microbatch split where the bound falls.
+    s = Scheduler(SchedulerLimits(4, 4, 8, 100, 0.0, prompt_task_tokens=10))
+    for i, n in enumerate([4, 4, 4, 9]):
+        s.admit(_req(i, n_prompt=n))
+    (mb,) = s.form(now=1.0)
+    tasks = s.pack_prompt_tasks([mb], epoch=1)
+    assert [[p.dst_rows for p in t.pieces] for t in tasks] == [[(0, 2)], [(2, 3)], [(3, 4)]]
+
+
 def test_colocated_tasks_are_whole_microbatches_of_any_size() -> None:
     """Colocated, stage 0 prefills each token microbatch in one pass. Microbatches of 1, 2 and 1 rows (an
     idle pipeline's first request goes alone; a repair re-runs them together) are three tasks, not rows

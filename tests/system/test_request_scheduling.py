@@ -6,7 +6,8 @@ asked for, and a chat turn without ``max_tokens`` gets the rest of the context, 
 microbatch's span. A token worker is killed mid-answer: on one colocated stage, the spare that takes it over
 continues every stream from its token stream (its prompt and delivered tokens recomputed in one go); on two token
 stages fed by a prompt pipeline, the replacement is restored from its peer's replica and every request resumes
-where the stages' KV reaches. Each text equals the failure-free one.
+where the stages' KV reaches (a replaced stage 0 takes the requests over in the blocks stage 1 holds them in). Each
+text equals the failure-free one.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ CHAT = "Write a short poem about the sea."
         # to the other: the last token stage is killed and its replacement restored from stage 0's replica; each
         # request resumes from the positions both stages hold, the tokens published meanwhile read back.
         pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2), 1, id="1P+2T"),
+        # Stage 0 killed: its replacement takes every request over in the blocks stage 1 reports holding (a new book
+        # over the same ids), its own KV restored from stage 1's replica, and resumes them.
+        pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2), 0, id="1P+2T-stage-0"),
     ],
 )
 def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, model, deployment, killed) -> None:
@@ -106,10 +110,21 @@ def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, m
             assert re.search(r"resumed requests \[\d+", text), text[-4000:]
 
 
-def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, model, capsys) -> None:
+@pytest.mark.parametrize(
+    ("deployment", "reader"),
+    [
+        pytest.param(dict(mode=Mode.COLOCATED, token_depth=1), "token", id="colocated-1"),
+        # Two prompt stages over pools whose ids prompt stage 0's book hands out: the history's blocks are found
+        # there and every prompt stage computes only the new message, in chunks of 48 positions (passes of a task
+        # of 48 prompt tokens at most) that both prompt stages compute at once.
+        pytest.param(dict(prompt_depth=2, token_depth=1, prompt_microbatch=2), "prompt", id="2P+1T"),
+    ],
+)
+def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, model, capsys, deployment, reader):
     """Three turns of one conversation through the official client, each re-sending the whole history: every
-    answer equals the in-process engine's for that history, and from the second turn on the stage finds the
-    history's blocks cached (its prefix-cache metrics count the hit tokens), so it computes only the new message."""
+    answer equals the in-process engine's for that history, and from the second turn on the stage that computes
+    prompts (the colocated stage, or prompt stage 0) finds the history's blocks cached (its prefix-cache metrics
+    count the hit tokens), so it computes only the new message."""
     import json
 
     from dejavu_cli.main import main as dejavu
@@ -117,9 +132,8 @@ def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, mo
 
     from .test_metrics import _scrape, _total
 
-    settings = cluster_settings(
-        redis_url, model, mode=Mode.COLOCATED, token_depth=1, token_microbatch=4, worker={"metrics_port": 0}
-    )
+    settings = cluster_settings(redis_url, model, token_microbatch=4, worker={"metrics_port": 0}, **deployment)
+    settings.controller.prompt_task_tokens = 48
     ref = Reference(model)
 
     def expected(messages: list[dict]) -> str:
@@ -132,7 +146,8 @@ def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, mo
         client = OpenAI(base_url=launcher.api_url + "/v1", api_key="x", timeout=120, max_retries=0)
         capsys.readouterr()
         assert dejavu(["admin", "--redis-url", redis_url, "status", "--json"]) == 0
-        (worker,) = json.loads(capsys.readouterr().out)["workers"].values()
+        workers = json.loads(capsys.readouterr().out)["workers"]
+        (worker,) = [w for w in workers.values() if (w["role"], w["stage"]["stage"]) == (reader, 0)]
         messages: list[dict] = [{"role": "system", "content": "You are a patient teacher of geography. " * 6}]
         hits = []
         for question in ("Where is Lyon?", "And what river runs through it?", "Name a dish from there."):
@@ -147,3 +162,5 @@ def test_a_multi_turn_chat_reads_its_history_from_the_prefix_cache(redis_url, mo
             hits.append(_total(scraped, "dejavu_prefix_cache_hits_tokens_total"))
         history = len(ref.tokenizer.apply_chat_template(messages[:3])) // 16 * 16
         assert hits[0] == 0 and hits[1] - hits[0] >= history - 32 and hits[2] > hits[1], hits
+        if reader == "prompt":  # a task of a prompt longer than 48 uncached positions ran in several passes
+            assert _total(scraped, "dejavu_stage_pass_seconds_count", kind="prefill") > 3, logs(launcher)

@@ -258,3 +258,38 @@ def test_a_pass_a_later_stage_cannot_compute_fails_its_requests_and_the_others_a
 
 def _has(pipeline: Running, rid: str) -> bool:
     return any(s.request.request_id == rid for f in pipeline.downstream.inflight.values() for s in f.step.slices)
+
+
+def test_preempted_requests_are_released_on_every_stage_so_tables_never_overlap(
+    client: redis.Redis, stages: list[Stage], reference: Reference, text_ids: list[int]
+) -> None:
+    """A pool too small for what is admitted: stage 0 preempts requests and hands their blocks to others, and tells
+    the later stages with that pass (``released``), so no stage ever holds two requests' tables over one block
+    (what a replaced stage 0 takes requests over from); every stream is still transformers' greedy one."""
+    overlaps: list[str] = []
+    with Running(client, stages, blocks=16, tokens=64) as running:
+        for follower in running.followers:
+            handle = follower.handle
+
+            def checked(msg, handle=handle, follower=follower) -> None:
+                handle(msg)
+                owners: dict[int, int] = {}
+                for mb, (table, _end) in list(follower.held.items()):
+                    for block in table:
+                        if block >= 0 and owners.setdefault(block, mb) != mb:
+                            overlaps.append(f"block {block}: requests {owners[block]} and {mb}")
+
+            follower.handle = checked  # type: ignore[method-assign]
+        cases = {
+            mb: (text_ids[40 * mb : 40 * mb + 60], SamplingSpec(max_tokens=40, temperature=0)) for mb in range(1, 5)
+        }
+        for mb, (prompt, sampling) in cases.items():
+            _queue(client, _spec(mb, prompt, sampling))
+        running.loop.run(_until(running.loop, cases))
+        registry = running.loop.requests.metrics.registry
+        preempted = registry.get_sample_value("dejavu_preemptions_total", {"mode": "recompute"})
+        for mb, (prompt, sampling) in cases.items():
+            _assert_exact(client, reference, mb, prompt, sampling)
+        assert not overlaps, overlaps[:3]
+        assert not running.errors
+    assert preempted and preempted > 0

@@ -275,14 +275,39 @@ class PromptPiece(Message):
     dst_rows: tuple[int, int]
 
 
+class PromptSlice(Message):
+    """What one pass of a prompt pipeline over paged pools computes of one request (its one-row microbatch ``mb``):
+    positions ``[start, end)`` of its prompt, written into the blocks of ``table`` (which covers ``[0, end)``). On the
+    request's first pass, ``[0, start)`` are whole blocks found in the prompt stages' prefix cache, each written by
+    the task ``writers[i]`` names (a later stage reads a cached block only if it wrote it in that task); on a later
+    pass of a prompt computed in chunks, ``writers`` is empty and ``[0, start)`` are the request's earlier passes."""
+
+    mb: int
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+    table: tuple[int, ...]
+    writers: tuple[int, ...] = ()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.start >= self.end or not self.table or len(self.writers) > len(self.table):
+            raise ValueError(f"a prompt slice computes >= 1 position of its table: {self}")
+        return self
+
+
 class PromptTask(Message):
     """A prompt microbatch: the concatenation of its pieces' rows, in order. ``epoch``: the topology
     epoch the controller queued it under (a prompt worker still serving an older epoch holds it until it
-    serves that one, so its KV goes to that epoch's token stages, not to the ones it replaced)."""
+    serves that one, so its KV goes to that epoch's token stages, not to the ones it replaced). ``slices``: in a
+    request-scheduled deployment, what one pass of the task computes, as prompt stage 0 planned it (a task whose
+    prompts pass ``controller.prompt_task_tokens`` runs in several passes, ``final`` marking its last); the
+    controller queues none."""
 
     task_id: int
     pieces: tuple[PromptPiece, ...]
     epoch: int = 0
+    slices: tuple[PromptSlice, ...] = ()
+    final: bool = True
 
 
 class FinishReason(str, enum.Enum):
@@ -356,6 +381,9 @@ class StageProgress(Message):
     stage: int
     worker_id: str
     done: dict[int, int]
+    # A request-scheduled stage after the first: each request's block table here (stage 0's book handed it out),
+    # from which a replacement of stage 0 rebuilds its book.
+    tables: dict[int, tuple[int, ...]] = {}
 
 
 class RecoveryOrder(Message):
@@ -376,6 +404,9 @@ class ResumePoint(Message):
     resume: dict[int, int]
     rerun: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()
+    # A request-scheduled pipeline whose stage 0 was replaced: each resumed request's block table as stage 1 reported
+    # it (the new stage 0 takes those blocks in its book, so every stage keeps the ids it holds the request's KV in).
+    tables: dict[int, tuple[int, ...]] = {}
 
 
 class AdminAction(str, enum.Enum):

@@ -10,7 +10,7 @@ block table, so requests of any lengths, at any stage of their prompt or generat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from dejavu_common.sched import FREED
@@ -123,3 +123,32 @@ class Slice:
     def end(self) -> int:
         """One past the slice's last position: the request's length once the pass has run."""
         return self.start + self.length
+
+
+@dataclass(frozen=True)
+class LogitPicks:
+    """Which logits a last stage computes for a pass of slices: the pass's token indices ``at`` (what
+    :meth:`~dejavu_engine.stage.Stage.forward_slices` takes as ``logits_at``), per slice the index in ``at`` of its
+    last position (``last``), and for the slices that want every position's, their range in ``at`` (``spans``)."""
+
+    at: tuple[int, ...]
+    last: tuple[int, ...]
+    spans: dict[int, tuple[int, int]]
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], every: Collection[int] = ()) -> LogitPicks:
+        """For slices of ``lengths`` tokens back to back, every position's logits of the slices in ``every`` and
+        the last position's of the others."""
+        at: list[int] = []
+        last: list[int] = []
+        spans: dict[int, tuple[int, int]] = {}
+        first = 0
+        for i, n in enumerate(lengths):
+            if i in every:
+                spans[i] = (len(at), len(at) + n)
+                at += range(first, first + n)
+            else:
+                at.append(first + n - 1)
+            first += n
+            last.append(len(at) - 1)
+        return cls(tuple(at), tuple(last), spans)

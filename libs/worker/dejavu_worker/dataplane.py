@@ -204,22 +204,26 @@ class SlicePassMeta(Message):
     pass_id: int
     slices: tuple[WireSlice, ...]
     ended: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class SlicePass:
     """One pass of a request-scheduled pipeline moving down its stages: every slice's hidden states back to back
     (``tensor``, ``[1, tokens, hidden]``) and the slices in that order. ``ended``: requests stage 0 ended since its
-    previous pass (every stage forgets them: the replicas it keeps, the last stage its records). A pass without
-    slices (and without a tensor) only says what ended, when no pass followed soon."""
+    previous pass (every stage forgets them: the replicas it keeps, the last stage its records). ``released``:
+    requests whose blocks stage 0 took back since without ending them (preempted, to be computed again): every stage
+    forgets their tables, whose blocks other requests may get from this pass on. A pass without slices (and without
+    a tensor) only says what ended or was released, when no pass followed soon."""
 
     pass_id: int
     slices: tuple[WireSlice, ...]
     tensor: torch.Tensor | None
     ended: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
 
     def encode(self) -> bytes:
-        meta = SlicePassMeta(pass_id=self.pass_id, slices=self.slices, ended=self.ended)
+        meta = SlicePassMeta(pass_id=self.pass_id, slices=self.slices, ended=self.ended, released=self.released)
         return frame(meta.model_dump(mode="json", exclude_none=True), self.tensor)
 
     @classmethod
@@ -229,7 +233,7 @@ class SlicePass:
         m = SlicePassMeta.model_validate(raw)
         if (tensor is None) != (not m.slices):
             raise ValueError("a request-scheduled pass carries the hidden states of its slices, and only then")
-        return cls(m.pass_id, m.slices, tensor, m.ended)
+        return cls(m.pass_id, m.slices, tensor, m.ended, m.released)
 
 
 class Outcome(Message):

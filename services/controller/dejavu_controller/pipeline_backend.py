@@ -81,13 +81,14 @@ class PipelineBackend:
         self.registry = Registry(redis, c, n_layers)
         self.scheduler = Scheduler(
             SchedulerLimits(
-                token_microbatch=1 if schedules_requests(settings) else c.token_microbatch,
+                token_microbatch=1 if settings.schedules_requests else c.token_microbatch,
                 prompt_microbatch=c.token_microbatch if colocated else c.prompt_microbatch,
                 max_outstanding_rows=_outstanding_rows(settings),
                 queue_bound=c.queue_bound,
                 batch_wait_s=c.batch_wait_ms / 1000.0,
                 max_len=context_limit(settings.model.folder, settings.engine.max_context),
                 split_prompts=not colocated,
+                prompt_task_tokens=c.prompt_task_tokens,
             )
         )
         self._queue = keys.COLOCATED_QUEUE if colocated else keys.PROMPT_QUEUE
@@ -644,21 +645,12 @@ class PipelineBackend:
         self._wake.set()
 
 
-def schedules_requests(settings: Settings) -> bool:
-    """Whether the token pipeline schedules requests, not microbatches (token stages over paged pools,
-    ``engine.request_scheduling``, no swapping: the token workers' ``RequestLoop``): then each request is a
-    microbatch of its own, dispatched at once (prompt tasks of a prompt pipeline pack several), and the token
-    pipeline's policy decides when it joins a pass."""
-    engine = settings.engine
-    return engine.request_scheduling and engine.kv_block_size > 0 and not settings.swap.enabled
-
-
 def _outstanding_rows(settings: Settings) -> int:
     """Requests dispatched at once: what the token pipeline decodes plus what the prompt pipeline may run
     ahead. With swapping, a cohort holds one microbatch, so D_t + D_p microbatches, as in the paper. A
     request-scheduled pipeline gets twice what it runs: its policy fills a place the moment one is free."""
     c = settings.controller
-    if schedules_requests(settings):
+    if settings.schedules_requests:
         return 2 * c.max_running
     ahead = 0 if c.mode is Mode.COLOCATED else c.prompt_depth * c.prompt_microbatch
     if settings.swap.enabled:

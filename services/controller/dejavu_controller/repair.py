@@ -43,9 +43,9 @@ log = logging.getLogger("dejavu.controller.repair")
 
 def _progress(
     raw: bytes, epoch: int, stage: int, topology: Topology, writers: Mapping[str, tuple[Ed25519PublicKey, ...]]
-) -> dict[int, int] | None:
-    """The microbatch -> step map of a survivor's progress report, or None (logged) for one that is not
-    sealed by the worker the topology names for ``stage`` under its key (``dejavu_common.signing``: any
+) -> StageProgress | None:
+    """A survivor's progress report (its microbatch -> step map, its requests' tables), or None (logged) for one
+    that is not sealed by the worker the topology names for ``stage`` under its key (``dejavu_common.signing``: any
     worker's Redis user may write the key), does not decode, or is not that stage's report at ``epoch``."""
     holder = next((a.worker_id for a in topology.token_stages if a.stage == stage), None)
     accepted = {holder: writers.get(holder, ())} if holder is not None else {}
@@ -65,7 +65,7 @@ def _progress(
             holder,
         )
         return None
-    return report.done
+    return report
 
 
 @dataclass
@@ -145,6 +145,7 @@ class Repair:
         survivors = [a.stage for a in topology.token_stages if a.stage not in replaced]
         deadline = time.monotonic() + self.settings.transport.deadline_s * 3
         progress: dict[int, dict[int, int]] = {}
+        tables: dict[int, tuple[int, ...]] = {}  # stage 1's request tables (a replaced stage 0 rebuilds its book)
         restored: dict[int, bytes | str] = {}
         malformed: set[int] = set()  # survivors whose progress report does not parse
         while time.monotonic() < deadline:
@@ -157,7 +158,9 @@ class Repair:
                         if report is None:
                             malformed.add(s)
                         else:
-                            progress[s] = report
+                            progress[s] = report.done
+                            if s == 1:
+                                tables = report.tables
             if malformed:
                 log.error(
                     "recovery at epoch %d: stages %s reported malformed progress: re-running every prompt",
@@ -196,7 +199,11 @@ class Repair:
         replication = self.settings.recovery.replication is not Replication.OFF
         plan = plan_resume(epoch, depth, resumable, set(replaced), progress, watermarks, replication)
         plan = plan.model_copy(
-            update={"rerun": tuple(sorted({*plan.rerun, *not_started})), "dropped": tuple(sorted(dropped or ()))}
+            update={
+                "rerun": tuple(sorted({*plan.rerun, *not_started})),
+                "dropped": tuple(sorted(dropped or ())),
+                "tables": {mb: t for mb, t in tables.items() if mb in plan.resume} if 0 in replaced else {},
+            }
         )
         cancellation_point()
         await self.redis.set(keys.RESUME, plan.encode())

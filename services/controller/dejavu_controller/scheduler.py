@@ -36,6 +36,7 @@ class SchedulerLimits:
     # Disaggregated: prompt microbatches split and merge token microbatches. Colocated: stage 0 prefills
     # each token microbatch as one pass, so each is a prompt task of its own, whatever its size.
     split_prompts: bool = True
+    prompt_task_tokens: int = 1 << 30  # prompt tokens a prompt microbatch packs at most (when split)
 
 
 @dataclass
@@ -153,24 +154,28 @@ class Scheduler:
         return Microbatch(spec=spec, requests=reqs)
 
     def pack_prompt_tasks(self, mbs: list[Microbatch], epoch: int = 0) -> list[PromptTask]:
-        """Pack the rows of ``mbs`` in order into prompt microbatches of at most ``prompt_microbatch`` rows,
-        queued under topology ``epoch``; without ``split_prompts``, one task per whole microbatch."""
+        """Pack the rows of ``mbs`` in order into prompt microbatches of at most ``prompt_microbatch`` rows and
+        ``prompt_task_tokens`` prompt tokens (a longer prompt is a task of its own), queued under topology
+        ``epoch``; without ``split_prompts``, one task per whole microbatch."""
         if not self.limits.split_prompts:
             whole = ([PromptPiece(mb_id=mb.spec.mb_id, dst_rows=(0, len(mb.spec.rows)))] for mb in mbs)
             return [self._task(pieces, epoch) for pieces in whole]
         tasks: list[PromptTask] = []
         pieces: list[PromptPiece] = []
-        room = self.limits.prompt_microbatch
+        rows = tokens = 0
         for mb in mbs:
-            row, n = 0, len(mb.spec.rows)
-            while row < n:
-                take = min(room, n - row)
-                pieces.append(PromptPiece(mb_id=mb.spec.mb_id, dst_rows=(row, row + take)))
-                row += take
-                room -= take
-                if room == 0:
+            first = 0
+            for row, spec in enumerate(mb.spec.rows):
+                n = len(spec.prompt_ids)
+                full = rows == self.limits.prompt_microbatch or (rows and tokens + n > self.limits.prompt_task_tokens)
+                if full:
+                    if row > first:
+                        pieces.append(PromptPiece(mb_id=mb.spec.mb_id, dst_rows=(first, row)))
                     tasks.append(self._task(pieces, epoch))
-                    pieces, room = [], self.limits.prompt_microbatch
+                    pieces, rows, tokens, first = [], 0, 0, row
+                rows += 1
+                tokens += n
+            pieces.append(PromptPiece(mb_id=mb.spec.mb_id, dst_rows=(first, len(mb.spec.rows))))
         if pieces:
             tasks.append(self._task(pieces, epoch))
         return tasks

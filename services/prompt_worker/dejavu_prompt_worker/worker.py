@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
+from dataclasses import replace
 
 import redis
 import torch
@@ -25,26 +27,32 @@ from dejavu_common.messages import (
     Logprob,
     MicrobatchSpec,
     PromptDone,
+    PromptSlice,
     PromptTask,
     StageAssignment,
     TokenStep,
     Topology,
     WorkerRole,
 )
+from dejavu_common.sched import BlockBook
 from dejavu_common.signing import token_entry
 from dejavu_common.stopping import StopCriteria
 from dejavu_common.tracing import RowSpans
 from dejavu_engine.geometry import BatchGeometry
+from dejavu_engine.remote import resolve_model_folder
 from dejavu_engine.sampling import RowContext, prompt_logprobs, sample_rows
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavu_engine.threads import configure_torch_threads
+from dejavu_prompt_worker.paged import PagedPrompts, Prompt, PromptPlanner, SliceLogits, input_ids, split_passes
 from dejavu_worker.dataplane import Kind, StageMessage
 from dejavu_worker.endpoint import Channel, largest_message
 from dejavu_worker.lifecycle import WorkerProcess
-from dejavu_worker.metrics import PassKind
+from dejavu_worker.memory import available_memory_bytes
+from dejavu_worker.metrics import PassKind, PoolUsage, PrefixCacheStats, StageSnapshot
 from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
+from dejavulib.paged import BlockGeometry, BlockPool
 from dejavulib.streaming import LayerStreamer
 from dejavulib.topology import Piece, plan_pieces
 
@@ -56,6 +64,7 @@ TASK_FAILURES: tuple[type[Exception], ...] = (DeadlineExceeded, ValueError, Inde
 # XAUTOCLAIM calls of one look for unfinished tasks (each looks at up to 10 pending entries; the next look
 # goes on where this one stopped).
 _RECLAIM_CALLS = 100
+_FAILED_TASKS = 1024  # failed tasks remembered, whose later passes are dropped
 
 
 class PromptWorker(WorkerProcess):
@@ -68,12 +77,17 @@ class PromptWorker(WorkerProcess):
         self._held: tuple[str, PromptTask, StageIO] | None = None  # a task of an epoch not served yet
         self._reclaim_at = 0.0  # when stage 0 next looks for claimed tasks nobody finished (time.monotonic)
         self._reclaim_cursor = "0-0"  # where that look goes on in the queue's pending entries
+        self.paged: PagedPrompts | None = None  # a request-scheduled deployment's prompt pool
+        self.planner: PromptPlanner | None = None  # ... and, on stage 0, its book (new at every epoch)
+        # The last stage's logits after each prompt of a task run in several passes, until its final pass.
+        self._firsts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._failed: dict[int, None] = {}  # tasks failed here lately: their later passes are dropped
 
     def load(self, assignment: StageAssignment, topology: Topology) -> None:
         m = self.settings.model
         engine = self.settings.engine
         self.stage = Stage(
-            m.folder,
+            resolve_model_folder(self.settings, assignment.layers),
             assignment.layers,
             m.device,
             m.dtype,
@@ -82,11 +96,47 @@ class PromptWorker(WorkerProcess):
         )
         if self.endpoint is not None:
             self.endpoint.bound_messages(largest_message(topology, self.settings, self.stage.spec))
+        self.paged, self.planner = None, None
+        if self.settings.schedules_requests:
+            self.paged = PagedPrompts(self.stage, self._prompt_pool(assignment, topology))
         log.info(
-            "loaded layers %s (%.1f MB, packed GEMMs %s)",
+            "loaded layers %s (%.1f MB, packed GEMMs %s, %s)",
             assignment.layers,
             self.stage.param_bytes / 1e6,
             self.stage.packed_gemms,
+            "no paged pool: left-padded prompt batches"
+            if self.paged is None
+            else f"a paged pool of up to {self.paged.pool.max_blocks} blocks of {engine.kv_block_size} positions, "
+            f"prefix caching {'on' if engine.prefix_caching else 'off'}",
+        )
+
+    def _prompt_pool(self, assignment: StageAssignment, topology: Topology) -> BlockPool:
+        """The paged pool of a request-scheduled deployment's prompt stage: ``engine.kv_pool_bytes``, or 30% of the
+        memory available now, and room for one task of prompts of the whole context at least. Stage 0's book hands
+        out the block ids of every prompt stage's pool, so each sizes it by the prompt stage with the most layers; a
+        later stage allows a quarter more (the memory each finds available at load differs a little)."""
+        assert self.stage is not None
+        engine = self.settings.engine
+        geometry = BlockGeometry.of(self.stage.kv_layout(1, 1), engine.kv_block_size)
+        widest = max(a.layers[1] - a.layers[0] for a in topology.prompt_stages)
+        budget = engine.kv_pool_bytes if engine.kv_pool_bytes is not None else int(0.3 * available_memory_bytes())
+        one_task = self.settings.controller.prompt_microbatch * -(-engine.max_context // engine.kv_block_size)
+        blocks = max(budget // replace(geometry, layers=widest).bytes_per_block, one_task)
+        if assignment.stage > 0:
+            blocks += blocks // 4
+        return self.stage.block_pool(engine.kv_block_size, blocks, slab_blocks=32)
+
+    def snapshot(self) -> StageSnapshot:
+        """Adds the prompt pool's blocks in use and stage 0's prefix cache (read without locks: counts only)."""
+        base = super().snapshot()
+        planner = self.planner
+        if planner is None:
+            return base
+        stats = planner.book.stats()
+        return replace(
+            base,
+            pools={"stage": PoolUsage(stats.used, stats.total)},
+            prefix_cache=PrefixCacheStats(stats.queries, stats.hits, stats.shared, stats.cached_free),
         )
 
     def serve(self, topology: Topology) -> None:
@@ -100,6 +150,11 @@ class PromptWorker(WorkerProcess):
         peers = [a.worker_id for a in self.token_stages] + ([self.next_peer] if self.next_peer else [])
         self.endpoint.set_epoch(topology.epoch)
         self.endpoint.connect_all(self.redis, peers)
+        if self.paged is not None:  # a new epoch: the pools' contents are nobody's
+            self.paged.written.clear()
+            self.paged.reached.clear()
+            self._firsts.clear()
+            self.planner = self._planner(self.paged.pool) if me.stage == 0 else None
         if me.stage == 0:
             _ensure_group(self.redis)
         while not self.epoch_changed():
@@ -118,6 +173,12 @@ class PromptWorker(WorkerProcess):
             except DeadlineExceeded as exc:
                 # A task whose microbatch is gone (a stale queue entry): drop it, keep serving.
                 log.error("dropped a prompt task: %s", exc)
+
+    def _planner(self, pool: BlockPool) -> PromptPlanner:
+        engine, m = self.settings.engine, self.settings.model
+        # Equal token ids give other KV under another model, dtype or block size: none of them may hit.
+        namespace = f"prompt|{m.folder}|{m.dtype}|{engine.kv_block_size}".encode()
+        return PromptPlanner(BlockBook(pool.max_blocks, engine.kv_block_size, namespace, engine.prefix_caching))
 
     def _next_task(self, epoch: int, first: bool) -> tuple[str, PromptTask, StageIO] | None:
         """The next task to run at ``epoch``: one held back earlier, or a newly claimed (stage 0) or
@@ -217,6 +278,8 @@ class PromptWorker(WorkerProcess):
             msg = StageMessage.decode(payload)
             if msg.task is None or msg.entry is None:
                 raise ValueError("a prompt activation without its task")
+            if msg.task.task_id in self._failed:
+                return None  # a later pass of a task this stage failed
             return msg.entry, msg.task, StageIO(hidden=msg.tensor)
         except ValueError as exc:
             log.error("dropped a malformed prompt activation: %s", exc)
@@ -263,6 +326,8 @@ class PromptWorker(WorkerProcess):
 
     def _compute(self, entry: str, task: PromptTask, io: StageIO, specs: dict[int, MicrobatchSpec]) -> None:
         assert self.stage is not None and self.endpoint is not None and self.redis is not None
+        if self.paged is not None:
+            return self._compute_slices(entry, task, io, specs)
         started = time.perf_counter()
         rows = self._rows(task)
         lens = [len(specs[mb].rows[r].prompt_ids) for mb, r in rows]
@@ -292,9 +357,100 @@ class PromptWorker(WorkerProcess):
             self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
             self.metrics.observe_pass(PassKind.PREFILL, time.perf_counter() - started, sum(lens))
             return
-        self._first_tokens(task, specs, out.logits, geometry)
+        assert out.logits is not None  # the last stage returns logits
+        wants = [specs[mb].rows[r].sampling.prompt_logprobs is not None for mb, r in rows]
+        every = [out.logits[i, geometry.pad_lens[i] :] if w else None for i, w in enumerate(wants)]
+        self._first_tokens(task, specs, out.logits[:, -1], every)
         self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
         self.metrics.observe_pass(PassKind.PREFILL, time.perf_counter() - started, sum(lens))
+
+    def _compute_slices(self, entry: str, task: PromptTask, io: StageIO, specs: dict[int, MicrobatchSpec]) -> None:
+        """Run ``task`` over this stage's paged pool (:mod:`dejavu_prompt_worker.paged`). Stage 0 plans its slices
+        (what each request's prompt finds cached), splits them into passes of at most ``prompt_task_tokens``
+        positions and runs them one after the other, each sent on as it is done; a later stage runs the pass it
+        received. Its blocks enter stage 0's prefix cache once its last pass is done here."""
+        prompts = self._prompts(task, specs)
+        planner = self.planner
+        if planner is None:
+            return self._pass(entry, task, io, specs, prompts)
+        ordered = [prompts[p.mb_id] for p in task.pieces]
+        plan = planner.plan(task.task_id, ordered)
+        whole = {i for i, p in enumerate(ordered) if not p.looks_up}
+        passes = split_passes(plan, self.settings.controller.prompt_task_tokens, planner.book.block_size, whole)
+        try:
+            for k, slices in enumerate(passes):
+                one = task.model_copy(update={"slices": slices, "final": k == len(passes) - 1})
+                io = StageIO(input_ids=input_ids(slices, [prompts[s.mb] for s in slices]))
+                self._pass(entry, one, io, specs, prompts)
+        except BaseException:
+            planner.abort(plan)
+            raise
+        planner.finish(task.task_id, plan, ordered)
+
+    def _prompts(self, task: PromptTask, specs: dict[int, MicrobatchSpec]) -> dict[int, Prompt]:
+        """Each request of ``task`` (a one-row microbatch) as its prompt, by request."""
+        if any(p.dst_rows != (0, 1) or len(specs[p.mb_id].rows) != 1 for p in task.pieces):
+            raise ValueError(f"task {task.task_id}: a request-scheduled prompt task is made of one-row microbatches")
+        rows = {p.mb_id: specs[p.mb_id].rows[0] for p in task.pieces}
+        return {mb: Prompt(mb, row.prompt_ids, row.sampling.prompt_logprobs is None) for mb, row in rows.items()}
+
+    def _pass(
+        self, entry: str, task: PromptTask, io: StageIO, specs: dict[int, MicrobatchSpec], prompts: dict[int, Prompt]
+    ) -> None:
+        """One pass of ``task`` (its ``slices``) on this stage: computed, each layer's KV streamed to the token stage
+        holding it, then sent on; the last stage keeps the logits of the requests whose prompt the pass ends and, at
+        the task's final pass, samples every request's first token."""
+        assert self.endpoint is not None and self.redis is not None and self.paged is not None
+        started = time.perf_counter()
+        slices = task.slices
+        if not slices or any(s.mb not in prompts or s.end > len(prompts[s.mb].ids) for s in slices):
+            raise ValueError(f"task {task.task_id} came without its requests' slices")
+        self.paged.check(task.task_id, slices)
+        streamers = self._slice_streamers(slices)
+
+        def on_layer_done(layer: int) -> None:
+            for streamer in streamers:
+                streamer.on_layer_done(layer)
+
+        every = {i for i, s in enumerate(slices) if not prompts[s.mb].looks_up}
+        out = self.paged.run(io, slices, every, on_layer_done)
+        for streamer in streamers:  # the blocks go back (to a next task) only once their KV has left
+            streamer.wait(self.settings.transport.deadline_s)
+        self.paged.computed(task.task_id, slices)
+        if isinstance(out, SliceLogits):
+            firsts = self._firsts.setdefault(task.task_id, {})
+            for i, s in enumerate(slices):
+                if s.end == len(prompts[s.mb].ids):
+                    firsts[s.mb] = (out.last[i], out.every.get(i))
+            if task.final:
+                self._firsts.pop(task.task_id)
+                if set(firsts) != set(prompts):
+                    raise ValueError(f"task {task.task_id} ended without every prompt's last position")
+                ordered = [firsts[p.mb_id] for p in task.pieces]
+                self._first_tokens(task, specs, torch.stack([last for last, _ in ordered]), [e for _, e in ordered])
+                self.redis.xack(keys.PROMPT_QUEUE, keys.PROMPT_GROUP, entry)
+        else:
+            msg = StageMessage(Kind.PREFILL, task.task_id, 0, out, task=task, entry=entry)
+            self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
+        if task.final:
+            self.paged.forget(prompts)
+        self.metrics.observe_pass(PassKind.PREFILL, time.perf_counter() - started, sum(s.end - s.start for s in slices))
+
+    def _slice_streamers(self, slices: Iterable[PromptSlice]) -> list[LayerStreamer]:
+        """Per slice of a pass, what streams each layer's KV of the positions it adds to its request's prompt (on
+        its first pass, the cached ones too) to the token stage holding the layer, as the layer is computed."""
+        assert self.stage is not None and self.endpoint is not None and self.paged is not None
+        stages = sorted(self.token_stages, key=lambda a: a.stage)
+        peers = {a.stage: a.worker_id for a in stages}
+        deadline = self.settings.transport.deadline_s
+        size = self.paged.pool.geometry.block_size
+        streamers = []
+        for s in slices:
+            first = 0 if s.start == len(s.writers) * size else s.start
+            transfers = plan_pieces([Piece(s.mb, (0, 1), s.end - first, s.end)], s.end, self.stage.layers,
+                                    [a.layers for a in stages])  # fmt: skip
+            streamers.append(LayerStreamer(self.endpoint.streamer, self.paged.view(s), transfers, peers, deadline))
+        return streamers
 
     def _fail_task(self, entry: str, task: PromptTask, error: Exception) -> None:
         """Fail every row of ``task``: an ERROR finish at step 0 on each token stream (the controller
@@ -303,6 +459,12 @@ class PromptWorker(WorkerProcess):
         the task is acknowledged, so it is never claimed again."""
         assert self.redis is not None
         log.error("prompt task %d failed, failing its requests: %r", task.task_id, error)
+        if self.paged is not None:  # its later passes are dropped here
+            self._failed[task.task_id] = None
+            while len(self._failed) > _FAILED_TASKS:
+                del self._failed[next(iter(self._failed))]
+            self._firsts.pop(task.task_id, None)
+            self.paged.forget(p.mb_id for p in task.pieces)
         pipe = self.redis.pipeline(transaction=False)
         for piece in task.pieces:
             try:
@@ -325,11 +487,15 @@ class PromptWorker(WorkerProcess):
         pipe.execute()
 
     def _first_tokens(
-        self, task: PromptTask, specs: dict[int, MicrobatchSpec], logits: torch.Tensor, geometry: BatchGeometry
+        self,
+        task: PromptTask,
+        specs: dict[int, MicrobatchSpec],
+        last: torch.Tensor,
+        every: list[torch.Tensor | None],
     ) -> None:
-        """Sample step 0 for every row from ``logits`` (``[rows, 1 or every position, vocab]``), with the
-        log probabilities (the prompt's too) of the rows that ask, publish it, and announce the rows to
-        token stage 0."""
+        """Sample step 0 for every row from ``last`` (``[rows, vocab]``, after each prompt's last position), with
+        the log probabilities of the rows that ask (their prompt's from ``every[i]``, ``[prompt, vocab]``: after each
+        of its positions), publish it, and announce the rows to token stage 0."""
         assert self.redis is not None and self.stage is not None
         rows = self._rows(task)
         eos = self.stage.spec.eos_token_ids
@@ -338,12 +504,11 @@ class PromptWorker(WorkerProcess):
             RowContext(specs[mb].rows[r].prompt_ids, (), StopCriteria.of(params[i], eos).stop_ids)
             for i, (mb, r) in enumerate(rows)
         ]
-        sampled = sample_rows(logits[:, -1], params, [0] * len(rows), contexts)
+        sampled = sample_rows(last, params, [0] * len(rows), contexts)
         prompts: list[tuple[Logprob | None, ...] | None] = []
         for i, (mb, r) in enumerate(rows):
-            ids, top = specs[mb].rows[r].prompt_ids, params[i].prompt_logprobs
-            first = geometry.pad_lens[i]
-            prompts.append(None if top is None else prompt_logprobs(logits[i, first:], ids, top))
+            ids, top, logits = specs[mb].rows[r].prompt_ids, params[i].prompt_logprobs, every[i]
+            prompts.append(None if top is None or logits is None else prompt_logprobs(logits, ids, top))
         pipe = self.redis.pipeline(transaction=False)
         src = 0
         for piece in task.pieces:

@@ -70,21 +70,22 @@ class Downstream:
         pool: BlockPool,
         started: float,
         ended: Sequence[int] = (),
+        released: Sequence[int] = (),
     ) -> None:
         """Send ``step`` on: the replicas of what stage 0 wrote (from position 0 on a request's first slice since
         it was admitted, where the replica starts), then the pass with its hidden states and the requests that
-        ended since the last pass (``ended``)."""
+        ended or were released (preempted) since the last pass."""
         if self.replicas is not None:
             written = [(w.mb, w.table, 0 if w.spec is not None else w.start, w.start + w.length) for w in wire]
             self.replicas.send_slices(pool, written)
         pass_id = next(self._ids)
-        message = SlicePass(pass_id, tuple(wire), hidden, tuple(ended))
+        message = SlicePass(pass_id, tuple(wire), hidden, tuple(ended), tuple(released))
         self.endpoint.send(self.next_peer, Channel.ACTIVATION, message.encode())
         self.inflight[pass_id] = InFlight(step, started)
 
-    def send_ended(self, ended: Sequence[int]) -> None:
-        """Tell the later stages which requests ended, when no pass goes out to carry it."""
-        message = SlicePass(next(self._ids), (), None, tuple(ended))
+    def send_ended(self, ended: Sequence[int], released: Sequence[int] = ()) -> None:
+        """Tell the later stages which requests ended or were released, when no pass goes out to carry it."""
+        message = SlicePass(next(self._ids), (), None, tuple(ended), tuple(released))
         self.endpoint.send(self.next_peer, Channel.ACTIVATION, message.encode())
 
     def returns(self, wait: bool) -> Iterator[tuple[InFlight, PassReturn]]:

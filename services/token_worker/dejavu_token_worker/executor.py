@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dejavu_common.sched import ScheduledPass
-from dejavu_engine.geometry import Slice
+from dejavu_engine.geometry import LogitPicks, Slice
 from dejavu_engine.stage import Stage
 from dejavu_engine.stage_io import StageIO
 from dejavulib.layout import KVLayout
@@ -69,22 +69,11 @@ class SliceExecutor:
             hidden = self.stage.forward_slices(io, self.pool, slices).hidden
             assert hidden is not None  # a stage that is not the last returns hidden states
             return hidden
-        at: list[int] = []  # the pass's token indices whose logits come back, slice by slice
-        last: list[int] = []  # per slice, the index in ``at`` of its last position
-        spans: dict[int, tuple[int, int]] = {}  # slice -> its range in ``at`` (slices in ``every``)
-        first = 0
-        for i, s in enumerate(slices):
-            if i in every:
-                spans[i] = (len(at), len(at) + s.length)
-                at += range(first, first + s.length)
-            else:
-                at.append(first + s.length - 1)
-            first += s.length
-            last.append(len(at) - 1)
-        out = self.stage.forward_slices(io, self.pool, slices, logits_at=at)
+        picks = LogitPicks.of([s.length for s in slices], every)
+        out = self.stage.forward_slices(io, self.pool, slices, logits_at=picks.at)
         assert out.logits is not None  # a last stage returns logits
         logits = out.logits[:, 0]
-        if not spans:
+        if not picks.spans:
             return PassLogits(logits, {})
-        picked = logits[torch.tensor(last, dtype=torch.long, device=logits.device)]
-        return PassLogits(picked, {i: logits[a:b] for i, (a, b) in spans.items()})
+        picked = logits[torch.tensor(picks.last, dtype=torch.long, device=logits.device)]
+        return PassLogits(picked, {i: logits[a:b] for i, (a, b) in picks.spans.items()})

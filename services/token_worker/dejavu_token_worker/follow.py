@@ -134,6 +134,9 @@ class SliceFollower:
         lifecycle."""
         try:
             self._forget(msg.ended)
+            for mb in msg.released:  # preempted at stage 0: its blocks are no longer its own
+                self.held.pop(mb, None)
+                self.restores.pop(mb, None)
             if not msg.slices:  # only what ended
                 if self.next_peer is not None:
                     self.endpoint.send(self.next_peer, Channel.ACTIVATION, msg.encode())
@@ -153,7 +156,7 @@ class SliceFollower:
                 self.replicas.send_slices(self.executor.pool, written)
             if isinstance(out, torch.Tensor):
                 assert self.next_peer is not None
-                forward = SlicePass(msg.pass_id, msg.slices, out, msg.ended)
+                forward = SlicePass(msg.pass_id, msg.slices, out, msg.ended, msg.released)
                 self.endpoint.send(self.next_peer, Channel.ACTIVATION, forward.encode())
                 return
             self._answer(PassReturn(pass_id=msg.pass_id, outcomes=tuple(self._emit(msg, out))))

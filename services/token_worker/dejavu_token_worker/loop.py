@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import redis
 import torch
@@ -32,6 +32,7 @@ from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import PassLogits, SliceExecutor
 from dejavu_token_worker.intake import Announcements, ColocatedIntake, ColocatedQueue
 from dejavu_token_worker.ready import ReadyPrompts
+from dejavu_token_worker.recovery import Restored
 from dejavu_token_worker.runner import STEP_FAILURES
 from dejavu_token_worker.served import ServedRequests
 from dejavu_worker.dataplane import Outcome, PassReturn, WireSlice
@@ -99,6 +100,14 @@ class RequestLoop:
         self._forget_passes()
         self.requests.resume(points)
 
+    def adopt(
+        self, points: Mapping[int, int], tables: Mapping[int, Sequence[int]], restores: Mapping[int, Restored]
+    ) -> None:
+        """This stage took stage 0 over: its book takes the requests of ``points`` over in the blocks of ``tables``,
+        their KV here from ``restores`` (:meth:`ServedRequests.adopt`)."""
+        self._forget_passes()
+        self.requests.adopt(points, tables, restores)
+
     def _forget_passes(self) -> None:
         """A new epoch: no pass in flight comes back, the last stage starts its records over."""
         self._settle()
@@ -127,9 +136,9 @@ class RequestLoop:
             self.requests.preempted(step)
             idle = not step
             if idle:
-                if down is not None and self.requests.ended:
-                    down.send_ended(self.requests.ended)
-                    self.requests.ended = []
+                if down is not None and (self.requests.ended or self.requests.released):
+                    down.send_ended(self.requests.ended, self.requests.released)
+                    self.requests.ended, self.requests.released = [], []
                 continue
             self._broken = step
             self._launch(step)
@@ -168,8 +177,8 @@ class RequestLoop:
             return
         assert self.downstream is not None
         wire = [self._wire(s, i in every) for i, s in enumerate(slices)]
-        self.downstream.send(step, wire, out, self.executor.pool, started, self.requests.ended)
-        self.requests.ended = []  # sent: every stage forgets them with this pass
+        self.downstream.send(step, wire, out, self.executor.pool, started, self.requests.ended, self.requests.released)
+        self.requests.ended, self.requests.released = [], []  # sent: every stage forgets them with this pass
         for s in slices:
             one = served[s.request.request_id]
             one.fresh = one.streamed = False

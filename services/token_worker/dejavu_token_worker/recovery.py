@@ -48,10 +48,18 @@ def recovery_order(client: redis.Redis, epoch: int) -> RecoveryOrder | None:
     return order if order.epoch == epoch else None
 
 
-def report_progress(client: redis.Redis, epoch: int, stage: int, signer: EntrySigner, done: dict[int, int]) -> None:
-    """Report what this stage holds at ``epoch``, sealed with its worker's key (the controller resumes each
-    microbatch from these reports, and accepts one only from the stage's holder: dejavu_common.signing)."""
-    msg = StageProgress(epoch=epoch, stage=stage, worker_id=signer.worker_id, done=done)
+def report_progress(
+    client: redis.Redis,
+    epoch: int,
+    stage: int,
+    signer: EntrySigner,
+    done: dict[int, int],
+    tables: dict[int, tuple[int, ...]] | None = None,
+) -> None:
+    """Report what this stage holds at ``epoch`` (and, a request-scheduled stage after the first, its requests'
+    tables), sealed with its worker's key (the controller resumes each microbatch from these reports, and accepts
+    one only from the stage's holder: dejavu_common.signing)."""
+    msg = StageProgress(epoch=epoch, stage=stage, worker_id=signer.worker_id, done=done, tables=tables or {})
     key = keys.progress(epoch, stage)
     client.set(key, seal(signer, key, msg.encode()), ex=3600)
 

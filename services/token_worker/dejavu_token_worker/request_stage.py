@@ -193,6 +193,10 @@ class RequestStage:
         self.arrivals = arrivals
         self.loop = loop
         self.follower = follower
+        # Stage 0 taken over by a repair: its own KV restored from stage 1's replica, and each resumed request's
+        # table as stage 1 holds it (the resume point's), from which its new book takes the requests over.
+        self.restores: dict[int, Restored] = {}
+        self.adopting: dict[int, tuple[int, ...]] = {}
 
     @classmethod
     def build(
@@ -235,6 +239,12 @@ class RequestStage:
         assert self.follower is not None
         return dict(self.follower.progress())
 
+    def tables(self) -> dict[int, tuple[int, ...]] | None:
+        """A later stage's requests' block tables (what a replacement of stage 0 rebuilds its book from)."""
+        if self.follower is None:
+            return None
+        return {mb: table for mb, (table, end) in list(self.follower.held.items()) if end > 0}
+
     def progress(self, depth: int) -> dict[int, int]:
         """What this stage reports holding to a repair of a pipeline of ``depth`` stages: :meth:`held`, but nothing
         from a one-stage pipeline (its requests all re-run, from the prefix cache)."""
@@ -263,9 +273,12 @@ class RequestStage:
 
     # -- epochs -----------------------------------------------------------------------------------------
     def restored(self, primary: Iterable[Restored]) -> None:
-        """A replacement's own KV, restored: placed into the blocks each request's next pass names."""
+        """A replacement's own KV, restored: placed into the blocks each request's next pass names (stage 0: into
+        the tables it takes over, once the repair's resume point names them)."""
         if self.follower is not None:
             self.follower.restored(primary)
+        else:
+            self.restores = {part.region.microbatch: part for part in primary}
 
     def keep(self, mbs: set[int]) -> None:
         """A repair: a later stage forgets every request but ``mbs``."""
@@ -285,10 +298,13 @@ class RequestStage:
         ``pos``'s next stage (each back within ``deadline_s``), after the replicas of what it wrote."""
         if self.loop is None:
             return
-        if pos.depth > 1:
+        if pos.depth > 1 and self.adopting:
+            self.loop.adopt(points, self.adopting, self.restores)
+        elif pos.depth > 1:
             self.loop.resume(points)
         else:
             self.loop.drop_all()
+        self.restores, self.adopting = {}, {}
         if pos.next_peer is not None:
             self.loop.downstream = Downstream(endpoint, pos.next_peer, pos.depth, deadline_s, replicas)
 

@@ -14,23 +14,27 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
 
+from dejavu_common.errors import DeadlineExceeded
 from dejavu_common.messages import FinishReason, MicrobatchSpec
-from dejavu_common.sched import RequestState, RequestTooLong, ScheduledPass, Scheduler, Status
+from dejavu_common.sched import FREED, OutOfBlocks, RequestState, RequestTooLong, ScheduledPass, Scheduler, Status
 from dejavu_token_worker.arrivals import PromptArrivals
 from dejavu_token_worker.emitter import Emitter
 from dejavu_token_worker.executor import request_layout
 from dejavu_token_worker.intake import Announced
+from dejavu_token_worker.recovery import Restored
 from dejavu_token_worker.runner import history
 from dejavu_token_worker.traces import MemberTrace
 from dejavu_worker.metrics import Preemption, WorkerMetrics
+from dejavu_worker.microbatch import fetch_spec
 from dejavu_worker.rows import RowTracker
 from dejavulib.errors import DejaVuLibError
 from dejavulib.paged import BlockPool, PagedKVCache
+from dejavulib.streaming import stream_in
 
 log = logging.getLogger("dejavu.token_worker.loop")
 
@@ -85,6 +89,7 @@ class ServedRequests:
         self.epoch = 0  # the epoch served (traces name it)
         self.served: dict[str, Served] = {}
         self.ended: list[int] = []  # since the last pass went on (the loop empties it as it tells the other stages)
+        self.released: list[int] = []  # preempted since the last pass went on: the other stages forget their tables
         self.on_ended: Callable[[Iterable[int]], None] = lambda mbs: None
 
     # -- what a repair reads ------------------------------------------------------------------------
@@ -210,6 +215,66 @@ class ServedRequests:
         log.info("resumed requests %s from positions %s", [s.mb_id for s in kept],
                  [s.state.computed for s in kept])  # fmt: skip
 
+    def adopt(
+        self, points: Mapping[int, int], tables: Mapping[int, Sequence[int]], restores: Mapping[int, Restored]
+    ) -> None:
+        """This stage took stage 0 over in a repair, its book empty: each request of ``points`` (request ->
+        positions every stage holds) is taken over in the blocks of its table in ``tables`` (as stage 1 holds it, so
+        every stage keeps the ids its KV is in), its KV here written from ``restores`` (stage 1's replica of this
+        stage), and goes on from those positions with the tokens its stream has. One without a table or a restore,
+        or still owing its prompt's log probabilities, runs again from its token stream instead."""
+        if self.arrivals is not None:
+            self.arrivals.keep(points)
+        adopted: list[Served] = []
+        for mb, point in sorted(points.items()):
+            try:
+                spec = fetch_spec(self.redis, mb, 0.0)
+            except DeadlineExceeded:  # it ended meanwhile
+                self.forget_everywhere(mb)
+                continue
+            tracker = self._tracker(spec)
+            if tracker.done:
+                self.forget_everywhere(mb)
+                continue
+            table, part, row = tables.get(mb), restores.get(mb), spec.rows[0]
+            owes_prompt = row.sampling.prompt_logprobs is not None and not tracker.outputs[0]
+            # Under a sliding window stage 1 may name blocks stage 0 gave back (it learns so with the request's next
+            # pass) and another request took: such a request runs again.
+            windowed = self.scheduler.window is not None or FREED in (table or ())
+            if table is None or part is None or part.region.positions[0] != 0 or owes_prompt or windowed:
+                self.restart(spec)
+                continue
+            longest = min(row.sampling.max_tokens, spec.max_len - len(row.prompt_ids) + 1)
+            state = RequestState(str(mb), [*row.prompt_ids, *tracker.outputs[0]], len(row.prompt_ids), longest)
+            # Its next pass computes at least its last token (whose successor the stream does not have yet).
+            computed = min(point, part.region.positions[1], len(state.token_ids) - 1)
+            more = max(self.scheduler.book.blocks_for(part.region.positions[1]) - len(table), 0)
+            try:
+                self.scheduler.adopt(state, table, computed, more)
+            except RequestTooLong as exc:
+                self.emitter.publish_failure(spec, tracker.generated[0], exc)
+                self.forget_everywhere(mb)
+                continue
+            except (ValueError, OutOfBlocks) as exc:
+                log.warning("request %d cannot be taken over in its blocks (%s): it runs again", mb, exc)
+                self.restart(spec)
+                continue
+            try:
+                self.pool.ensure(b for b in state.table if b >= 0)
+                view = PagedKVCache.view(self.pool, request_layout(self.pool, len(state.table)), state.table,
+                                         part.region.positions[1])  # fmt: skip
+                stream_in(view, part.message, part.region)
+            except (ValueError, RuntimeError, DejaVuLibError) as exc:
+                log.warning("request %d's restored KV does not fit its blocks (%s): it runs again", mb, exc)
+                self.scheduler.finish(state.request_id)
+                self.restart(spec)
+                continue
+            served = Served(spec, state)
+            self._serve(served, tracker)
+            adopted.append(served)
+        log.info("took stage 0 over: resumed requests %s from positions %s", [s.mb_id for s in adopted],
+                 [s.state.computed for s in adopted])  # fmt: skip
+
     # -- ends -------------------------------------------------------------------------------------------
     def end_cancelled(self, cancels: dict[int, set[int]]) -> None:
         """End the requests not in flight whose clients went away (``cancels``: :meth:`Emitter.cancelled`'s)."""
@@ -227,6 +292,8 @@ class ServedRequests:
             served = self.served.get(request.request_id)
             if served is not None and served.trace is not None:
                 served.trace.event("recompute")
+            if served is not None and self.depth > 1:  # its blocks may go to others from this pass on
+                self.released.append(served.mb_id)
             if request.preemptions > self.max_recomputes:
                 self.fail(request.request_id, RuntimeError(
                     f"request {request.request_id} was preempted {request.preemptions} times (engine.max_recomputes "

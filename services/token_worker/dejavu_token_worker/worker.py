@@ -399,16 +399,14 @@ class TokenWorker(WorkerProcess):
                     # Said at once, so the controller re-runs every microbatch now rather than at its deadline.
                     self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
                     raise
-                if self.requests is not None and self.requests.loop is not None and pos.depth > 1:
-                    # Stage 0 of a request-scheduled pipeline holds its book (every request's blocks and progress),
-                    # which no replica keeps: its own KV came back (and is dropped), and every request re-runs.
-                    log.warning("took over stage 0 of a request-scheduled pipeline: every request re-runs")
-                    self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORE_FAILED, ex=3600)
-                else:
-                    self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORED, ex=3600)
+                # Taking stage 0 of a request-scheduled pipeline over, its book comes back from the tables stage 1
+                # reported (the resume point carries them) and its own KV from stage 1's replica.
+                self.redis.set(keys.restored(topology.epoch, pos.index), keys.RESTORED, ex=3600)
             else:
                 self._send_restores(order, pos, topology)
-                recovery.report_progress(self.redis, topology.epoch, pos.index, self.signer, self._progress(pos))
+                tables = self.requests.tables() if self.requests is not None else None
+                done = self._progress(pos)
+                recovery.report_progress(self.redis, topology.epoch, pos.index, self.signer, done, tables)
             point = recovery.wait_resume(self.redis, topology.epoch, deadline, self.epoch_changed)
         except (DeadlineExceeded, IntegrityError) as exc:
             self.metrics.observe_repair(role, time.monotonic() - started, ok=False)
@@ -426,6 +424,8 @@ class TokenWorker(WorkerProcess):
             self.ready.ignored |= set(point.dropped)  # a late announcement of a failed microbatch is stale
         for state in list(self.runner.states.values()):
             state.tracker = None  # rebuilt from the token streams at the resumed steps
+        if self.requests is not None:
+            self.requests.adopting = dict(point.tables) if pos.is_first else {}
         return dict(point.resume) if pos.is_first else {}
 
     def _progress(self, pos: Position) -> dict[int, int]:

@@ -150,6 +150,19 @@ class BlockBook:
                 del self._free[b]
             block.ref += 1
 
+    def adopt(self, blocks: Iterable[int]) -> None:
+        """Reference blocks whose KV outlived the book that handed them out (a new stage 0 taking a pipeline's
+        requests over after a repair): each leaves the free list; a block named twice (a prefix two requests share)
+        is referenced twice. Raises ValueError for an id outside the pool (nothing referenced then)."""
+        blocks = list(blocks)
+        if any(not 0 <= b < self.num_blocks for b in blocks):
+            raise ValueError(f"blocks {blocks} are not all of a pool of {self.num_blocks}")
+        for b in blocks:
+            block = self._blocks[b]
+            if block.ref == 0:
+                del self._free[b]
+            block.ref += 1
+
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks (referenced once), least recently used first; a cached one forgets its prefix."""
         if n > len(self._free):

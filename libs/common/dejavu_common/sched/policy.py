@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dejavu_common.sched.blocks import FREED, BlockBook
+from dejavu_common.sched.blocks import FREED, BlockBook, OutOfBlocks
 from dejavu_common.sched.state import RequestState, Status
 
 
@@ -167,6 +167,28 @@ class Scheduler:
         request.computed = request.prompt_len
         request.token_ids.append(first_token)
         request.move(Status.RUNNING)
+
+    def adopt(self, request: RequestState, table: Sequence[int], computed: int, more: int = 0) -> None:
+        """A repair gave this book a pipeline whose requests other stages still hold: take ``request`` running in
+        the blocks of ``table`` (the ids every other stage keeps its KV in; leading FREED entries are out of its
+        window), its first ``computed`` positions written on every stage, and ``more`` fresh blocks after them
+        (where a restore brings this stage more positions than the table holds). Raises :class:`RequestTooLong`
+        for one the pool could never hold, ValueError for a table that cannot be its own (nothing taken then)."""
+        if request.request_id in self._by_id or request.status is not Status.WAITING:
+            raise ValueError(f"request {request.request_id} is already scheduled")
+        self._check_fits(request)
+        freed = next((i for i, b in enumerate(table) if b != FREED), len(table))
+        if freed == len(table) or (len(table) + more) * self.book.block_size < computed or computed < 1:
+            raise ValueError(f"request {request.request_id}: table {list(table)} does not hold {computed} positions")
+        if not self.book.can_allocate(more):
+            raise OutOfBlocks(f"request {request.request_id}: {more} more blocks, {self.book.free} free")
+        self.book.adopt(table[freed:])
+        request.table = [*table, *self.book.allocate(more)]
+        request.freed = request.committed = freed
+        request.computed = computed
+        request.move(Status.RUNNING)
+        self._by_id[request.request_id] = request
+        self.running.append(request)
 
     def finish(self, request_id: str) -> RequestState | None:
         """End a request now (cancelled, failed, stopped): its blocks go back at once, or when its pass returns."""
