@@ -140,7 +140,8 @@ def _check(texts: dict[str, str], reference: dict[str, str], launcher) -> None:
 
 def test_middle_last_and_first_token_stage_crashes(redis_url, model, reference) -> None:
     """Colocated 3-stage pipeline with spares, KV in paged pools: SIGKILL the middle, then the last, then
-    the first stage, each at a random decode step of a new round of requests."""
+    the first stage, each at a random decode step of a new round of requests. The spare that takes stage 0 over
+    resumes the requests in the blocks stage 1 holds them in (not from their prompts)."""
     rng = random.Random(7)
     settings = cluster_settings(redis_url, model, mode=Mode.COLOCATED, token_depth=3, token_microbatch=2)
     settings.engine.kv_block_size = 16
@@ -154,6 +155,7 @@ def test_middle_last_and_first_token_stage_crashes(redis_url, model, reference) 
             _kill(launcher, victim)
             _check(r.finish(), reference, launcher)
             _replaced(settings, [victim])
+        assert re.search(r"took stage 0 over: resumed requests \[\d+", logs(launcher)), logs(launcher)[-4000:]
 
 
 def test_paused_heartbeats_two_failures_and_a_failure_during_recovery(redis_url, model, reference) -> None:

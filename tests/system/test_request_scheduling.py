@@ -6,8 +6,7 @@ asked for, and a chat turn without ``max_tokens`` gets the rest of the context, 
 microbatch's span. A token worker is killed mid-answer: on one colocated stage, the spare that takes it over
 continues every stream from its token stream (its prompt and delivered tokens recomputed in one go); on two token
 stages fed by a prompt pipeline, the replacement is restored from its peer's replica and every request resumes
-where the stages' KV reaches (a replaced stage 0 takes the requests over in the blocks stage 1 holds them in). Each
-text equals the failure-free one.
+where the stages' KV reaches. Each text equals the failure-free one.
 """
 
 from __future__ import annotations
@@ -41,9 +40,6 @@ CHAT = "Write a short poem about the sea."
         # to the other: the last token stage is killed and its replacement restored from stage 0's replica; each
         # request resumes from the positions both stages hold, the tokens published meanwhile read back.
         pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2), 1, id="1P+2T"),
-        # Stage 0 killed: its replacement takes every request over in the blocks stage 1 reports holding (a new book
-        # over the same ids), its own KV restored from stage 1's replica, and resumes them.
-        pytest.param(dict(prompt_depth=1, token_depth=2, prompt_microbatch=2), 0, id="1P+2T-stage-0"),
     ],
 )
 def test_short_and_long_requests_share_passes_and_survive_a_sigkill(redis_url, model, deployment, killed) -> None:
