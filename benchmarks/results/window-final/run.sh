@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Reduced same-window check: vLLM-CPU (prefix caching on) and `dejavu up`, uniform, mixed, shared-prefix.
 set -u
-out=/tmp/w3; mkdir -p $out
-root=/work/main
+out=${1:-/tmp/window-final}; mkdir -p "$out"
+root=$(cd "$(dirname "$0")/../../.." && pwd)
 py=$HOME/.cache/dejavu-peers/venv-vllm/bin/python
 cli=$root/../shared/peers/vllm_cli.py
 model=$HOME/.cache/dejavu/SmolLM2-135M-Instruct
